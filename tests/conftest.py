@@ -1,0 +1,38 @@
+"""Shared fixtures: the tiny-checkpoint zoo is built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+from adapt.zoo import ZOO_NAMES, build_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def zoo_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.fixture(scope="session")
+def zoo(zoo_root):
+    """``zoo(name) -> Path`` of a tiny checkpoint, built on first use and reused afterwards."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_checkpoint(name, zoo_root / name)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(params=ZOO_NAMES)
+def zoo_model(request, zoo):
+    """Parametrised over every zoo family: yields (name, checkpoint dir)."""
+    return request.param, zoo(request.param)
