@@ -1,0 +1,60 @@
+"""``adapt`` command line.  Each subcommand lives next to the code it drives and registers itself.
+
+A subcommand module exposes ``register(subparsers)``, which adds its parser and sets
+``func=handler``; ``handler(args) -> int`` returns the exit code.  Errors derived from
+``AdaptError`` become one line on stderr and their exit code; nothing prints a traceback
+unless ``ADAPT_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from adapt.errors import EXIT_BAD_INPUT, AdaptError
+
+# Modules that contribute subcommands, in the order they appear in --help.
+SUBCOMMAND_MODULES = [
+    "adapt.commands.inspect",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors are bad input too: exit 2
+        self.print_usage(sys.stderr)
+        raise SystemExit(_fail(f"{self.prog}: {message}", EXIT_BAD_INPUT))
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"adapt: error: {message}", file=sys.stderr)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="adapt", description="Day-0 model adaptation: run, train and serve a new model correctly and fast.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return int(args.func(args) or 0)
+    except AdaptError as err:
+        if os.environ.get("ADAPT_DEBUG"):
+            raise
+        return _fail(str(err), err.exit_code)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
