@@ -18,6 +18,9 @@ from adapt.errors import EXIT_BAD_INPUT, AdaptError
 # Modules that contribute subcommands, in the order they appear in --help.
 SUBCOMMAND_MODULES = [
     "adapt.commands.inspect",
+    "adapt.commands.run",
+    "adapt.commands.report",
+    "adapt.commands.gate",
 ]
 
 
@@ -54,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(err), err.exit_code)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    except BrokenPipeError:  # output piped into head & co.
+        return 0
+    except Exception as err:  # a bug in adapt, not the user's fault: one line, traceback on request
+        if os.environ.get("ADAPT_DEBUG"):
+            raise
+        return _fail(f"internal error: {type(err).__name__}: {err} (set ADAPT_DEBUG=1 for the traceback)", 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+"""The pipeline's stages: each calls one stage function of its owning package and judges it.
+
+Every stage is an adapter around a public function (``adapt.intake.build_spec``,
+``operators.run_ops``, ``parallel_planner.plan_parallel``, ``validators.check_environment /
+align / bench / soak``).  The adapter gathers the arguments from the options and the upstream
+typed results, calls the function, and turns its ``to_dict()`` into the normalised summary that
+the reports render (see ``adapt.pipeline.summaries``).  A stage function that is not importable
+fails its stage with that message; nothing here ever invents a result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from adapt.pipeline import summaries
+from adapt.pipeline.options import RunOptions
+from adapt.pipeline.progress import ProgressCallback
+
+
+class StageUnavailable(RuntimeError):
+    """The function a stage needs cannot be imported (its package is missing or incomplete)."""
+
+
+class StageBlocked(RuntimeError):
+    """An upstream result this stage needs is not available."""
+
+
+@dataclass
+class StageContext:
+    options: RunOptions
+    source: Any  # adapt.intake.ModelSource (or the path when intake is unavailable)
+    artifacts: Path
+    progress: ProgressCallback
+    upstream: Callable[[str], Any]  # name -> typed result of an upstream stage (rebuilt on demand)
+    optional_upstream: Callable[[str], Any]  # same, but None when that stage is not part of this run
+    notes: list[str] = field(default_factory=list)  # what the report should say about this run of the stage
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    needs: tuple[str, ...]  # upstream stages whose typed results ``execute`` reads
+    option_keys: tuple[str, ...]  # RunOptions fields that change the result (part of the cache key)
+    execute: Callable[[StageContext], Any]
+    summarise: Callable[[dict[str, Any], RunOptions], summaries.Summary]
+    description: str = ""
+    uses: tuple[str, ...] = ()  # upstream stages read when they are part of the run, not required
+
+
+def require(module: str, attr: str) -> Any:
+    """Import ``module.attr`` or raise StageUnavailable with the reason."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 - any import failure makes the stage unavailable
+        raise StageUnavailable(f"{module} is not importable ({type(err).__name__}: {err})") from err
+    if not hasattr(mod, attr):
+        raise StageUnavailable(f"{module} does not provide {attr}() yet")
+    return getattr(mod, attr)
+
+
+def call_stage_function(fn: Callable[..., Any], ctx: StageContext, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` with ``args`` and those ``kwargs`` its signature accepts.
+
+    Options a stage function does not take are recorded as notes, so the report states which
+    requested settings the stage could not honour instead of pretending they applied.
+    """
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepted = {k: v for k, v in kwargs.items() if takes_any or k in params}
+    ignored = sorted(k for k, v in kwargs.items() if k not in accepted and k != "progress" and v is not None)
+    if ignored:
+        ctx.notes.append(f"{fn.__module__}.{fn.__name__} takes no {', '.join(ignored)}: its own defaults applied")
+    return fn(*args, **accepted)
+
+
+def to_result_dict(result: Any) -> dict[str, Any]:
+    if hasattr(result, "to_dict"):
+        return result.to_dict()
+    raise TypeError(f"stage returned {type(result).__name__}, which has no to_dict()")
+
+
+# ---- stage adapters -------------------------------------------------------------------------
+
+
+def _intake(ctx: StageContext) -> Any:
+    build_spec = require("adapt.intake", "build_spec")
+    return build_spec(ctx.source)
+
+
+def _operators(ctx: StageContext) -> Any:
+    run_ops = require("operators", "run_ops")
+    return call_stage_function(
+        run_ops, ctx, ctx.source, profile=ctx.options.profile, out_dir=str(ctx.artifacts), progress=ctx.progress
+    )
+
+
+def kernel_plan_of(ops_report: Any) -> Any:
+    """The KernelPlan inside the operators stage's result (the stage returns an OpsReport)."""
+    for attr in ("kernel_plan", "plan"):
+        plan = getattr(ops_report, attr, None)
+        if plan is not None:
+            return plan
+    raise StageBlocked("the operators result carries no kernel plan")
+
+
+def _plan(ctx: StageContext) -> Any:
+    plan_parallel = require("parallel_planner", "plan_parallel")
+    cluster, workload = cluster_and_workload(ctx.options)
+    return plan_parallel(ctx.upstream("intake"), cluster, workload, top_k=5)
+
+
+def cluster_and_workload(options: RunOptions) -> tuple[Any, Any]:
+    """The planner's Cluster (from ``--cluster``) and Workload (from the plan options)."""
+    load_cluster = require("parallel_planner", "load_cluster")
+    workload_cls = require("parallel_planner", "Workload")
+    cluster = load_cluster(options.cluster)
+    workload = workload_cls(seq_len=options.plan_seq_len, global_batch=options.plan_global_batch, precision=options.precision)
+    return cluster, workload
+
+
+def best_parallel_plan(planner_result: Any) -> Any:
+    plans = getattr(planner_result, "plans", None) or []
+    if not plans:
+        raise StageBlocked("the planner found no layout that fits")
+    return plans[0].plan
+
+
+def _environment(ctx: StageContext) -> Any:
+    check_environment = require("validators", "check_environment")
+    planner_result = ctx.optional_upstream("plan")
+    plan = best_parallel_plan(planner_result) if planner_result is not None else None
+    return call_stage_function(check_environment, ctx, plan=plan, precision=ctx.options.precision, device=ctx.options.device)
+
+
+def _alignment(ctx: StageContext) -> Any:
+    align = require("validators", "align")
+    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    opts = ctx.options
+    return call_stage_function(
+        align,
+        ctx,
+        ctx.source,
+        kernel_plan,
+        dtype=opts.candidate_dtype,
+        device=opts.device,
+        thresholds=opts.thresholds,
+        seq_len=opts.seq_len,
+        batch_size=opts.batch_size,
+        progress=ctx.progress,
+    )
+
+
+def _throughput(ctx: StageContext) -> Any:
+    bench = require("validators", "bench")
+    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    opts = ctx.options
+    return call_stage_function(
+        bench,
+        ctx,
+        ctx.source,
+        kernel_plan,
+        device=opts.device,
+        dtype=opts.candidate_dtype,
+        seq_len=opts.seq_len,
+        batch_size=opts.batch_size,
+        steps=opts.bench_steps,
+        out_dir=str(ctx.artifacts),
+        progress=ctx.progress,
+    )
+
+
+def _soak(ctx: StageContext) -> Any:
+    soak = require("validators", "soak")
+    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    opts = ctx.options
+    return call_stage_function(
+        soak,
+        ctx,
+        ctx.source,
+        kernel_plan,
+        steps=opts.soak_steps,
+        ckpt_every=opts.ckpt_every,
+        device=opts.device,
+        dtype=opts.candidate_dtype,
+        seq_len=opts.seq_len,
+        batch_size=opts.batch_size,
+        ckpt_dir=str(ctx.artifacts / "checkpoints"),
+        progress=ctx.progress,
+    )
+
+
+_SOURCE_KEYS = ("trust_remote_code", "allow_pickle")
+
+STAGES: dict[str, Stage] = {
+    stage.name: stage
+    for stage in (
+        Stage("intake", (), _SOURCE_KEYS, _intake, summaries.intake, "read the checkpoint into a ModelSpec"),
+        Stage("operators", (), (*_SOURCE_KEYS, "profile"), _operators, summaries.operators, "map every op to a kernel"),
+        Stage(
+            "plan",
+            ("intake",),
+            ("cluster", "plan_seq_len", "plan_global_batch", "precision"),
+            _plan,
+            summaries.plan,
+            "lay the model out on the cluster",
+        ),
+        Stage(
+            "environment", (), ("precision", "device"), _environment, summaries.environment, "check this machine", ("plan",)
+        ),
+        Stage(
+            "alignment",
+            ("operators",),
+            ("device", "dtype", "seq_len", "batch_size", "thresholds"),
+            _alignment,
+            summaries.alignment,
+            "compare the adapted model with a float64 reference, block by block",
+        ),
+        Stage(
+            "throughput",
+            ("operators",),
+            ("device", "dtype", "seq_len", "batch_size", "bench_steps"),
+            _throughput,
+            summaries.throughput,
+            "measure baseline against adapted",
+        ),
+        Stage(
+            "soak",
+            ("operators",),
+            ("device", "dtype", "seq_len", "batch_size", "soak_steps", "ckpt_every"),
+            _soak,
+            summaries.soak,
+            "train for a while and watch loss, time and memory",
+        ),
+    )
+}

@@ -1,0 +1,176 @@
+"""The run directory: one JSON record per stage, written atomically, keyed for reuse.
+
+Layout of ``OUT``::
+
+    OUT/stages/<stage>.json     StageRecord: cache key, status, verdict, summary, raw result
+    OUT/stages/<stage>.log      traceback of a stage that raised (only then)
+    OUT/artifacts/<stage>/      files a stage wants to keep beside the report (generated kernels, ...)
+    OUT/report.{json,md,html}   the report, rebuilt from the stage records after every stage
+    OUT/junit.xml
+
+A record is reused when its ``key`` matches: the key hashes the stage name, the options that
+affect that stage, the content fingerprint of the source, the keys of the upstream stages and
+the adapt version.  Any change to one of those recomputes the stage and everything after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Files whose bytes define the model (config, remote code, tokenizer); weights are fingerprinted
+# by their safetensors header, size and mtime so that multi-GB shards are never read in full.
+_CONTENT_SUFFIXES = (".json", ".py", ".txt", ".model", ".tiktoken", ".yaml", ".jinja")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
+    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def to_jsonable(value: Any) -> Any:
+    """Round-trip through JSON so a stored result is exactly what a later run will read back."""
+    return json.loads(json.dumps(value, default=_json_default))
+
+
+def source_fingerprint(root: str | os.PathLike) -> str:
+    """Content hash of a checkpoint directory (or single file): what a cached stage depends on."""
+    root = Path(root)
+    digest = hashlib.sha256()
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    for path in files:
+        rel = path.name if root.is_file() else path.relative_to(root).as_posix()
+        if any(part.startswith(".") for part in Path(rel).parts):
+            continue  # .cache/, .git/, editor temp files
+        suffix = path.suffix.lower()
+        if suffix in _WEIGHT_SUFFIXES:
+            stat = path.stat()
+            digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+            if suffix == ".safetensors":
+                digest.update(_safetensors_header(path))
+        elif suffix in _CONTENT_SUFFIXES:
+            digest.update(f"{rel}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with path.open("rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) < 8:
+            return b""
+        (length,) = struct.unpack("<Q", prefix)
+        return fh.read(min(length, _MAX_SAFETENSORS_HEADER))
+
+
+def adapt_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("adapt")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def stage_key(stage: str, options: dict[str, Any], fingerprint: str, upstream: list[str], version: str) -> str:
+    payload = json.dumps(
+        {"stage": stage, "options": options, "source": fingerprint, "upstream": upstream, "adapt": version},
+        sort_keys=True,
+        default=_json_default,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class StageRecord:
+    """What one stage produced, as stored in ``stages/<name>.json`` and copied into report.json."""
+
+    name: str
+    status: str  # passed | failed | error | blocked | skipped | interrupted | pending
+    verdict: str = ""  # the one-line verdict shown live and in every report
+    key: str = ""
+    duration_s: float = 0.0
+    cached: bool = False
+    error: str | None = None
+    error_kind: str | None = None  # exception class of an ``error`` status (BadInput -> exit 2)
+    summary: dict[str, Any] = field(default_factory=dict)  # normalised view the reports render
+    result: dict[str, Any] | None = None  # the stage's own ``to_dict()``, unchanged
+    result_type: str | None = None  # "module:Class" of the typed result, to rebuild it downstream
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StageRecord":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class RunStore:
+    """Reads and writes the stage records of one output directory."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.root = Path(out_dir)
+        self.stages_dir = self.root / "stages"
+
+    def artifacts(self, stage: str) -> Path:
+        path = self.root / "artifacts" / stage
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def load(self, stage: str) -> StageRecord | None:
+        path = self.stages_dir / f"{stage}.json"
+        if not path.exists():
+            return None
+        try:
+            return StageRecord.from_dict(json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError):
+            return None  # an unreadable record is simply recomputed
+
+    def save(self, record: StageRecord) -> None:
+        atomic_write_json(self.stages_dir / f"{record.name}.json", record.to_dict())
+
+    def save_log(self, stage: str, text: str) -> Path:
+        return atomic_write_text(self.stages_dir / f"{stage}.log", text)
+
+    def clear_log(self, stage: str) -> None:
+        (self.stages_dir / f"{stage}.log").unlink(missing_ok=True)

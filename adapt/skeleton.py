@@ -1,0 +1,141 @@
+"""Build models through transformers' own classes: on the meta device for structure, or with real weights.
+
+The model class is chosen the way transformers itself would: the checkpoint's declared
+``architectures`` (or its ``auto_map`` with ``--trust-remote-code``), resolved through the
+Auto mappings.  Decoders get their causal-LM class; encoders get their base model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+
+import torch
+
+from adapt.errors import BadInput
+from adapt.source import ModelSource
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers logs advice about configs and generation on stdout/stderr; keep our output clean."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                yield
+            finally:
+                hf_logging.set_verbosity(previous)
+
+
+def load_config(src: ModelSource):
+    """The transformers config object; an unknown architecture is bad input, not a traceback."""
+    from transformers import AutoConfig
+
+    model_type = src.config_dict.get("model_type")
+    try:
+        with _quiet():
+            return AutoConfig.from_pretrained(src.root, trust_remote_code=src.trust_remote_code)
+    except (ValueError, KeyError) as err:
+        import transformers
+
+        if src.config_dict.get("auto_map"):
+            raise BadInput(f"{src.config_path}: the checkpoint's own config code failed: {_first_line(err)}") from None
+        raise BadInput(
+            f"{src.config_path}: unknown architecture model_type={model_type!r}: transformers "
+            f"{transformers.__version__} does not know it and the checkpoint ships no model code (auto_map)"
+        ) from None
+    except OSError as err:
+        raise BadInput(f"{src.config_path}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def model_class(src: ModelSource, config):
+    """The transformers class to instantiate: causal LM for decoders, the base model for encoders."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    auto_map = src.config_dict.get("auto_map") or {}
+    if auto_map:
+        return AutoModelForCausalLM if "AutoModelForCausalLM" in auto_map else AutoModel
+    declared = list(getattr(config, "architectures", None) or [])
+    try:
+        causal_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        causal_cls = None
+    if causal_cls is None:
+        try:
+            MODEL_MAPPING[type(config)]
+        except KeyError:
+            raise BadInput(f"{src.config_path}: transformers has no model class for {type(config).__name__}") from None
+        return AutoModel
+    if declared and causal_cls.__name__ not in declared:
+        # The checkpoint declares a non-causal class (e.g. an encoder's base model).
+        import transformers
+
+        declared_cls = getattr(transformers, declared[0], None)
+        if declared_cls is not None and declared_cls is not causal_cls:
+            return AutoModel
+    return AutoModelForCausalLM
+
+
+def build_meta_model(src: ModelSource, config=None) -> torch.nn.Module:
+    """The full model on the meta device: real module tree and shapes, no memory for weights."""
+    config = config if config is not None else load_config(src)
+    cls = model_class(src, config)
+    dtype = _config_dtype(config)
+    try:
+        with _quiet(), torch.device("meta"):
+            return cls.from_config(config, trust_remote_code=src.trust_remote_code, dtype=dtype)
+    except BadInput:
+        raise
+    except Exception as err:
+        raise BadInput(f"{src.config_path}: transformers could not build the model: {_first_line(err)}") from None
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """The model with its real weights, through transformers' own loader (random init when config-only).
+
+    Safetensors load by default; pickled ``.bin`` weights only with ``allow_pickle`` (transformers
+    loads them with ``weights_only=True``).  Non-finite weights are refused, naming the tensors.
+    """
+    config = load_config(src)
+    cls = model_class(src, config)
+    try:
+        with _quiet():
+            if src.has_weights:
+                model = cls.from_pretrained(
+                    src.root,
+                    config=config,
+                    dtype=dtype,
+                    trust_remote_code=src.trust_remote_code,
+                    use_safetensors=src.weight_format == "safetensors",
+                )
+            else:
+                model = cls.from_config(config, dtype=dtype, trust_remote_code=src.trust_remote_code)
+    except BadInput:
+        raise
+    except Exception as err:
+        raise BadInput(f"{src.text}: transformers could not load the weights: {_first_line(err)}") from None
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise BadInput(f"{src.text}: non-finite (NaN/Inf) values in weights: {', '.join(bad[:3])}")
+    return model.to(device).eval()
