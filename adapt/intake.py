@@ -356,7 +356,7 @@ def _cost(model, blocks: list[BlockSpec], counts: ParamCounts, seq, hidden, voca
     head = 2 * math.prod(out.weight.shape) if out is not None else 0
     forward = linear + attention + head
     dtype = getattr(config, "dtype", None)
-    nbytes = dtype.itemsize if isinstance(dtype, torch.dtype) and dtype.itemsize <= 2 else 2
+    nbytes = dtype.itemsize if isinstance(dtype, torch.dtype) else 2  # checkpoint dtype; bf16 when unstated
     kv = 0
     if is_causal:
         for b in blocks:

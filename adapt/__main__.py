@@ -1,0 +1,5 @@
+import sys
+
+from adapt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,129 @@
+"""Every kind of bad input gets exit code 2 and one readable line, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from adapt.cli import main
+from adapt.errors import BadInput
+from adapt.intake import load_model, resolve_source
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_bad(capsys, argv, *fragments):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, (code, out, err)
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("adapt: error:"), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def clone(zoo, name, tmp_path):
+    dst = tmp_path / name
+    shutil.copytree(zoo(name), dst)
+    return dst
+
+
+def test_missing_path(capsys, tmp_path):
+    assert_bad(capsys, ["inspect", str(tmp_path / "nope")], "no such file or directory")
+
+
+def test_directory_without_config(capsys, tmp_path):
+    assert_bad(capsys, ["inspect", str(tmp_path)], "no config.json")
+
+
+def test_config_that_does_not_parse(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", ')
+    assert_bad(capsys, ["inspect", str(tmp_path / "config.json")], "not valid JSON", "line 1")
+
+
+def test_unknown_architecture(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "hyperwobble", "hidden_size": 8}))
+    assert_bad(capsys, ["inspect", str(tmp_path)], "unknown architecture", "hyperwobble")
+
+
+def test_remote_code_needs_the_flag(capsys, zoo):
+    line = assert_bad(capsys, ["inspect", str(zoo("custom"))], "--trust-remote-code")
+    assert "ZephyrineForCausalLM" in line and "modeling_zephyrine.py" in line
+    code, out, _ = run_cli(capsys, "inspect", str(zoo("custom")), "--trust-remote-code", "--json")
+    assert code == 0 and json.loads(out)["model_type"] == "zephyrine"
+
+
+def test_truncated_safetensors_names_the_file(capsys, zoo, tmp_path):
+    ckpt = clone(zoo, "llama", tmp_path)
+    shard = ckpt / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    assert_bad(capsys, ["inspect", str(ckpt)], "model.safetensors", "truncated")
+
+
+def test_corrupt_safetensors_header(capsys, zoo, tmp_path):
+    ckpt = clone(zoo, "llama", tmp_path)
+    shard = ckpt / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[8:16] = b"\x00garbage"
+    shard.write_bytes(bytes(data))
+    assert_bad(capsys, ["inspect", str(ckpt)], "model.safetensors", "corrupt")
+
+
+def test_shape_mismatch_names_first_mismatches(capsys, zoo, tmp_path):
+    ckpt = clone(zoo, "llama", tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert_bad(capsys, ["inspect", str(ckpt)], "do not match the config", "mlp.", "[128, 64]", "[96, 64]")
+
+
+def test_pickle_only_weights_refused_without_flag(capsys, zoo, tmp_path):
+    ckpt = clone(zoo, "llama", tmp_path)
+    from safetensors.torch import load_file
+
+    state = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    torch.save(state, ckpt / "pytorch_model.bin")
+    assert_bad(capsys, ["inspect", str(ckpt)], "pytorch_model.bin", "--allow-pickle")
+    # With the flag the weights load (through transformers, weights_only) and match the original.
+    model = load_model(resolve_source(str(ckpt), allow_pickle=True))
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+
+
+def test_non_finite_weights_are_refused(zoo, tmp_path):
+    ckpt = clone(zoo, "llama", tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(ckpt / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(BadInput, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(resolve_source(str(ckpt)))
+
+
+def test_uncached_hub_id_while_offline(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert_bad(capsys, ["inspect", "acme/never-seen-7b"], "acme/never-seen-7b", "not in the Hugging Face cache", "HF_HUB_OFFLINE")
+
+
+def test_cli_subprocess_prints_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "adapt", "inspect", str(tmp_path / "missing"), "--json"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
