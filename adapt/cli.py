@@ -18,9 +18,14 @@ from adapt.errors import EXIT_BAD_INPUT, AdaptError
 # Modules that contribute subcommands, in the order they appear in --help.
 SUBCOMMAND_MODULES = [
     "adapt.commands.inspect",
+    "adapt.commands.ops",
     "adapt.commands.run",
     "adapt.commands.report",
     "adapt.commands.gate",
+    "adapt.commands.validate",
+    "adapt.commands.plan",
+    "adapt.commands.train",
+    "adapt.commands.launch",
 ]
 
 

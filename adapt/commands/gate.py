@@ -37,5 +37,8 @@ def handle(args: argparse.Namespace) -> int:
             print(f"FAIL {check.stage}: {check.name}: {check.detail}")
         if result.first_divergent:
             print(f"first divergent: {result.first_divergent}")
-        print(f"{'PASS' if result.passed else 'FAIL'}: {len(result.checks) - len(failed)}/{len(result.checks)} checks passed")
+        print(
+            f"{'PASS' if result.passed else 'FAIL'}: "
+            f"{len(result.checks) - len(failed)}/{len(result.checks)} checks passed"
+        )
     return EXIT_OK if result.passed else EXIT_FAILED

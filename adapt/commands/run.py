@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from adapt.pipeline import STAGE_NAMES, RunOptions, RunProgress, run_pipeline, select_stages
@@ -17,6 +18,14 @@ def default_out_dir(source: str) -> str:
     return str(Path("adapt-runs") / name.replace("@", "_"))
 
 
+def _quiet_third_party_progress() -> None:
+    """transformers' and the hub's tqdm bars would tear through the live stage display."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "run",
@@ -27,29 +36,40 @@ def register(subparsers) -> None:
     )
     p.add_argument("source", help="Hugging Face id (org/name[@revision]), checkpoint directory, or config.json")
     p.add_argument("--out", help="output directory (default: adapt-runs/<name>)")
-    p.add_argument("--stages", type=_comma_list, help=f"comma list of stages to run (default: all of {','.join(STAGE_NAMES)})")
+    p.add_argument(
+        "--stages", type=_comma_list, help=f"comma list of stages to run (default: all of {','.join(STAGE_NAMES)})"
+    )
     p.add_argument("--skip", type=_comma_list, help="comma list of stages to leave out")
     p.add_argument("--force", action="store_true", help="recompute every selected stage, ignoring stored results")
-    p.add_argument("--cluster", default="8xH100", help="target cluster for the plan: <N>x<GPU> or a cluster file (default 8xH100)")
+    p.add_argument(
+        "--cluster", default="8xH100", help="target cluster for the plan: <N>x<GPU> or a cluster file (default 8xH100)"
+    )
     p.add_argument("--profile", help="backend profile (name or file) for the operator mapping")
     p.add_argument("--device", default="cpu", help="device for alignment/throughput/soak (default cpu)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default fp32 on cpu, bf16 on cuda)")
+    p.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default fp32 on cpu, bf16 on cuda)"
+    )
     p.add_argument("--seq-len", type=int, default=32, help="sequence length of validation runs (default 32)")
     p.add_argument("--batch-size", type=int, default=2, help="batch size of validation runs (default 2)")
     p.add_argument("--bench-steps", type=int, default=3, help="timed steps per throughput measurement (default 3)")
     p.add_argument("--soak-steps", type=int, default=12, help="training steps of the soak (default 12)")
     p.add_argument("--ckpt-every", type=int, default=4, help="soak checkpoint interval in steps (default 4)")
     p.add_argument("--plan-seq-len", type=int, default=4096, help="sequence length the plan targets (default 4096)")
-    p.add_argument("--global-batch", type=int, default=64, help="global batch (sequences) the plan targets (default 64)")
-    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="training precision for plan/environment")
+    p.add_argument(
+        "--global-batch", type=int, default=64, help="global batch (sequences) the plan targets (default 64)"
+    )
+    p.add_argument(
+        "--precision", choices=("bf16", "fp8"), default="bf16", help="training precision for plan/environment"
+    )
     p.add_argument("--thresholds", help="alignment thresholds file (YAML/JSON) passed to the alignment stage")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code to run")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickled (.bin) weights")
-    p.add_argument("--quiet", action="store_true", help="no live progress; verdict lines only on failure")
+    p.add_argument("--quiet", action="store_true", help="print nothing; the exit code and the report files tell the result")
     p.set_defaults(func=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
+    _quiet_third_party_progress()
     options = RunOptions(
         source=args.source,
         out_dir=args.out or default_out_dir(args.source),
@@ -76,7 +96,8 @@ def handle(args: argparse.Namespace) -> int:
     if not args.quiet:
         progress.console.print(
             f"[bold]{outcome.report['status'].upper()}[/] (exit {outcome.exit_code}) — "
-            f"report: {outcome.out_dir / 'report.md'}, {outcome.out_dir / 'report.html'}, {outcome.out_dir / 'junit.xml'}",
+            f"report: {outcome.out_dir / 'report.md'}, {outcome.out_dir / 'report.html'}, "
+            f"{outcome.out_dir / 'junit.xml'}",
             highlight=False,
         )
     return outcome.exit_code

@@ -50,7 +50,15 @@ class RunOptions:
             raise BadInput(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise BadInput(f"--device must be cpu or cuda[:N], got {self.device!r}")
-        for name in ("seq_len", "batch_size", "bench_steps", "soak_steps", "ckpt_every", "plan_seq_len", "plan_global_batch"):
+        for name in (
+            "seq_len",
+            "batch_size",
+            "bench_steps",
+            "soak_steps",
+            "ckpt_every",
+            "plan_seq_len",
+            "plan_global_batch",
+        ):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 

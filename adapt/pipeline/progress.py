@@ -8,8 +8,8 @@ callable passed in.  When the output is not a terminal, rich prints plain lines 
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -40,7 +40,7 @@ class RunProgress:
     """The rich display of one pipeline run."""
 
     def __init__(self, console: Console | None = None, quiet: bool = False):
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self.quiet = quiet
         self._progress = Progress(
             SpinnerColumn(),
@@ -54,7 +54,7 @@ class RunProgress:
             disable=quiet,
         )
 
-    def __enter__(self) -> "RunProgress":
+    def __enter__(self) -> RunProgress:
         self._progress.__enter__()
         return self
 
@@ -81,5 +81,7 @@ class RunProgress:
         if self.quiet:
             return
         mark, style = STATUS_STYLE.get(status, ("?", "white"))
-        timing = "cached" if cached else f"{duration_s:6.1f}s"
-        self.console.print(f"[{style}]{mark} {name:<12} {status:<11}[/] [dim]{timing:>7}[/]  {verdict}", highlight=False)
+        timing = "cached" if cached else (f"{duration_s:6.1f}s" if status in ("passed", "failed", "error") else "")
+        self.console.print(
+            f"[{style}]{mark} {name:<12} {status:<11}[/] [dim]{timing:>7}[/]  {verdict}", highlight=False
+        )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapt.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
+from adapt.errors import BadInput
 from adapt.pipeline.options import STAGE_NAMES, RunOptions
 from adapt.pipeline.progress import RunProgress
 from adapt.pipeline.stages import STAGES, Stage, StageBlocked, StageContext, StageUnavailable, require, to_result_dict
@@ -56,7 +56,9 @@ def resolve(options: RunOptions) -> SourceInfo:
     else:  # intake not importable: a local directory can still be fingerprinted; its stage will say why it failed
         path = Path(options.source)
         if not path.exists():
-            raise BadInput(f"{options.source}: no such file or directory (and adapt.intake is unavailable to resolve it)")
+            raise BadInput(
+                f"{options.source}: no such file or directory (and adapt.intake is unavailable to resolve it)"
+            )
         handle = path
     return SourceInfo(options.source, str(path), source_fingerprint(path), handle)
 
@@ -78,6 +80,7 @@ class PipelineRun:
         self.records: dict[str, StageRecord] = {name: StageRecord(name, "pending") for name in STAGE_NAMES}
         self.keys: dict[str, str] = {}
         self.typed: dict[str, Any] = {}
+        self.rebuilt: list[str] = []  # cached stages re-executed because their result type has no from_dict
 
     # ---- upstream typed results ------------------------------------------------------------
     def upstream(self, name: str) -> Any:
@@ -99,6 +102,7 @@ class PipelineRun:
         if cls is not None and hasattr(cls, "from_dict"):
             return cls.from_dict(record.result)
         # No way back from JSON: recompute (same key, so the same result) without touching the record.
+        self.rebuilt.append(stage.name)
         return stage.execute(self._context(stage))
 
     def _context(self, stage: Stage, progress=lambda *a: None) -> StageContext:
@@ -107,6 +111,7 @@ class PipelineRun:
             source=self.source.handle,
             artifacts=self.store.artifacts(stage.name),
             progress=progress,
+            key=self.keys.get(stage.name, ""),
             upstream=self.upstream,
             optional_upstream=self.optional_upstream,
         )
@@ -120,7 +125,9 @@ class PipelineRun:
             if need not in opts.stages:
                 return StageRecord(stage.name, "blocked", f"needs the {need} stage, which is not selected")
             if self.records[need].status in NOT_AVAILABLE:
-                return StageRecord(stage.name, "blocked", f"needs the {need} result, which is {self.records[need].status}")
+                return StageRecord(
+                    stage.name, "blocked", f"needs the {need} result, which is {self.records[need].status}"
+                )
         upstream = [self.keys[n] for n in (*stage.needs, *stage.uses) if n in self.keys and n in opts.stages]
         key = stage_key(stage.name, opts.subset(stage.option_keys), self.source.fingerprint, upstream, adapt_version())
         self.keys[stage.name] = key
@@ -134,17 +141,19 @@ class PipelineRun:
         start = time.perf_counter()
         record = StageRecord(stage.name, "error", key=key)
         self.store.clear_log(stage.name)
+        self.rebuilt.clear()
         try:
             with self.progress.stage(stage.name) as callback:
                 ctx = self._context(stage, callback)
                 result = stage.execute(ctx)
-            raw = to_jsonable(to_result_dict(result))
+            raw = record.result = to_jsonable(to_result_dict(result))
+            record.result_type = f"{type(result).__module__}:{type(result).__qualname__}"
             summary = stage.summarise(raw, self.options)
             record.status = "passed" if summary.passed else "failed"
             record.verdict = summary.verdict
-            record.summary = {**summary.data, "notes": ctx.notes} if ctx.notes else summary.data
-            record.result = raw
-            record.result_type = f"{type(result).__module__}:{type(result).__qualname__}"
+            rebuilt = [f"re-ran the cached {n} stage to rebuild its typed result (time included)" for n in self.rebuilt]
+            notes = [*ctx.notes, *rebuilt, *(raw.get("notes") or [])]  # the pipeline's notes, then the stage's own
+            record.summary = {**summary.data, "notes": notes} if notes else summary.data
             self.typed[stage.name] = result
         except KeyboardInterrupt:
             record.status, record.verdict = "interrupted", "interrupted by the user"
@@ -177,8 +186,9 @@ class PipelineRun:
                     self.store.save(record)  # never overwrite a stored result with "did not run this time"
                 write_reports(self._report(build_report), self.options.out_dir, formats=("json",))
         except KeyboardInterrupt:
-            self.records[name].status = "interrupted"
-            self.records[name].verdict = "interrupted by the user"
+            if self.records[name].status == "pending":  # the stage that was running
+                self.records[name].status = "interrupted"
+                self.records[name].verdict = "interrupted by the user"
             write_reports(self._report(build_report), self.options.out_dir)
             raise
         report = self._report(build_report)
@@ -194,11 +204,10 @@ class PipelineRun:
 
 
 def exit_code_of(records: dict[str, StageRecord]) -> int:
-    if any(r.error_kind == "BadInput" for r in records.values()):
-        return EXIT_BAD_INPUT
-    if any(r.status in ("failed", "error", "blocked", "interrupted") for r in records.values()):
-        return EXIT_FAILED
-    return EXIT_OK
+    """0 every stage passed, 1 a stage or check failed, 2 a stage rejected its input."""
+    from reports.schema import exit_code_for
+
+    return exit_code_for([r.to_dict() for r in records.values()])
 
 
 def run_pipeline(options: RunOptions, progress: RunProgress | None = None) -> RunOutcome:

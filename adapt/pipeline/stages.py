@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
+import shutil
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from adapt.errors import BadInput
 from adapt.pipeline import summaries
 from adapt.pipeline.options import RunOptions
 from adapt.pipeline.progress import ProgressCallback
@@ -35,6 +40,7 @@ class StageContext:
     source: Any  # adapt.intake.ModelSource (or the path when intake is unavailable)
     artifacts: Path
     progress: ProgressCallback
+    key: str  # this stage's cache key (names per-key artefacts such as soak checkpoints)
     upstream: Callable[[str], Any]  # name -> typed result of an upstream stage (rebuilt on demand)
     optional_upstream: Callable[[str], Any]  # same, but None when that stage is not part of this run
     notes: list[str] = field(default_factory=list)  # what the report should say about this run of the stage
@@ -51,15 +57,23 @@ class Stage:
     uses: tuple[str, ...] = ()  # upstream stages read when they are part of the run, not required
 
 
-def require(module: str, attr: str) -> Any:
-    """Import ``module.attr`` or raise StageUnavailable with the reason."""
-    try:
-        mod = importlib.import_module(module)
-    except Exception as err:  # noqa: BLE001 - any import failure makes the stage unavailable
-        raise StageUnavailable(f"{module} is not importable ({type(err).__name__}: {err})") from err
-    if not hasattr(mod, attr):
-        raise StageUnavailable(f"{module} does not provide {attr}() yet")
-    return getattr(mod, attr)
+def require(module: str, attr: str, *fallbacks: str) -> Any:
+    """Import ``module.attr`` (or ``fallback.attr`` for a package that has not re-exported it yet).
+
+    Raises StageUnavailable with the reason when none provides it.
+    """
+    reasons = []
+    for name in (module, *fallbacks):
+        try:
+            mod = importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - any import failure makes the stage unavailable
+            reasons.append(f"{name} is not importable ({type(err).__name__}: {err})")
+            continue
+        found = getattr(mod, attr, None)
+        if found is not None and not isinstance(found, types.ModuleType):  # ``validators.align`` may be the submodule
+            return found
+        reasons.append(f"{name} does not provide {attr}() yet")
+    raise StageUnavailable("; ".join(reasons))
 
 
 def call_stage_function(fn: Callable[..., Any], ctx: StageContext, *args: Any, **kwargs: Any) -> Any:
@@ -107,19 +121,50 @@ def kernel_plan_of(ops_report: Any) -> Any:
     raise StageBlocked("the operators result carries no kernel plan")
 
 
+def adapted_transform(kernel_plan: Any) -> Callable[[Any], Any]:
+    """The candidate transform the validators apply to a fresh model: the kernel plan, patched in place.
+
+    ``operators.apply_kernel_plan`` returns a PatchHandle, not the model; the transform returns
+    the patched model itself and keeps the handles alive for as long as the stage runs.
+    """
+    apply_kernel_plan = require("operators", "apply_kernel_plan")
+    handles: list[Any] = []
+
+    def transform(model: Any) -> Any:
+        handles.append(apply_kernel_plan(model, kernel_plan))
+        return model
+
+    return transform
+
+
 def _plan(ctx: StageContext) -> Any:
-    plan_parallel = require("parallel_planner", "plan_parallel")
-    cluster, workload = cluster_and_workload(ctx.options)
+    cluster, workload = cluster_and_workload(ctx.options)  # bad --cluster is bad input even before planning
+    plan_parallel = require("parallel_planner", "plan_parallel", "parallel_planner.search")
     return plan_parallel(ctx.upstream("intake"), cluster, workload, top_k=5)
 
 
 def cluster_and_workload(options: RunOptions) -> tuple[Any, Any]:
     """The planner's Cluster (from ``--cluster``) and Workload (from the plan options)."""
-    load_cluster = require("parallel_planner", "load_cluster")
-    workload_cls = require("parallel_planner", "Workload")
-    cluster = load_cluster(options.cluster)
-    workload = workload_cls(seq_len=options.plan_seq_len, global_batch=options.plan_global_batch, precision=options.precision)
-    return cluster, workload
+    workload_cls = require("parallel_planner.workload", "Workload")
+    workload = workload_cls(
+        seq_len=options.plan_seq_len, global_batch=options.plan_global_batch, mode="train", precision=options.precision
+    )
+    return parse_cluster(options.cluster), workload
+
+
+_CLUSTER_SPEC = re.compile(r"^\s*(\d+)\s*[x×*]\s*([A-Za-z0-9_.\-]+)\s*$")
+
+
+def parse_cluster(text: str) -> Any:
+    """``8xH100`` (count x catalogue GPU), a cluster YAML/TOML file, or ``local`` (this machine)."""
+    if text == "local":
+        return require("parallel_planner.cluster", "local_cluster")()
+    match = _CLUSTER_SPEC.match(text)
+    if match:
+        return require("parallel_planner.cluster", "make_cluster")(match.group(2), int(match.group(1)))
+    if Path(text).is_file():
+        return require("parallel_planner.cluster", "load_cluster_file")(text)
+    raise BadInput(f"--cluster {text!r}: expected <N>x<GPU> (e.g. 8xH100), a cluster file, or 'local'")
 
 
 def best_parallel_plan(planner_result: Any) -> Any:
@@ -130,16 +175,29 @@ def best_parallel_plan(planner_result: Any) -> Any:
 
 
 def _environment(ctx: StageContext) -> Any:
-    check_environment = require("validators", "check_environment")
+    """Check this machine; against the plan only when this machine is meant to run it.
+
+    The plan targets ``--cluster``.  A CPU validation run (``--device cpu``) with a GPU cluster
+    plan is the normal Day-0 case, so the plan's GPU count is then not held against this machine.
+    """
+    check_environment = require("validators", "check_environment", "validators.environment")
+    opts = ctx.options
     planner_result = ctx.optional_upstream("plan")
-    plan = best_parallel_plan(planner_result) if planner_result is not None else None
-    return call_stage_function(check_environment, ctx, plan=plan, precision=ctx.options.precision, device=ctx.options.device)
+    plan = None
+    if planner_result is not None and (opts.cluster == "local" or opts.device.startswith("cuda")):
+        plan = best_parallel_plan(planner_result)
+    elif planner_result is not None:
+        ctx.notes.append(
+            f"the plan targets {opts.cluster}, not this {opts.device} machine: its GPU needs are not checked here"
+        )
+    return call_stage_function(check_environment, ctx, plan=plan, precision=opts.precision, device=opts.device)
 
 
 def _alignment(ctx: StageContext) -> Any:
-    align = require("validators", "align")
+    align = require("validators", "align", "validators.align")
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     opts = ctx.options
+    align_options = require("validators.align", "AlignOptions")(batch=opts.batch_size, seq_len=opts.seq_len)
     return call_stage_function(
         align,
         ctx,
@@ -147,36 +205,50 @@ def _alignment(ctx: StageContext) -> Any:
         kernel_plan,
         dtype=opts.candidate_dtype,
         device=opts.device,
-        thresholds=opts.thresholds,
-        seq_len=opts.seq_len,
-        batch_size=opts.batch_size,
+        thresholds=alignment_thresholds(opts),
+        options=align_options,
+        transform=adapted_transform(kernel_plan),
         progress=ctx.progress,
     )
 
 
+def alignment_thresholds(options: RunOptions) -> dict[str, float] | None:
+    """The ``alignment`` section of ``--thresholds`` (the gate's file format) for the run's dtype."""
+    if options.thresholds is None:
+        return None
+    from reports.judge import alignment_limits, load_thresholds
+
+    return alignment_limits(load_thresholds(options.thresholds).get("alignment", {}), options.candidate_dtype) or None
+
+
 def _throughput(ctx: StageContext) -> Any:
-    bench = require("validators", "bench")
+    bench = require("validators", "bench", "validators.throughput")
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     opts = ctx.options
+    bench_options = require("validators.throughput", "BenchOptions")(
+        dtype=opts.candidate_dtype, seq_len=opts.seq_len, batch=opts.batch_size, steps=opts.bench_steps
+    )
     return call_stage_function(
         bench,
         ctx,
         ctx.source,
         kernel_plan,
         device=opts.device,
-        dtype=opts.candidate_dtype,
-        seq_len=opts.seq_len,
-        batch_size=opts.batch_size,
-        steps=opts.bench_steps,
-        out_dir=str(ctx.artifacts),
+        options=bench_options,
+        transform=adapted_transform(kernel_plan),
         progress=ctx.progress,
     )
 
 
 def _soak(ctx: StageContext) -> Any:
-    soak = require("validators", "soak")
+    """Checkpoints live under the stage key: an interrupted soak resumes, a changed or forced one starts over."""
+    soak = require("validators", "soak", "validators.soak")
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     opts = ctx.options
+    ckpt_dir = ctx.artifacts / f"checkpoints-{ctx.key}"
+    for stale in ctx.artifacts.glob("checkpoints-*"):
+        if stale != ckpt_dir or opts.force:
+            shutil.rmtree(stale)
     return call_stage_function(
         soak,
         ctx,
@@ -188,7 +260,8 @@ def _soak(ctx: StageContext) -> Any:
         dtype=opts.candidate_dtype,
         seq_len=opts.seq_len,
         batch_size=opts.batch_size,
-        ckpt_dir=str(ctx.artifacts / "checkpoints"),
+        ckpt_dir=str(ckpt_dir),
+        transform=adapted_transform(kernel_plan),
         progress=ctx.progress,
     )
 
@@ -209,7 +282,13 @@ STAGES: dict[str, Stage] = {
             "lay the model out on the cluster",
         ),
         Stage(
-            "environment", (), ("precision", "device"), _environment, summaries.environment, "check this machine", ("plan",)
+            "environment",
+            (),
+            ("precision", "device", "cluster"),
+            _environment,
+            summaries.environment,
+            "check this machine",
+            ("plan",),
         ),
         Stage(
             "alignment",

@@ -11,6 +11,7 @@ Layout of ``OUT``::
 A record is reused when its ``key`` matches: the key hashes the stage name, the options that
 affect that stage, the content fingerprint of the source, the keys of the upstream stages and
 the adapt version.  Any change to one of those recomputes the stage and everything after it.
+Edits to adapt's own code inside one version are not detected: pass ``--force`` after them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 _CONTENT_SUFFIXES = (".json", ".py", ".txt", ".model", ".tiktoken", ".yaml", ".jinja")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -38,6 +41,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; a report is as readable as any file the user writes
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -140,7 +144,7 @@ class StageRecord:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StageRecord":
+    def from_dict(cls, data: dict[str, Any]) -> StageRecord:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 

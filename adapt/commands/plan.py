@@ -1,0 +1,156 @@
+"""``adapt plan``: lay a model out on a cluster (TP/PP/DP/CP/EP, ZeRO, recompute, batching) before a GPU-hour."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from adapt.commands.inspect import add_source_flags
+from adapt.errors import BadInput
+from adapt.spec import ModelSpec
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("plan", help="search parallel layouts: memory per GPU, step time, tokens/s, MFU")
+    add_source_flags(parser)
+    cluster = parser.add_argument_group("cluster (a catalogue GPU, a cluster file, or this machine)")
+    cluster.add_argument("--gpu", default=None, help="GPU type: a100, h100, h800, h200, b200, mi300x, or 'local'")
+    cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs")
+    cluster.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
+    cluster.add_argument("--cluster", metavar="FILE", help="cluster description (YAML or TOML) instead of --gpu/--gpus")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--seq", type=int, required=True, help="sequence length")
+    batch = work.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    work.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    work.add_argument("--mode", choices=("train", "inference"), default="train")
+    work.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, lion or adafactor (state size)")
+    parser.add_argument("--fixed", metavar="K=V,...", help="evaluate this layout, e.g. 'tp=8,pp=16,dp=64,zero=1,recompute=none'")
+    parser.add_argument("--calibration", metavar="FILE", help="measured per-block timings (see parallel_planner.calibration)")
+    parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    parser.add_argument("--no-cache", action="store_true", help="rebuild the model spec instead of reusing a cached one")
+    parser.set_defaults(func=run)
+
+
+# Intake modules whose code shapes a ModelSpec: a cached spec is reused only while they are unchanged.
+_INTAKE_MODULES = ("intake.py", "structure.py", "skeleton.py", "source.py", "checkpoint.py", "spec.py")
+
+
+def load_spec(args: argparse.Namespace) -> ModelSpec:
+    """The model's spec: a ModelSpec JSON as given, else intake's, cached by checkpoint content.
+
+    Building the meta skeleton of a config-only giant costs seconds of torch/transformers start-up; the
+    cache (``$ADAPT_CACHE_DIR``, default ``~/.cache/adapt/specs``) makes re-planning the same checkpoint
+    take about a second.  The key covers the config, weight headers, flags, transformers version and the
+    intake code itself.
+    """
+    path = Path(args.source)
+    if path.suffix == ".json" and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise BadInput(f"{path}: not readable JSON ({err})") from None
+        if isinstance(data, dict) and "schema_version" in data and "blocks" in data:
+            return ModelSpec.from_dict(data)
+    from adapt.source import resolve_source
+
+    src = resolve_source(args.source, config_only=args.config_only, trust_remote_code=args.trust_remote_code,
+                         allow_pickle=args.allow_pickle)
+    digest = hashlib.sha256(f"{src.content_hash()}|seq={args.seq}|{metadata.version('transformers')}".encode())
+    package = Path(__file__).resolve().parents[1]
+    for name in _INTAKE_MODULES:
+        digest.update((package / name).read_bytes())
+    cache = Path(os.environ.get("ADAPT_CACHE_DIR", Path.home() / ".cache" / "adapt")) / "specs"
+    cached = cache / f"{digest.hexdigest()[:32]}.json"
+    if cached.is_file() and not args.no_cache:
+        return ModelSpec.from_dict(json.loads(cached.read_text()))
+    from adapt.intake import build_spec
+
+    spec = build_spec(src, seq_len=args.seq)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(spec.to_json(indent=None))
+        partial.replace(cached)
+    except OSError:
+        pass  # a read-only home only costs the next run its speed
+    return spec
+
+
+def run(args: argparse.Namespace) -> int:
+    from parallel_planner.calibration import load_calibration
+    from parallel_planner.cluster import load_cluster_file, local_cluster, make_cluster
+    from parallel_planner.search import plan_parallel
+    from parallel_planner.workload import Workload
+
+    if args.top < 1:
+        raise BadInput("--top must be at least 1")
+    if args.cluster:
+        cluster = load_cluster_file(args.cluster)
+    elif args.gpu == "local":
+        cluster = local_cluster()
+    elif args.gpu and args.gpus:
+        cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
+    else:
+        raise BadInput("say where to run: --gpu TYPE --gpus N, --cluster FILE, or --gpu local")
+    options = dict(mode=args.mode, precision=args.precision, optimizer=args.optimizer)
+    if args.global_batch_tokens:
+        workload = Workload.from_tokens(args.seq, args.global_batch_tokens, **options)
+    else:
+        workload = Workload(args.seq, args.global_batch, **options)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    spec = load_spec(args)
+    result = plan_parallel(spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration)
+    if args.fixed and not result.best.fits:
+        best = result.best
+        raise BadInput(
+            f"the fixed layout does not fit: {best.memory_gib_per_gpu:.1f} GiB per GPU needed, "
+            f"{best.usable_memory_gib:.1f} GiB usable on {cluster.gpu.name} "
+            f"(activations {best.memory_breakdown['activations']:.1f} GiB)"
+        )
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print(result, spec)
+    return 0
+
+
+def _print(result, spec: ModelSpec) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    c = result.cluster
+    console.print(
+        f"[bold]{spec.source}[/bold] on {c['num_gpus']} x {c['gpu']['name']} ({c['gpus_per_node']}/node): "
+        f"{result.searched:,} layouts scored, {result.feasible:,} fit"
+        + (f"; fixed {result.fixed}" if result.fixed else "")
+    )
+    table = Table()
+    for col in ("#", "tp", "pp", "dp", "cp", "ep", "zero", "recompute", "mbs", "vpp/schedule", "GiB/GPU", "step s",
+                "tokens/s", "MFU", "HFU"):
+        table.add_column(col, justify="right")
+    for p in result.plans:
+        plan = p.plan
+        table.add_row(
+            str(p.rank), str(plan.tp), str(plan.pp), str(plan.dp), str(plan.cp), str(plan.ep), str(plan.zero),
+            plan.recompute, str(plan.micro_batch), f"{plan.vpp} {plan.pp_schedule}" if plan.pp > 1 else "-",
+            f"{p.memory_gib_per_gpu:.1f}", f"{p.step_time_s:.3f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.hfu:.1%}",
+        )
+    console.print(table)
+    best = result.best
+    console.print("memory of the best plan (GiB, fullest stage): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in best.memory_breakdown.items()) + f" of {best.usable_memory_gib:.1f} usable")
+    console.print("step time parts (s): " + ", ".join(f"{k} {v:.4f}" for k, v in best.time_breakdown.items()))
+    console.print(f"binding constraint: {result.binding_constraint}")
+    for note in result.notes:
+        console.print(f"note: {note}")
+    console.print(f"launch: {best.torchrun}")

@@ -1,0 +1,221 @@
+"""The operators stage end to end: ``run_ops(src) -> OpsReport`` (used by ``adapt ops`` and ``adapt run``).
+
+source -> model (real weights, or meta for config-only) -> OpInventory -> Recognition -> KernelPlan
+-> (real weights only) generated-kernel capture, ONNX export, and a patch check: the plan is applied
+to the model, logits and gradients are compared with the unpatched model on fresh inputs, and the
+patch is reverted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from operators.generated import GeneratedKernel, generate
+from operators.inventory import OnnxReport, OpInventory, example_batch, json_ready, model_loss, trace_meta_model, trace_model
+from operators.mapping import KernelPlan, plan_kernels
+from operators.patch import apply_kernel_plan
+from operators.profiles import BackendProfile, load_profile
+from operators.recognition import Recognition, recognise
+from operators.registry import Target
+
+PATCH_RTOL = 1e-5  # float32 logits/gradients of patched vs unpatched model
+
+
+@dataclass
+class PatchCheck:
+    ran: bool
+    passed: bool = False
+    logits_max_abs_diff: float | None = None
+    grad_max_rel_diff: float | None = None
+    state_dict_unchanged: bool = False
+    reverted_exactly: bool = False
+    attention_kernel_calls: int = 0
+    patched_modules: int = 0
+    note: str = ""
+
+
+@dataclass
+class OpsReport:
+    source: str
+    profile: BackendProfile
+    target: Target
+    inventory: OpInventory
+    recognition: Recognition
+    plan: KernelPlan
+    onnx: OnnxReport | None
+    generated: list[GeneratedKernel] = field(default_factory=list)
+    patch_check: PatchCheck | None = None
+    seconds: float = 0.0
+
+    def new(self) -> list[dict[str, Any]]:
+        """What this model has that no recognised kind covers, with how it runs."""
+        out = []
+        for c in self.plan.components:
+            if c.kind == "new":
+                out.append({"module": c.module, "ops": c.variant.get("ops", []), "status": c.status, "kernel": c.kernel})
+        for r in self.recognition.rejected:
+            out.append({"module": r["module"], "rejected_candidate": r["candidate"], "reason": r["reason"], "status": "native"})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_ready(
+            {
+                "source": self.source,
+                "profile": self.profile.to_dict(),
+                "target": self.target.to_dict(),
+                "tracer": self.inventory.tracer,
+                "traced_blocks": self.inventory.traced_blocks,
+                "components": [
+                    {"module": c.module, "kind": c.kind, "provider": c.provider, "kernel": c.kernel, "status": c.status, "confirmed": c.confirmed, "variant": c.variant, "note": c.note}
+                    for c in self.plan.components
+                ],
+                "ops": [{"overload": o.overload, "count": o.count, "status": o.status, "core": o.core, "replacement": o.replacement, "modules": o.modules} for o in self.plan.ops],
+                "coverage": self.plan.coverage(),
+                "new": self.new(),
+                "onnx": self.onnx,
+                "generated": self.generated,
+                "providers": self.plan.providers,
+                "patch_check": self.patch_check,
+                "seconds": round(self.seconds, 3),
+            }
+        )
+
+
+def build_inventory(model_or_spec: Any, *, seq_len: int = 24, backward: bool = True) -> OpInventory:
+    """Trace a model: real weights -> forward+backward ATen inventory; meta -> one block per structure.
+
+    Accepts an ``nn.Module``, a ``ModelSource``, or a ``ModelSpec`` (its ``source`` is re-read config-only).
+    """
+    from adapt.spec import ModelSpec
+
+    model = model_or_spec
+    if isinstance(model_or_spec, ModelSpec):
+        from adapt.intake import build_meta_model, resolve_source
+
+        model = build_meta_model(resolve_source(model_or_spec.source, config_only=True, trust_remote_code=True))
+    elif not isinstance(model_or_spec, nn.Module):
+        from adapt.intake import build_meta_model
+
+        model = build_meta_model(model_or_spec)
+    if next(model.parameters()).device.type == "meta":
+        return trace_meta_model(model)
+    return trace_model(model, seq_len=seq_len, backward=backward)
+
+
+def run_ops(
+    src: Any,
+    profile: str | BackendProfile | None = None,
+    out_dir: str | Path | None = None,
+    *,
+    target: Target | None = None,
+    onnx: bool = True,
+    check_patch: bool = True,
+    trust_remote_code: bool = False,
+    config_only: bool = False,
+) -> OpsReport:
+    """The whole operators stage for ``src`` (a path/hub id, or a resolved ``ModelSource``).
+
+    Writes ``ops.json`` (and generated kernel sources, ``model.onnx``) to ``out_dir`` when given.
+    """
+    from adapt.intake import build_meta_model, load_model, resolve_source
+
+    start = time.perf_counter()
+    source = resolve_source(src, config_only=config_only, trust_remote_code=trust_remote_code) if isinstance(src, (str, Path)) else src
+    prof = profile if isinstance(profile, BackendProfile) else load_profile(profile)
+    tgt = target or Target.here()
+    out = Path(out_dir) if out_dir else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    if not source.has_weights:
+        model = build_meta_model(source)
+        inventory = trace_meta_model(model)
+        recognition = recognise(model, inventory, probe=False)
+        plan = plan_kernels(inventory, recognition, prof, tgt)
+        report = OpsReport(str(src), prof, tgt, inventory, recognition, plan, None, patch_check=PatchCheck(False, note="config-only: no weights"))
+    else:
+        model = load_model(source, dtype=torch.float32)
+        inventory = trace_model(model)
+        recognition = recognise(model, inventory)
+        plan = plan_kernels(inventory, recognition, prof, tgt, model)
+        generated = _capture_generated(model, inventory, plan, out)
+        onnx_report = _onnx(model, out) if onnx else None
+        report = OpsReport(str(src), prof, tgt, inventory, recognition, plan, onnx_report, generated)
+        report.patch_check = check_kernel_plan(model, plan) if check_patch else PatchCheck(False, note="skipped")
+    report.seconds = time.perf_counter() - start
+    if out:
+        (out / "ops.json").write_text(json.dumps(report.to_dict(), indent=1))
+    return report
+
+
+def _capture_generated(model: nn.Module, inv: OpInventory, plan: KernelPlan, out: Path | None) -> list[GeneratedKernel]:
+    """Compile each generated module once to capture Inductor's code; structurally identical modules
+    (same parameter shapes and traced ops) reuse Inductor's cached code, which the report says."""
+    kernels: list[GeneratedKernel] = []
+    by_structure: dict[str, GeneratedKernel] = {}
+    for choice in plan.components:
+        if choice.status != "generated" or choice.module not in inv.captured:
+            continue
+        rec = inv.modules[choice.module]
+        key = json.dumps([rec.params, rec.own_ops, rec.input_shapes], sort_keys=True)
+        args, kwargs = inv.captured[choice.module]
+        _, kernel = generate(model.get_submodule(choice.module), choice.module, args, kwargs, out)
+        if not kernel.files and key in by_structure:
+            first = by_structure[key]
+            kernel.language, kernel.kernels, kernel.files = first.language, first.kernels, first.files
+            kernel.reused_from = first.module
+        by_structure.setdefault(key, kernel)
+        kernels.append(kernel)
+    return kernels
+
+
+def _onnx(model: nn.Module, out: Path | None) -> OnnxReport:
+    from operators.onnx_export import export_onnx
+
+    return export_onnx(model, example_batch(model, 2, 16), out / "model.onnx" if out else None)
+
+
+def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -> PatchCheck:
+    """Apply ``plan``, compare float32 logits and gradients against the unpatched model, revert."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    ids = example_batch(model, 2, 20)
+    torch.random.set_rng_state(generator_state)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref_out, ref_grads = _forward_backward(model, ids)
+    handle = apply_kernel_plan(model, plan)
+    try:
+        out, grads = _forward_backward(model, ids)
+        calls = handle.attention_calls()
+        patched = len(handle.patched)
+        unchanged = model.state_dict().keys() == before.keys() and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    finally:
+        handle.revert()
+    again, _ = _forward_backward(model, ids)
+    logits_diff = float((out - ref_out).abs().max())
+    grad_rel = max((float((grads[k] - g).abs().max()) / max(float(g.abs().max()), 1e-12) for k, g in ref_grads.items()), default=0.0)
+    scale = max(float(ref_out.abs().max()), 1.0)
+    passed = logits_diff <= PATCH_RTOL * scale and grad_rel <= 1e-4 and unchanged and torch.equal(again, ref_out)
+    return PatchCheck(True, passed, logits_diff, grad_rel, unchanged, bool(torch.equal(again, ref_out)), calls, patched)
+
+
+def _forward_backward(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    saved = {p: p.grad for p in model.parameters()}
+    for p in model.parameters():
+        p.grad = None
+    try:
+        out = model(input_ids=ids)
+        logits = out.logits if getattr(out, "logits", None) is not None else out[0]
+        logits.float().pow(2).mean().backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+    return logits.detach(), grads
+

@@ -1,0 +1,76 @@
+"""Pick between several qualifying kernels by timing them on the target device, with an on-disk cache.
+
+Only used on CUDA: each candidate's replacement forward (plus backward when training) runs on a
+copy of the real module at a representative token count; the median of CUDA-event timings
+decides.  Results are cached per (device name, kind, variant, dtype, tokens) in
+``$ADAPT_CACHE/kernel_bench.json`` (default ``~/.cache/adapt``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from operators.recognition import Component
+from operators.registry import KernelOption, Target
+
+TOKENS = 8192
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get("ADAPT_CACHE", Path.home() / ".cache" / "adapt")) / "kernel_bench.json"
+
+
+def _key(comp: Component, target: Target) -> str:
+    payload = json.dumps([torch.cuda.get_device_name(), comp.kind, comp.variant, target.dtype, target.training, TOKENS], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def fastest(options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module | None = None) -> KernelOption:
+    """The fastest option (cached); without a module to time, the first option in provider order."""
+    if module is None or not torch.cuda.is_available() or "width" not in comp.variant:
+        return options[0]
+    path = _cache_path()
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    key = _key(comp, target)
+    if key in cache:
+        by_name = {f"{o.provider}:{o.kernel}": o for o in options}
+        if cache[key]["winner"] in by_name:
+            return by_name[cache[key]["winner"]]
+    dtype = getattr(torch, target.dtype)
+    timings = {}
+    for opt in options:
+        mod = copy.deepcopy(module).to("cuda", dtype)
+        fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
+        x = torch.randn(TOKENS, comp.variant["width"], device="cuda", dtype=dtype, requires_grad=target.training)
+        timings[f"{opt.provider}:{opt.kernel}"] = _time(lambda: _step(fwd, x, target.training))
+    winner = min(timings, key=timings.get)
+    cache[key] = {"winner": winner, "ms": timings}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cache, indent=1))
+    return next(o for o in options if f"{o.provider}:{o.kernel}" == winner)
+
+
+def _step(fwd, x, training: bool) -> None:
+    out = fwd(x)
+    if training:
+        out.float().sum().backward()
+
+
+def _time(fn, warmup: int = 3, reps: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

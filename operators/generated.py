@@ -1,0 +1,62 @@
+"""Generated kernels: Inductor compiles a module's subgraph and its source is captured for the report.
+
+On CUDA Inductor emits Triton; on CPU it emits C++ with OpenMP.  The captured file is Inductor's own
+output module (wrapper plus kernels), found as the new entries in ``PyCodeCache`` after the first
+forward and backward of the compiled module.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class GeneratedKernel:
+    module: str
+    language: str  # "triton" | "c++/openmp" | "unknown"
+    kernels: list[str] = field(default_factory=list)  # kernel function names found in the source
+    files: list[str] = field(default_factory=list)  # saved copies beside the report
+    compile_seconds: float = 0.0
+    source_chars: int = 0
+    reused_from: str | None = None  # identical module whose Inductor code this one reuses
+
+
+def compile_module(module: nn.Module) -> Callable[..., Any]:
+    """Inductor-compiled version of ``module``'s *original* forward (bound to the module)."""
+    original = type(module).forward.__get__(module)
+    return torch.compile(original, backend="inductor", fullgraph=True, dynamic=False)
+
+
+def generate(module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: str | Path | None) -> tuple[Callable[..., Any], GeneratedKernel]:
+    """Compile ``module``, run it forward and backward once on fresh inputs shaped like ``args``, capture the code."""
+    from torch._inductor.codecache import PyCodeCache
+
+    fn = compile_module(module)
+    before = {id(m) for m in PyCodeCache.modules}
+    start = time.perf_counter()
+    fresh = [torch.randn_like(a).requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    out = fn(*fresh, **kwargs)
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        out.float().sum().backward()
+    elapsed = time.perf_counter() - start
+    new = [m for m in PyCodeCache.modules if id(m) not in before and getattr(m, "__file__", None)]
+    sources = [Path(m.__file__).read_text() for m in new]
+    text = "\n".join(sources)
+    language = "triton" if "@triton.jit" in text else ("c++/openmp" if "cpp_fused" in text or "extern \"C\"" in text else "unknown")
+    names = sorted(set(re.findall(r"\b(cpp_fused_\w+|triton_\w+)\b", text)))
+    files = []
+    if out_dir is not None and sources:
+        target = Path(out_dir) / "generated"
+        target.mkdir(parents=True, exist_ok=True)
+        for i, src in enumerate(sources):
+            dest = target / f"{path.replace('.', '_')}_{i}.py"
+            dest.write_text(src)
+            files.append(str(dest))
+    return fn, GeneratedKernel(path, language, names, files, round(elapsed, 3), len(text))

@@ -1,0 +1,186 @@
+"""Fused linear + cross-entropy: the ``[tokens, vocab]`` logits are never materialised.
+
+Tokens are processed in chunks. For each chunk the logits are produced by one cuBLAS GEMM into a
+reused buffer; a Triton kernel then makes one online-softmax pass (max, log-sum-exp, the label's
+logit and, for label smoothing, the logit sum) and a second pass that overwrites the logits with
+their gradient in place. Two more GEMMs turn that gradient into this chunk's slice of ``d hidden``
+and accumulate ``d weight``, so the backward pass is only a scale by the incoming gradient.
+The chunk size follows the same memory budget as Liger-Kernel (transient logits about the size of
+``hidden``). ``reduction="none"`` cannot pre-scale per token, so it recomputes the chunks in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_float
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@triton.jit
+def _softcapped(z, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        e = tl.exp(-2.0 * tl.abs(z) / softcap)  # tanh(|z|/cap) without overflow
+        t = (1.0 - e) / (1.0 + e)
+        z = softcap * tl.where(z < 0, -t, t)
+    return z
+
+
+@triton.jit
+def _ce_chunk_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, V, ignore_index, label_smoothing, z_loss, softcap,
+                     HAS_SOFTCAP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    logits = LOGITS + row.to(tl.int64) * stride_l
+    label = tl.load(LABELS + row)
+    cols = tl.arange(0, BLOCK_V)
+    if label == ignore_index:
+        tl.store(LOSS + row, 0.0)
+        if COMPUTE_GRAD:
+            for start in range(0, V, BLOCK_V):
+                tl.store(logits + start + cols, tl.zeros([BLOCK_V], tl.float32).to(LOGITS.dtype.element_ty),
+                         mask=start + cols < V)
+        return
+    running_max = -float("inf")
+    running_sum = 0.0
+    logit_sum = 0.0
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        z = _softcapped(tl.load(logits + start + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+        z = tl.where(mask, z, -float("inf"))
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        running_max = new_max
+        logit_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    lse = running_max + tl.log(running_sum)
+    label_logit = _softcapped(tl.load(logits + label).to(tl.float32), softcap, HAS_SOFTCAP)
+    loss = (1.0 - label_smoothing) * (lse - label_logit) + label_smoothing * (lse - logit_sum / V)
+    tl.store(LOSS + row, loss + z_loss * lse * lse)
+    if COMPUTE_GRAD:
+        if PER_ROW_SCALE:
+            scale = tl.load(SCALE + row)
+        else:
+            scale = tl.load(SCALE)
+        prob_scale = 1.0 + 2.0 * z_loss * lse  # d(z_loss * lse^2)/dz = 2 z_loss lse softmax
+        for start in range(0, V, BLOCK_V):
+            idx = start + cols
+            mask = idx < V
+            z = _softcapped(tl.load(logits + idx, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            grad = tl.exp(z - lse) * prob_scale - label_smoothing / V
+            grad = tl.where(idx == label, grad - (1.0 - label_smoothing), grad)
+            if HAS_SOFTCAP:
+                grad = grad * (1.0 - (z / softcap) * (z / softcap))
+            tl.store(logits + idx, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
+
+
+def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk so the transient logits are about as large as the hidden states (Liger's budget)."""
+    growth = triton.cdiv(vocab, hidden)
+    return min(tokens, triton.next_power_of_2(triton.cdiv(tokens, growth)))
+
+
+def _run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh, need_dw, need_db):
+    """One pass over all token chunks: per-token losses and, if asked, the scaled gradients."""
+    tokens, width = hidden.shape
+    vocab = weight.shape[0]
+    chunk = opts["chunk_size"] or default_chunk_size(tokens, width, vocab)
+    logits_dtype = hidden.dtype
+    buffer = torch.empty((min(chunk, tokens), vocab), dtype=logits_dtype, device=hidden.device)
+    losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_dh else None
+    dw = torch.zeros_like(weight) if need_dw else None
+    db = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_db else None
+    block_v = min(8192, triton.next_power_of_2(vocab))
+    weight_t = weight.t()
+    for start in range(0, tokens, chunk):
+        stop = min(start + chunk, tokens)
+        h = hidden[start:stop]
+        logits = buffer[: stop - start]
+        if bias is not None:
+            torch.addmm(bias.to(logits_dtype), h, weight_t, out=logits)
+        else:
+            torch.mm(h, weight_t, out=logits)
+        chunk_scale = scale[start:stop] if opts["per_row_scale"] else scale
+        _ce_chunk_kernel[(stop - start,)](
+            logits, logits.stride(0), labels[start:stop], losses[start:stop], chunk_scale, vocab,
+            opts["ignore_index"], opts["label_smoothing"], opts["z_loss"], opts["softcap"] or 1.0,
+            HAS_SOFTCAP=opts["softcap"] is not None, PER_ROW_SCALE=opts["per_row_scale"],
+            COMPUTE_GRAD=need_grad, BLOCK_V=block_v, num_warps=16 if block_v >= 8192 else 4,
+        )
+        if need_dh:
+            torch.mm(logits, weight, out=dh[start:stop])
+        if need_dw:
+            dw.addmm_(logits.t(), h)  # fp32 accumulation inside the GEMM, one rounding per chunk
+        if need_db:
+            db += logits.sum(0, dtype=torch.float32)
+    return losses, dh, dw, db
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, opts):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[3]
+        valid = labels != opts["ignore_index"]
+        n_valid = valid.sum().clamp_min(1).to(torch.float32)
+        reduction = opts["reduction"]
+        grad_now = reduction != "none" and (need_dh or need_dw or need_db)
+        scale = (1.0 / n_valid if reduction == "mean" else torch.ones_like(n_valid)).reshape(1)
+        losses, dh, dw, db = _run_chunks(hidden, weight, bias, labels, scale, dict(opts, per_row_scale=False),
+                                         need_grad=grad_now, need_dh=grad_now and need_dh,
+                                         need_dw=grad_now and need_dw, need_db=grad_now and need_db)
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, labels, bias)
+        ctx.grads = (dh, dw, db)
+        ctx.opts = opts
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if reduction == "mean":
+            return losses.sum() / n_valid
+        return losses.sum() if reduction == "sum" else losses
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        opts = ctx.opts
+        if opts["reduction"] == "none":
+            hidden, weight, labels, bias = ctx.saved_tensors
+            _, dh, dw, db = _run_chunks(
+                hidden, weight, bias, labels, grad_out.float().contiguous(), dict(opts, per_row_scale=True),
+                need_grad=True, need_dh=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1],
+                need_db=bias is not None and ctx.needs_input_grad[3],
+            )
+        else:
+            dh, dw, db = ctx.grads
+            ctx.grads = None
+            if not bool(grad_out == 1.0):  # a loss scale or a weighted sum of losses upstream
+                dh = dh * grad_out.to(dh.dtype) if dh is not None else None
+                dw = dw * grad_out.to(dw.dtype) if dw is not None else None
+                db = db * grad_out if db is not None else None
+        return dh, dw, None, db.to(ctx.bias_dtype) if db is not None else None, None
+
+
+def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0,
+                               z_loss=0.0, softcap=None, reduction="mean", chunk_size: int | None = None):
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without the full logits.
+
+    ``hidden`` is ``[..., H]`` and ``labels`` the matching ``[...]``; ``softcap`` applies
+    ``softcap * tanh(logits / softcap)`` first (Gemma 2); ``z_loss`` adds ``z_loss * lse**2`` per token.
+    The mean is over non-ignored tokens (0 when every token is ignored).
+    """
+    check_float("hidden", hidden)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must match the token dims of hidden {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
+        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}] in {hidden.dtype}, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0 or z_loss < 0.0 or (softcap is not None and softcap <= 0.0):
+        raise ValueError("need 0 <= label_smoothing <= 1, z_loss >= 0 and softcap > 0")
+    opts = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+                softcap=float(softcap) if softcap is not None else None, reduction=reduction, chunk_size=chunk_size)
+    hidden2 = hidden.reshape(-1, hidden.shape[-1])
+    loss = FusedLinearCrossEntropyFunction.apply(hidden2, weight, labels.reshape(-1).contiguous(), bias, opts)
+    return loss.view(labels.shape) if reduction == "none" else loss

@@ -1,0 +1,316 @@
+"""RMSNorm, fused residual-add + RMSNorm and LayerNorm: Triton forward and backward.
+
+Every kernel runs a persistent grid: each program keeps the weight (and bias) in registers and walks
+tiles of ``BLOCK_M`` whole rows, so the weight is read once per program instead of once per row and
+each row of activations is read exactly once per pass. The backward accumulates the weight gradient
+per program in fp32 and writes one partial row per program; a single ``sum(0)`` finishes it, which
+keeps the reduction deterministic (no atomics).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import as_rows, check_float, num_programs, row_block, warps_for
+
+CAST_MODES = {"llama": 0, "gemma": 1, "none": 2}
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch shape of a row kernel; ``None`` fields take the measured H200 defaults below."""
+
+    block_m: int | None = None
+    num_warps: int | None = None
+    programs_per_sm: int | None = None  # 0: one program per tile (no persistent loop)
+
+
+@functools.lru_cache(maxsize=256)
+def _launch(width: int, rows: int, device: torch.device, config: RowConfig | None, backward: bool):
+    """(BLOCK_N, BLOCK_M, num_warps, grid); cached because it runs on every call.
+
+    Forward: large tiles (~16k elements, 8 warps) and one program per tile measured fastest on H200
+    (the hardware scheduler overlaps tiles better than a persistent loop). Backward: a persistent grid
+    that fills the SM, so each program reduces its rows' weight gradient once in registers.
+    """
+    config = config or RowConfig()
+    block_n, block_m = row_block(width, target_elems=4096 if backward else 16384)
+    block_m = config.block_m or block_m
+    num_warps = config.num_warps or (warps_for(block_m * block_n) if backward else max(8, block_m * block_n // 2048))
+    per_sm = config.programs_per_sm
+    if per_sm is None:
+        per_sm = max(1, 64 // num_warps) if backward else 0
+    tiles = triton.cdiv(rows, block_m)
+    grid = tiles if per_sm == 0 else min(tiles, num_programs(device, per_sm))
+    return block_n, block_m, num_warps, max(grid, 1)
+
+
+@triton.jit
+def _rms_norm_fwd(X, R, S, Y, W, RSTD, M, N, stride_x, stride_r, eps, offset,
+                  HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, CAST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if CAST == 2:  # "none": the weight (with offset) lives in the activation dtype
+        w = w.to(Y.dtype.element_ty).to(tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
+            tl.store(S + rows64[:, None] * N + cols[None, :], x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+        if CAST == 0:  # llama: normalise in fp32, round to the input dtype, then scale
+            y = (xf * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32) * w[None, :]
+        elif CAST == 1:  # gemma: everything in fp32, one rounding at the end
+            y = xf * rstd[:, None] * w[None, :]
+        else:  # none: each elementwise step rounded to the input dtype
+            rstd_low = rstd.to(Y.dtype.element_ty).to(tl.float32)
+            y = (xf * rstd_low[:, None]).to(Y.dtype.element_ty).to(tl.float32) * w[None, :]
+        tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_bwd(DY, X, W, RSTD, DS, DX, DW_PARTIAL, M, N, stride_dy, stride_ds, offset,
+                  HAS_DS: tl.constexpr, COMPUTE_DW: tl.constexpr, CAST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if CAST == 2:
+        w = w.to(DX.dtype.element_ty).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        normed = x * rstd[:, None]
+        dnormed = dy * w[None, :]
+        dx = rstd[:, None] * (dnormed - normed * (tl.sum(dnormed * normed, axis=1) / N)[:, None])
+        if HAS_DS:
+            dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            if CAST != 1:  # the weight multiplied the normalised value after rounding
+                normed = normed.to(DX.dtype.element_ty).to(tl.float32)
+            dw += tl.sum(dy * normed, axis=0)
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_mask)
+
+
+def _rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
+    check_float("x", x)
+    if cast not in CAST_MODES:
+        raise ValueError(f"cast must be one of {sorted(CAST_MODES)}, got {cast!r}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match width {x.shape[-1]}")
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else None
+    rows, width = x2.shape
+    y = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y) if residual is not None else None
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if need_rstd else None
+    block_n, block_m, warps, grid = _launch(width, rows, x.device, config, False)
+    _rms_norm_fwd[(grid,)](
+        x2, r2 if r2 is not None else x2, s if s is not None else y, y, weight, rstd if need_rstd else y,
+        rows, width, x2.stride(0), r2.stride(0) if r2 is not None else 0, eps, offset,
+        HAS_RESIDUAL=residual is not None, STORE_RSTD=need_rstd, CAST=CAST_MODES[cast],
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    return s, y, rstd
+
+
+def _rms_backward(dy, ds, x_rows, weight, rstd, offset, cast, need_dw, config):
+    dy2 = as_rows(dy)
+    ds2 = as_rows(ds) if ds is not None else None
+    rows, width = x_rows.shape
+    dx = torch.empty_like(x_rows)
+    block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, True)
+    partial = torch.empty((grid, width), dtype=torch.float32, device=x_rows.device) if need_dw else dx
+    _rms_norm_bwd[(grid,)](
+        dy2, x_rows, weight, rstd, ds2 if ds2 is not None else dy2, dx, partial, rows, width,
+        dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, offset,
+        HAS_DS=ds is not None, COMPUTE_DW=need_dw, CAST=CAST_MODES[cast],
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    dw = partial.sum(0).to(weight.dtype) if need_dw else None
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, cast, config):
+        need_grad = any(ctx.needs_input_grad[:2])
+        _, y, rstd = _rms_forward(x, None, weight, eps, offset, cast, config, need_rstd=need_grad)
+        if need_grad:
+            ctx.save_for_backward(as_rows(x).contiguous(), weight, rstd)
+        ctx.meta = (offset, cast, config, x.shape)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_rows, weight, rstd = ctx.saved_tensors
+        offset, cast, config, shape = ctx.meta
+        dx, dw = _rms_backward(dy, None, x_rows, weight, rstd, offset, cast, ctx.needs_input_grad[1], config)
+        return dx.view(shape), dw, None, None, None, None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, cast, config):
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("residual must match x in shape and dtype")
+        need_grad = any(ctx.needs_input_grad[:3])
+        s, y, rstd = _rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd=need_grad)
+        if need_grad:
+            ctx.save_for_backward(s, weight, rstd)
+        ctx.meta = (offset, cast, config, x.shape)
+        return s.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s, weight, rstd = ctx.saved_tensors
+        offset, cast, config, shape = ctx.meta
+        dsum, dw = _rms_backward(dy, ds, s, weight, rstd, offset, cast, ctx.needs_input_grad[2], config)
+        dsum = dsum.view(shape)
+        return dsum, dsum, dw, None, None, None, None
+
+
+@triton.jit
+def _layer_norm_fwd(X, Y, W, B, MEAN, RSTD, M, N, stride_x, eps,
+                    HAS_BIAS: tl.constexpr, STORE_STATS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        centred = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+        y = centred * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            y += b[None, :]
+        tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_STATS:
+            tl.store(MEAN + rows, mean, mask=row_mask)
+            tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, M, N, stride_dy,
+                    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        wdy = dy * w[None, :]
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        c2 = tl.sum(wdy, axis=1) / N
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            dw += tl.sum(dy * xhat, axis=0)
+        if COMPUTE_DB:
+            db += tl.sum(dy, axis=0)
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_mask)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, config):
+        check_float("x", x)
+        width = x.shape[-1]
+        if weight.shape != (width,) or (bias is not None and bias.shape != (width,)):
+            raise ValueError(f"weight/bias must have shape ({width},)")
+        x2 = as_rows(x)
+        rows = x2.shape[0]
+        y = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+        need_grad = any(ctx.needs_input_grad[:3])
+        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty_like(mean)
+        block_n, block_m, warps, grid = _launch(width, rows, x.device, config, False)
+        _layer_norm_fwd[(grid,)](
+            x2, y, weight, bias if bias is not None else weight, mean, rstd, rows, width, x2.stride(0), eps,
+            HAS_BIAS=bias is not None, STORE_STATS=need_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+        if need_grad:
+            ctx.save_for_backward(x2.contiguous(), weight, mean, rstd)
+        ctx.meta = (config, x.shape, bias is not None, bias.dtype if bias is not None else None)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_rows, weight, mean, rstd = ctx.saved_tensors
+        config, shape, has_bias, bias_dtype = ctx.meta
+        dy2 = as_rows(dy)
+        rows, width = x_rows.shape
+        need_dw, need_db = ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]
+        dx = torch.empty_like(x_rows)
+        block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, True)
+        dw_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_dw else dx
+        db_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_db else dx
+        _layer_norm_bwd[(grid,)](
+            dy2, x_rows, weight, mean, rstd, dx, dw_partial, db_partial, rows, width, dy2.stride(0),
+            COMPUTE_DW=need_dw, COMPUTE_DB=need_db, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+        dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+        db = db_partial.sum(0).to(bias_dtype) if need_db else None
+        return dx.view(shape), dw, db, None, None
+
+
+def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
+    """RMSNorm over the last dim: ``x / rms(x) * (offset + weight)`` with the model's casting order."""
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), cast, config)
+
+
+def add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
+    """``s = x + residual`` (rounded to the input dtype) and ``rms_norm(s)`` in one pass: returns (s, normed)."""
+    return AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), cast, config)
+
+
+def layer_norm(x, weight, bias=None, eps=1e-5, config: RowConfig | None = None):
+    """LayerNorm over the last dim, statistics in fp32, optional bias."""
+    return LayerNormFunction.apply(x, weight, bias, float(eps), config)

@@ -1,0 +1,121 @@
+"""Rotary position embedding for q and k in one launch: half-rotation or interleaved, partial rotary.
+
+``cos``/``sin`` come from the model's own rotary module in Hugging Face's layout
+(``[b or 1, s, rotary_dim]``, frequencies repeated as ``cat(f, f)``), so position ids and every
+scaling variant of the config (linear, dynamic, YaRN, llama3, ...) are already folded in. The kernel
+reads only the first half of each (one value per rotated pair) and writes contiguous
+``[b, h, s, d]`` outputs; dims past ``rotary_dim`` are copied through. The backward is the inverse
+rotation, i.e. the same kernel with ``sin`` negated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_float
+
+
+@triton.jit
+def _rotate_heads(X, OUT, x_base, stride_h, stride_d, out_base, out_stride_h, H, D, half, c, s,
+                  INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    pairs = tl.arange(0, BLOCK_R)
+    mask = (heads < H)[:, None] & (pairs < half)[None, :]
+    if INTERLEAVED:
+        first = 2 * pairs
+        second = first + 1
+    else:
+        first = pairs
+        second = pairs + half
+    x_rows = X + x_base + heads[:, None].to(tl.int64) * stride_h
+    out_rows = OUT + out_base + heads[:, None].to(tl.int64) * out_stride_h
+    x1 = tl.load(x_rows + first[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + second[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_rows + first[None, :], (x1 * c[None, :] - x2 * s[None, :]).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out_rows + second[None, :], (x2 * c[None, :] + x1 * s[None, :]).to(OUT.dtype.element_ty), mask=mask)
+    if BLOCK_P > 0:  # partial rotary: the dims past rotary_dim pass through unchanged
+        rest = 2 * half + tl.arange(0, BLOCK_P)
+        rest_mask = (heads < H)[:, None] & (rest < D)[None, :]
+        tail = tl.load(x_rows + rest[None, :] * stride_d, mask=rest_mask, other=0.0)
+        tl.store(out_rows + rest[None, :], tail, mask=rest_mask)
+
+
+@triton.jit
+def _rope_kernel(Q, K, COS, SIN, QO, KO, S, HQ, HK, D, half,
+                 q_sb, q_sh, q_ss, q_sd, k_sb, k_sh, k_ss, k_sd, c_sb, c_ss, c_sd,
+                 INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                 BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // S).to(tl.int64)
+    pos = (pid % S).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_R)
+    cs_offset = b * c_sb + pos * c_ss + pairs * c_sd
+    c = tl.load(COS + cs_offset, mask=pairs < half, other=0.0).to(tl.float32)
+    s = tl.load(SIN + cs_offset, mask=pairs < half, other=0.0).to(tl.float32)
+    if INVERSE:
+        s = -s
+    _rotate_heads(Q, QO, b * q_sb + pos * q_ss, q_sh, q_sd, (b * HQ * S + pos) * D, S * D, HQ, D, half, c, s,
+                  INTERLEAVED, BLOCK_HQ, BLOCK_R, BLOCK_P)
+    _rotate_heads(K, KO, b * k_sb + pos * k_ss, k_sh, k_sd, (b * HK * S + pos) * D, S * D, HK, D, half, c, s,
+                  INTERLEAVED, BLOCK_HK, BLOCK_R, BLOCK_P)
+
+
+def _launch(q, k, cos, sin, interleaved, rotary_dim, inverse):
+    bsz, hq, seq, dim = q.shape
+    hk = k.shape[1]
+    qo = torch.empty((bsz, hq, seq, dim), dtype=q.dtype, device=q.device)
+    ko = torch.empty((bsz, hk, seq, dim), dtype=k.dtype, device=k.device)
+    half = rotary_dim // 2
+    block_r = triton.next_power_of_2(half)
+    block_p = triton.next_power_of_2(dim - rotary_dim) if dim > rotary_dim else 0
+    c_sb = cos.stride(0) if cos.shape[0] > 1 else 0
+    tile = max(triton.next_power_of_2(hq), triton.next_power_of_2(hk)) * block_r
+    _rope_kernel[(bsz * seq,)](
+        q, k, cos, sin, qo, ko, seq, hq, hk, dim, half,
+        *q.stride(), *k.stride(), c_sb, cos.stride(1), cos.stride(2),
+        INTERLEAVED=interleaved, INVERSE=inverse, BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=block_r, BLOCK_P=block_p,
+        num_warps=int(min(16, max(1, tile // 256))),
+    )
+    return qo, ko
+
+
+class RotaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, interleaved, rotary_dim):
+        ctx.save_for_backward(cos, sin)
+        ctx.meta = (interleaved, rotary_dim)
+        return _launch(q, k, cos, sin, interleaved, rotary_dim, inverse=False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        interleaved, rotary_dim = ctx.meta
+        dq_in, dk_in = _launch(dq, dk, cos, sin, interleaved, rotary_dim, inverse=True)
+        return dq_in, dk_in, None, None, None, None
+
+
+def apply_rotary(q, k, cos, sin, interleaved: bool = False, rotary_dim: int | None = None):
+    """Rotate q ``[b, hq, s, d]`` and k ``[b, hk, s, d]`` by HF-layout ``cos``/``sin`` ``[b or 1, s, r]``.
+
+    ``rotary_dim`` defaults to ``cos.shape[-1]``; dims past it are left unrotated (partial rotary).
+    No gradient flows to ``cos``/``sin`` (they are functions of positions, not parameters).
+    """
+    check_float("q", q)
+    check_float("k", k)
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [b, h, s, d] with equal b, s, d")
+    if cos.dim() == 4 and cos.shape[1] == 1:  # HF's unsqueezed [b, 1, s, r]
+        cos, sin = cos.squeeze(1), sin.squeeze(1)
+    rotary_dim = rotary_dim or cos.shape[-1]
+    bsz, _, seq, dim = q.shape
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, bsz) or cos.shape[1] != seq:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} must be [1 or {bsz}, {seq}, rotary_dim]")
+    if rotary_dim % 2 or rotary_dim > dim or cos.shape[-1] != rotary_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even, <= head dim {dim} and equal the cos width")
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("apply_rotary does not differentiate through cos/sin; pass them detached")
+    return RotaryFunction.apply(q, k, cos, sin, bool(interleaved), int(rotary_dim))

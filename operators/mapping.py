@@ -1,0 +1,204 @@
+"""KernelPlan: a decision for every recognised component and every traced ATen op under a profile.
+
+Component decisions come from the providers (``fused``/``native``) or, for modules that compute
+something no kind covers, from Inductor (``generated``).  Op decisions: an op inside a fused or
+generated component takes that status; any other op is ``native`` when the profile supports it,
+``decomposed`` when ``torch._decomp`` rewrites it into supported ops, ``generated`` when its
+owning module can be compiled for the device, else ``unsupported``.  On CUDA, when several
+kernels qualify, a cached micro-benchmark on the device picks one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from operators.decompose import decompose
+from operators.inventory import OpInventory, json_ready
+from operators.profiles import BackendProfile
+from operators.recognition import Component, Recognition
+from operators.registry import KernelOption, Target, providers
+
+STATUSES = ("fused", "native", "decomposed", "generated", "unsupported")
+
+
+@dataclass
+class KernelChoice:
+    module: str
+    kind: str
+    variant: dict[str, Any]
+    provider: str | None
+    kernel: str | None
+    status: str
+    confirmed: bool
+    patch: bool = False  # True when apply_kernel_plan installs something for this component
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_ready(dataclasses.asdict(self))
+
+
+@dataclass
+class OpDecision:
+    overload: str
+    count: int
+    status: str
+    core: bool
+    modules: list[str]
+    replacement: str | None = None  # decomposition result or generating module
+    flops: int = 0
+
+
+@dataclass
+class KernelPlan:
+    profile: dict[str, Any]
+    target: dict[str, Any]
+    components: list[KernelChoice]
+    ops: list[OpDecision]
+    providers: dict[str, str] = field(default_factory=dict)
+
+    def component(self, module: str, kind: str | None = None) -> KernelChoice | None:
+        return next((c for c in self.components if c.module == module and (kind is None or c.kind == kind)), None)
+
+    def coverage(self) -> dict[str, Any]:
+        total = sum(o.count for o in self.ops)
+        by_status = Counter()
+        flops = Counter()
+        for o in self.ops:
+            by_status[o.status] += o.count
+            flops[o.status] += o.flops
+        unmapped = sum(o.count for o in self.ops if o.status not in STATUSES)
+        all_flops = sum(flops.values())
+        fast = flops["fused"] + flops["native"]
+        return {
+            "ops_total": total,
+            "unmapped": unmapped,
+            "share_by_status": {s: round(by_status[s] / total, 4) if total else 0.0 for s in STATUSES},
+            "flops_total": all_flops,
+            "flops_share_fused_or_native": round(fast / all_flops, 4) if all_flops else None,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_ready({**dataclasses.asdict(self), "coverage": self.coverage()})
+
+
+def plan_kernels(
+    inventory: OpInventory,
+    components: Recognition | list[Component],
+    profile: BackendProfile,
+    target: Target,
+    model: nn.Module | None = None,
+) -> KernelPlan:
+    """Decide a kernel for every component and a status for every traced op.
+
+    ``model`` (optional) lets the CUDA micro-benchmark time candidates on copies of the real modules.
+    """
+    comps = components.components if isinstance(components, Recognition) else components
+    provs = providers()
+    choices = [_choose(c, provs, profile, target, model) for c in comps]
+    ops, to_generate = _op_decisions(inventory, choices, profile)
+    if to_generate:  # whole components become generated kernels: their ops follow them
+        _escalate_to_generated(to_generate, choices)
+        ops, _ = _op_decisions(inventory, choices, profile)
+    return KernelPlan(profile.to_dict(), target.to_dict(), choices, ops, {p.name: _avail(p, target) for p in provs})
+
+
+def _avail(provider, target: Target) -> str:
+    ok, why = provider.available(target)
+    return "available" if ok else f"unavailable: {why}"
+
+
+def _choose(comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None) -> KernelChoice:
+    if comp.kind == "new":
+        if profile.codegen == "none":
+            return KernelChoice(comp.module, comp.kind, comp.variant, None, None, "unsupported", False, note="profile has no code generator")
+        return KernelChoice(comp.module, comp.kind, comp.variant, "inductor", f"inductor ({_codegen_language(target)})", "generated", False, patch=True)
+    options: list[KernelOption] = []
+    for prov in provs:
+        for opt in prov.options(comp, target):
+            if all(profile.supports_aten(op) for op in opt.requires_ops) and (opt.needs_codegen is None or opt.needs_codegen == profile.codegen):
+                options.append(opt)
+    if not options:
+        return KernelChoice(comp.module, comp.kind, comp.variant, None, None, "native", comp.confirmed, note="no provider kernel; runs as traced")
+    best = _rank(options, comp, target, model.get_submodule(comp.module) if model is not None else None)
+    return KernelChoice(comp.module, comp.kind, comp.variant, best.provider, best.kernel, best.status, comp.confirmed, patch=best.make_forward is not None, note=best.note)
+
+
+def _codegen_language(target: Target) -> str:
+    return "Triton" if target.device == "cuda" else "C++/OpenMP"
+
+
+def _rank(options: list[KernelOption], comp: Component, target: Target, module: nn.Module | None) -> KernelOption:
+    fused = [o for o in options if o.status == "fused"] or options
+    preferred = [o for o in fused if o.provider in target.prefer]
+    if preferred:
+        return preferred[0]
+    if len(fused) > 1 and target.device == "cuda":
+        from operators.benchmark import fastest
+
+        return fastest(fused, comp, target, module)
+    return fused[0]
+
+
+def _escalate_to_generated(need: set[str], choices: list[KernelChoice]) -> None:
+    """Components holding an op that only a generated kernel can run are compiled as a whole."""
+    for c in choices:
+        if c.module in need and c.status != "generated" and c.kind != "residual_add_norm":
+            c.provider, c.kernel, c.status, c.patch = "inductor", "inductor (subgraph)", "generated", True
+            c.note = "holds ops the profile lacks and torch._decomp cannot rewrite"
+
+
+def _owner(module: str, by_module: dict[str, KernelChoice]) -> KernelChoice | None:
+    """The innermost planned component enclosing ``module``."""
+    path = module
+    while True:
+        if path in by_module:
+            return by_module[path]
+        if not path:
+            return None
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _op_decisions(inv: OpInventory, choices: list[KernelChoice], profile: BackendProfile) -> tuple[list[OpDecision], set[str]]:
+    by_module = {}
+    for c in choices:  # residual_add_norm shares its norm's path; the norm's own decision wins
+        if c.kind != "residual_add_norm":
+            by_module[c.module] = c
+    grouped: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "status": Counter(), "modules": set(), "flops": 0, "core": False, "repl": set()})
+    decomp_cache: dict[str, Any] = {}
+    to_generate: set[str] = set()
+    for rec in inv.ops:
+        owner = _owner(rec.module, by_module) if not rec.module.startswith("<") else None
+        if owner is not None and owner.status in ("fused", "generated"):
+            status, repl = owner.status, (owner.module if owner.status == "generated" else None)
+        elif profile.supports_aten(rec.overload, rec.dtypes):
+            status, repl = "native", None
+        else:
+            if rec.overload not in decomp_cache:
+                decomp_cache[rec.overload] = decompose(rec.overload, profile, rec.dtypes)
+            d = decomp_cache[rec.overload]
+            if d.ok:
+                status, repl = "decomposed", " + ".join(d.into)
+            elif profile.codegen != "none" and owner is not None:
+                status, repl = "generated", owner.module
+                to_generate.add(owner.module)
+            else:
+                status, repl = "unsupported", d.reason
+        g = grouped[rec.overload]
+        g["count"] += rec.count
+        g["status"][status] += rec.count
+        g["modules"].add(rec.module)
+        g["flops"] += rec.flops
+        g["core"] = rec.core
+        if repl:
+            g["repl"].add(repl)
+    out = []
+    for overload, g in sorted(grouped.items()):
+        for status, count in g["status"].items():
+            share = count / g["count"]
+            out.append(OpDecision(overload, count, status, g["core"], sorted(g["modules"])[:8], "; ".join(sorted(g["repl"]))[:300] or None, int(g["flops"] * share)))
+    return out, to_generate

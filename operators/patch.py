@@ -1,0 +1,122 @@
+"""Apply a KernelPlan to an instantiated model in place, reversibly.
+
+Each patched module gets an instance-level ``forward`` that calls the chosen kernel with the
+module's *own* parameters, looked up by name on every call.  Parameters, buffers and module
+structure are untouched, so ``state_dict`` keys and tensors stay identical, and wrappers that work
+through hooks and parameter swaps (FSDP2 ``fully_shard``, DTensor TP) keep working on top.
+Attention is switched through transformers' attention-function hook: the model's config selects
+the ``adapt`` function, which runs SDPA/FlexAttention with the recognised parameters.
+``PatchHandle.revert()`` restores every forward and config value it changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from operators.generated import GeneratedKernel, compile_module
+from operators.mapping import KernelChoice, KernelPlan
+from operators.providers import torch_native
+from operators.recognition import Component
+from operators.registry import Target, providers
+
+_MISSING = object()
+
+
+@dataclass
+class PatchHandle:
+    model: nn.Module
+    forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, previous instance forward or _MISSING)
+    configs: list[tuple[Any, str]] = field(default_factory=list)  # (config, previous _attn_implementation)
+    attention_modules: list[nn.Module] = field(default_factory=list)
+    patched: list[str] = field(default_factory=list)  # "module: provider/kernel"
+    generated: list[GeneratedKernel] = field(default_factory=list)
+    active: bool = True
+
+    def revert(self) -> None:
+        """Undo every change, newest first; idempotent."""
+        if not self.active:
+            return
+        for module, previous in reversed(self.forwards):
+            if previous is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        for config, previous in reversed(self.configs):
+            config._attn_implementation = previous
+        for module in self.attention_modules:
+            torch_native.forget_attention(module)
+        self.active = False
+
+    def attention_calls(self) -> int:
+        """How many times the adapt attention kernel ran since patching (proves it is on the path)."""
+        return sum(torch_native.attention_calls(m) for m in self.attention_modules)
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.revert()
+
+
+def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> PatchHandle:
+    """Install every ``patch=True`` decision of ``plan`` on ``model``; returns the handle to revert.
+
+    Usable on any freshly loaded instance of the same architecture (module paths must exist).
+    """
+    handle = PatchHandle(model)
+    options = {p.name: p for p in providers()}
+    target = Target(**plan.target)
+    try:
+        for choice in plan.components:
+            if not choice.patch:
+                continue
+            module = model.get_submodule(choice.module)
+            if choice.status == "generated":
+                _install(handle, module, compile_module(module))
+            elif choice.kind == "attention":
+                _install_attention(handle, module, choice)
+            else:
+                factory = _factory(options, choice, target)
+                _install(handle, module, factory(module, _component(choice)))
+            handle.patched.append(f"{choice.module}: {choice.provider}/{choice.kernel}")
+    except Exception:
+        handle.revert()
+        raise
+    return handle
+
+
+def _component(choice: KernelChoice) -> Component:
+    return Component(choice.module, choice.kind, choice.variant, choice.confirmed)
+
+
+def _factory(provs: dict[str, Any], choice: KernelChoice, target: Target):
+    for opt in provs[choice.provider].options(_component(choice), target):
+        if opt.kernel == choice.kernel and opt.make_forward is not None:
+            return opt.make_forward
+    raise RuntimeError(f"{choice.provider} does not offer {choice.kernel} for {choice.module} on {target.device}")
+
+
+def _install(handle: PatchHandle, module: nn.Module, forward) -> None:
+    handle.forwards.append((module, module.__dict__.get("forward", _MISSING)))
+    module.forward = forward
+
+
+def _install_attention(handle: PatchHandle, module: nn.Module, choice: KernelChoice) -> None:
+    _register_hook()
+    torch_native.attention_forward(module, _component(choice))
+    handle.attention_modules.append(module)
+    config = module.config
+    if all(c is not config for c, _ in handle.configs):
+        handle.configs.append((config, config._attn_implementation))
+        config._attn_implementation = torch_native.ATTENTION_HOOK_NAME
+
+
+def _register_hook() -> None:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(torch_native.ATTENTION_HOOK_NAME, torch_native.adapt_attention)
+    AttentionMaskInterface.register(torch_native.ATTENTION_HOOK_NAME, sdpa_mask)

@@ -1,0 +1,1 @@
+"""Kernel providers: PyTorch-native fused ops, adapt's own Triton kernels, Liger-Kernel (optional)."""

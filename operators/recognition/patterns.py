@@ -1,0 +1,148 @@
+"""Candidate component kinds from the shape of a module's traced subgraph.
+
+Everything here reads the ``ModuleRecord``s of an ``OpInventory``: which ATen ops a subtree ran,
+parameter shapes, traced input/output shapes and the op sequence.  The result is only a
+*candidate*; ``probes`` confirms or rejects it numerically.  Class names are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from operators.inventory import ModuleRecord, OpInventory
+
+MATMUL_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default", "aten._grouped_mm.default")
+SOFTMAX_OPS = ("aten._softmax.default", "aten._safe_softmax.default")
+SDPA_PREFIX = "aten._scaled_dot_product"
+FLEX_PREFIX = "higher_order.flex_attention"
+
+
+@dataclass
+class Projection:
+    """A leaf module with a 2-D weight that maps one width to another (Linear, Conv1D, ...)."""
+
+    path: str
+    in_features: int
+    out_features: int
+
+
+def has_any(ops: dict[str, int], names: tuple[str, ...]) -> bool:
+    return any(op in ops for op in names)
+
+
+def has_prefix(ops: dict[str, int], prefix: str) -> bool:
+    return any(op.startswith(prefix) for op in ops)
+
+
+def attention_core_ops(ops: dict[str, int]) -> bool:
+    batched = "aten.bmm.default" in ops  # QK^T / PV are batched products; routers use plain mm
+    return has_prefix(ops, SDPA_PREFIX) or has_prefix(ops, FLEX_PREFIX) or (has_any(ops, SOFTMAX_OPS) and batched)
+
+
+def last_dim(shapes: list[list[int]]) -> int | None:
+    return shapes[0][-1] if shapes and shapes[0] else None
+
+
+def projections_under(inv: OpInventory, path: str, *, direct_only: bool = False) -> list[Projection]:
+    """Leaf projections in ``path``'s subtree, with their traced in/out widths."""
+    found = []
+    prefix = path + "." if path else ""
+    for rec in inv.modules.values():
+        if not rec.path.startswith(prefix) or rec.children:
+            continue
+        if direct_only and rec.path.count(".") != path.count(".") + (1 if path else 0):
+            continue
+        if sum(1 for s in rec.params.values() if len(s) == 2) != 1 or not has_any(rec.ops, MATMUL_OPS):
+            continue
+        fin, fout = last_dim(rec.input_shapes), last_dim(rec.output_shapes)
+        if fin and fout:
+            found.append(Projection(rec.path, fin, fout))
+    return found
+
+
+def is_norm_candidate(rec: ModuleRecord) -> bool:
+    """Row-wise normalisation shape: same in/out width, 1-D parameters of that width, a reduction, no matmul."""
+    width = last_dim(rec.input_shapes)
+    if not width or not rec.output_shapes or rec.output_shapes[0] != rec.input_shapes[0] or rec.children:
+        return False
+    if any(len(s) != 1 or s[0] != width for s in rec.params.values()):
+        return False
+    if has_any(rec.ops, MATMUL_OPS):
+        return False
+    reduces = has_any(rec.ops, ("aten.mean.dim", "aten.var_mean.correction", "aten.sum.dim_IntList"))
+    fused = any("layer_norm" in op or "rms_norm" in op for op in rec.ops)
+    root = has_any(rec.ops, ("aten.rsqrt.default", "aten.sqrt.default"))
+    return fused or (reduces and root)
+
+
+def is_mlp_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
+    """A width-preserving module made of 2-3 projections and elementwise ops, no attention or routing."""
+    width = last_dim(rec.input_shapes)
+    if not width or last_dim(rec.output_shapes) != width or not rec.children:
+        return False
+    if attention_core_ops(rec.ops) or "aten.topk.default" in rec.ops:
+        return False
+    projs = projections_under(inv, rec.path)
+    if len(projs) not in (2, 3):
+        return False
+    ups = [p for p in projs if p.in_features == width]
+    downs = [p for p in projs if p.out_features == width and p.in_features != width]
+    return bool(ups) and len(downs) == 1
+
+
+def is_attention_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
+    """The module that runs the softmax(QK^T)V core itself and owns the projections around it."""
+    return attention_core_ops(rec.own_ops) and len(projections_under(inv, rec.path)) >= 2
+
+
+def is_moe_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
+    """Width-preserving module with a top-k routing decision and many experts' weights below it."""
+    width = last_dim(rec.input_shapes)
+    if not width or last_dim(rec.output_shapes) != width or "aten.topk.default" not in rec.ops:
+        return False
+    if attention_core_ops(rec.ops):
+        return False  # a whole block, not the MoE inside it
+    return bool(router_of(inv, rec)) and bool(expert_weights(inv, rec.path))
+
+
+def router_of(inv: OpInventory, rec: ModuleRecord) -> tuple[str, str] | None:
+    """(module, param) of the [num_experts, width] router matrix: the 2-D weight inside the routing subtree."""
+    width = last_dim(rec.input_shapes)
+    for sub in _subtree(inv, rec.path):
+        if "aten.topk.default" not in sub.ops:
+            continue
+        for name, shape in sub.params.items():
+            if len(shape) == 2 and shape[1] == width and shape[0] > 1:
+                return sub.path, name
+    return None
+
+
+def expert_weights(inv: OpInventory, path: str) -> list[tuple[str, str, list[int]]]:
+    """3-D parameters [num_experts, out, in] under ``path`` (fused expert banks)."""
+    return [(sub.path, n, s) for sub in _subtree(inv, path) for n, s in sub.params.items() if len(s) == 3]
+
+
+def rotary_generator(rec: ModuleRecord) -> bool:
+    """Parameter-free module emitting two same-shaped tables built with cos and sin."""
+    return (
+        not rec.params
+        and len(rec.output_shapes) == 2
+        and rec.output_shapes[0] == rec.output_shapes[1]
+        and "aten.cos.default" in rec.ops
+        and "aten.sin.default" in rec.ops
+    )
+
+
+def lm_head_candidate(inv: OpInventory) -> Projection | None:
+    """The projection onto the vocabulary whose output the model's own loss consumes."""
+    root = inv.modules.get("")
+    if root is None or not has_any(root.ops, ("aten._log_softmax.default",)) or "aten.nll_loss_forward.default" not in root.ops:
+        return None
+    vocab = last_dim(root.output_shapes)
+    heads = [p for p in projections_under(inv, "") if p.out_features == vocab]
+    return heads[-1] if heads else None
+
+
+def _subtree(inv: OpInventory, path: str) -> list[ModuleRecord]:
+    prefix = path + "."
+    return [r for r in inv.modules.values() if r.path == path or r.path.startswith(prefix)]

@@ -1,0 +1,78 @@
+"""Kernel providers and the conditions under which each of their kernels may be chosen.
+
+A provider declares, per component kind, which kernels it implements and the conditions they
+need (device, dtype, training, shape limits, compute capability, interpreter).  ``options`` only
+returns kernels whose conditions hold for the target, so a chosen kernel is a kernel that runs:
+nothing falls back silently.  A kernel option carries ``make_forward``, the replacement forward the
+patcher installs; ``None`` means the model already runs this kernel and nothing needs patching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from operators.recognition import Component
+
+
+@dataclass
+class Target:
+    """Where the adapted model will run."""
+
+    device: str = "cuda"  # "cuda", "cpu", or a profile's device name
+    dtype: str = "bfloat16"
+    training: bool = True
+    compute_capability: tuple[int, int] | None = (9, 0)
+    prefer: list[str] = field(default_factory=list)  # provider names to rank first (tests, user choice)
+
+    @classmethod
+    def here(cls, dtype: str = "float32", training: bool = True) -> "Target":
+        """The machine this process runs on."""
+        if torch.cuda.is_available():
+            return cls("cuda", dtype, training, torch.cuda.get_device_capability())
+        return cls("cpu", dtype, training, None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": self.dtype, "training": self.training, "compute_capability": self.compute_capability, "prefer": self.prefer}
+
+
+ForwardFactory = Callable[[nn.Module, Component], Callable[..., Any]]
+
+
+@dataclass
+class KernelOption:
+    provider: str
+    kernel: str
+    status: str  # "fused" or "native"
+    make_forward: ForwardFactory | None  # None: already in the model's graph, nothing to patch
+    requires_ops: list[str] = field(default_factory=list)  # ATen overloads the kernel dispatches (checked vs profile)
+    needs_codegen: str | None = None  # e.g. "triton": only where the profile can run Triton
+    note: str = ""
+
+
+class Provider(Protocol):
+    name: str
+
+    def available(self, target: Target) -> tuple[bool, str]: ...
+
+    def options(self, component: Component, target: Target) -> list[KernelOption]: ...
+
+
+def providers() -> list[Provider]:
+    from operators.providers.adapt_triton import AdaptTritonProvider
+    from operators.providers.liger import LigerProvider
+    from operators.providers.torch_native import TorchNativeProvider
+
+    return [TorchNativeProvider(), AdaptTritonProvider(), LigerProvider()]
+
+
+def provider_status(target: Target) -> dict[str, str]:
+    """Each provider's availability on ``target`` with the reason, for the report."""
+    out = {}
+    for prov in providers():
+        ok, why = prov.available(target)
+        out[prov.name] = "available" if ok else f"unavailable: {why}"
+    return out

@@ -1,0 +1,97 @@
+"""Candidate layouts as columns of arrays, and the layer split of a pipeline over its stages.
+
+The search scores tens of thousands of layouts at once, so a batch of candidates is a struct of
+NumPy arrays (one entry per candidate) and the models in ``memory``/``timing`` are written over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from parallel_planner.profile import ModelProfile
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+SPLITS = ("balanced", "light_ends")  # light_ends: first and last stage hold one layer fewer (embedding, head)
+FIELDS = ("tp", "pp", "dp", "cp", "ep", "zero", "recompute", "mbs", "vpp", "schedule", "offload", "split")
+
+
+@dataclass
+class Candidates:
+    """Columns of candidate layouts; ``recompute``/``schedule``/``split`` hold indices into the tuples above."""
+
+    tp: np.ndarray
+    pp: np.ndarray
+    dp: np.ndarray
+    cp: np.ndarray
+    ep: np.ndarray
+    zero: np.ndarray
+    recompute: np.ndarray
+    mbs: np.ndarray
+    vpp: np.ndarray
+    schedule: np.ndarray
+    offload: np.ndarray
+    split: np.ndarray
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[int, ...]]) -> "Candidates":
+        table = np.asarray(rows, dtype=np.int64).reshape(-1, len(FIELDS))
+        return cls(*(table[:, i].copy() for i in range(len(FIELDS))))
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    def take(self, index: np.ndarray) -> "Candidates":
+        return Candidates(*(getattr(self, f)[index] for f in FIELDS))
+
+    def row(self, i: int) -> dict[str, int]:
+        return {f: int(getattr(self, f)[i]) for f in FIELDS}
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Blocks per virtual stage, and per physical stage the count of each block type it holds."""
+
+    chunk_layers: tuple[int, ...]  # pp * vpp entries; chunk j runs on physical stage j % pp
+    type_counts: np.ndarray  # (pp, n_block_types)
+    has_embedding: np.ndarray  # (pp,) 0/1
+    has_head: np.ndarray  # (pp,) 0/1
+
+
+def split_layers(num_layers: int, chunks: int, split: str) -> list[int] | None:
+    """Contiguous layer counts per virtual stage; None when the layers cannot fill every chunk."""
+    light = 1 if split == "light_ends" and chunks > 1 else 0
+    slots = num_layers + 2 * light  # the two end chunks act as if they held one phantom layer each
+    if num_layers < chunks or slots < chunks:
+        return None
+    base, extra = divmod(slots, chunks)
+    counts = [base] * chunks
+    middle = list(range(1, chunks - 1)) or list(range(chunks))
+    for j in range(extra):  # remainder goes to middle chunks first: the ends carry embedding and head
+        counts[middle[j % len(middle)]] += 1
+    if light:
+        counts[0] -= 1
+        counts[-1] -= 1
+    if min(counts) < 1:
+        return None
+    return counts
+
+
+def stage_layout(profile: ModelProfile, pp: int, vpp: int, split: str) -> StageLayout | None:
+    chunks = split_layers(profile.num_layers, pp * vpp, split)
+    if chunks is None:
+        return None
+    counts = np.zeros((pp, len(profile.blocks)), dtype=np.float64)
+    start = 0
+    for j, n in enumerate(chunks):
+        types = profile.layer_types[start : start + n]
+        np.add.at(counts[j % pp], types, 1.0)
+        start += n
+    embed = np.zeros(pp)
+    head = np.zeros(pp)
+    embed[0] = 1.0
+    head[(pp * vpp - 1) % pp] = 1.0
+    return StageLayout(tuple(chunks), counts, embed, head)
+

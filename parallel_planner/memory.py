@@ -1,0 +1,173 @@
+"""Memory per GPU of every candidate on every pipeline stage, as a breakdown.
+
+Model states follow ZeRO (Rajbhandari et al.) as ``ParallelPlan`` realises it with FSDP2 mixed
+precision: fp32 master weights, fp32 reduced gradients and optimizer states live on the shard (over
+the data x context parallel ranks from the ZeRO stage that shards them); the bf16 compute copy of the
+weights stays unsharded below ZeRO-3, and below ZeRO-2 the bf16 gradients accumulate unsharded until
+the last micro-batch reduces them.  Routed experts shard over EP x TP and
+replicate over the expert-data-parallel ranks.  Activations follow Korthikanti et al. (2022) with
+sequence parallelism, generalised by reading the saved tensors' widths off the block structure (GQA,
+gated MLPs, MoE routing, MLA latents; flash attention keeps no s^2 term), times the micro-batches a
+stage holds in flight under its pipeline schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from parallel_planner.catalog import GIB
+from parallel_planner.cluster import Cluster
+from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout
+from parallel_planner.profile import ModelProfile
+from parallel_planner.workload import Workload
+
+ACT_BYTES = 2  # bf16 activations (fp8 recipes keep bf16 copies for backward)
+FULL = RECOMPUTE.index("full")
+SELECTIVE = RECOMPUTE.index("selective")
+INTERLEAVED = (SCHEDULES.index("interleaved_1f1b"), SCHEDULES.index("zero_bubble"))
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    fragmentation: float = 0.05  # allocator headroom kept free
+    reserved_gib: float = 1.0  # CUDA context, cuBLAS and NCCL workspaces
+    weight_bytes: int = 2  # bf16 compute copy (and unsharded bf16 gradients)
+    grad_bytes: int = 4  # fp32 reduced gradient shard
+    master_bytes: int = 4  # fp32 master weights
+    bucket_bytes: float = 100e6  # gradient-reduction bucket (DDP / FSDP)
+
+    def usable_bytes(self, cluster: Cluster) -> float:
+        return cluster.gpu.memory_bytes * (1 - self.fragmentation)
+
+
+def micro_batches(workload: Workload, c: Candidates) -> np.ndarray:
+    return workload.global_batch // (c.mbs * c.dp)
+
+
+def in_flight(c: Candidates, m: np.ndarray, pp: int) -> np.ndarray:
+    """Micro-batches of activations each physical stage holds at its peak, (C, pp).
+
+    1F1B warms up ``pp - i`` micro-batches on stage i; the interleaved schedules (1F1B and zero-bubble)
+    warm up ``2(pp-i-1) + (v-1)pp + 1`` chunks of 1/v of the stage.
+    """
+    stage = np.arange(pp)[None, :]
+    v = c.vpp[:, None]
+    plain = np.minimum(m[:, None], pp - stage)
+    chunks = np.minimum(m[:, None] * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+    return np.where(np.isin(c.schedule, INTERLEAVED)[:, None] & (v > 1), chunks / v, plain).astype(np.float64)
+
+
+def stage_params(profile: ModelProfile, layout: StageLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, routed-expert) parameters held by each physical stage before any sharding."""
+    dense = layout.type_counts @ np.array([b.dense_params for b in profile.blocks], dtype=np.float64)
+    experts = layout.type_counts @ np.array([b.expert_params for b in profile.blocks], dtype=np.float64)
+    dense = dense + layout.has_embedding * profile.embed_params
+    shared_with_embedding = profile.vocab * profile.hidden if profile.tied and len(layout.has_head) == 1 else 0
+    return dense + layout.has_head * (profile.head_params - shared_with_embedding), experts
+
+
+def model_state_floor(profile: ModelProfile, workload: Workload, c: Candidates, mm: MemoryModel) -> np.ndarray:
+    """A lower bound of model-state bytes on the fullest stage (the mean stage), to prune before scoring."""
+    if not workload.training:
+        return np.zeros(len(c))
+    dense = sum(b.count * b.dense_params for b in profile.blocks) + profile.embed_params + profile.head_params
+    experts = sum(b.count * b.expert_params for b in profile.blocks)
+    dense_gpu = dense / (c.pp * c.tp)
+    expert_gpu = experts / (c.pp * c.tp * c.ep)
+    shard = (c.dp * c.cp).astype(np.float64)
+    on_host = c.offload > 0
+    sharded_bytes = np.where(on_host, 0.0, mm.master_bytes + mm.grad_bytes + workload.optimizer_state_bytes)
+    per_dense = np.select(
+        [c.zero == 0, c.zero == 1, c.zero == 2],
+        [2 * mm.weight_bytes + sharded_bytes, 2 * mm.weight_bytes + sharded_bytes / shard,
+         mm.weight_bytes + sharded_bytes / shard],
+        sharded_bytes / shard,
+    )
+    per_expert = np.select(
+        [c.zero == 0, c.zero == 1, c.zero == 2],
+        [2 * mm.weight_bytes + sharded_bytes, 2 * mm.weight_bytes + sharded_bytes * c.ep / shard,
+         mm.weight_bytes + sharded_bytes * c.ep / shard],
+        sharded_bytes * c.ep / shard,
+    )
+    return dense_gpu * per_dense + expert_gpu * per_expert
+
+
+def activation_bytes_per_block(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:
+    """Saved activations of one block of each type for one micro-batch, (C, T)."""
+    tokens = (c.mbs * workload.seq_len / c.cp)[:, None].astype(np.float64)
+    tp = c.tp[:, None].astype(np.float64)
+    saved = np.array([b.saved_width for b in profile.blocks], dtype=np.float64)[None, :]
+    recomputable = np.array([b.recomputable_width for b in profile.blocks], dtype=np.float64)[None, :]
+    routed = np.array([b.top_k * b.routed_width for b in profile.blocks], dtype=np.float64)[None, :]
+    rec = c.recompute[:, None]
+    width = np.where(rec == SELECTIVE, saved - recomputable, saved) + routed
+    width = np.where(rec == FULL, profile.hidden, width)  # full recompute keeps the block input only
+    return ACT_BYTES * tokens * width / tp
+
+
+def memory_breakdown(
+    profile: ModelProfile, cluster: Cluster, workload: Workload, c: Candidates, layout: StageLayout, mm: MemoryModel
+) -> dict[str, np.ndarray]:
+    """Bytes per GPU by component for every candidate (rows) and physical stage (columns)."""
+    pp = layout.type_counts.shape[0]
+    tp = c.tp[:, None].astype(np.float64)
+    shard = (c.dp * c.cp)[:, None].astype(np.float64)
+    expert_shard = shard / c.ep[:, None]
+    zero = c.zero[:, None]
+    dense, experts = stage_params(profile, layout)
+    dense_gpu = dense[None, :] / tp
+    expert_gpu = experts[None, :] / (tp * c.ep[:, None])
+    tokens = (c.mbs * workload.seq_len / c.cp)[:, None].astype(np.float64)
+    per_block = activation_bytes_per_block(profile, workload, c)
+    full_width = activation_bytes_per_block(profile, workload, _no_recompute(c))
+    largest_block = max(b.dense_params + b.expert_params for b in profile.blocks)
+    out: dict[str, np.ndarray] = {}
+
+    def sharded(bytes_per_param: float, from_stage: int) -> np.ndarray:
+        d = np.where(zero >= from_stage, shard, 1.0)
+        e = np.where(zero >= from_stage, expert_shard, 1.0)
+        return bytes_per_param * (dense_gpu / d + expert_gpu / e)
+
+    m = micro_batches(workload, c)
+    if workload.training:
+        compute_copy = mm.weight_bytes * (dense_gpu + expert_gpu)
+        out["parameters"] = np.where(zero == 3, 0.0, compute_copy) + np.where(
+            c.offload[:, None] > 0, 0.0, sharded(mm.master_bytes, 1))
+        unsharded_grads = np.where(zero <= 1, mm.weight_bytes * (dense_gpu + expert_gpu), 0.0)
+        out["gradients"] = unsharded_grads + np.where(c.offload[:, None] > 0, 0.0, sharded(mm.grad_bytes, 1))
+        out["optimizer_states"] = np.where(c.offload[:, None] > 0, 0.0, sharded(workload.optimizer_state_bytes, 1))
+        stage_act = per_block @ layout.type_counts.T
+        working = np.where(c.recompute[:, None] == FULL, full_width.max(axis=1, keepdims=True), 0.0)
+        out["activations"] = stage_act * in_flight(c, m, pp) + working
+    else:
+        out["parameters"] = mm.weight_bytes * (dense_gpu + expert_gpu)
+        out["activations"] = np.broadcast_to(full_width.max(axis=1, keepdims=True), (len(c), pp)).copy()
+        cache_width = np.array(
+            [b.kv_cache_width / (b.num_kv_heads if b.kv_cache_width == b.cp_exchange_width else 1)
+             for b in profile.blocks], dtype=np.float64)
+        heads = np.array([max(b.num_kv_heads if b.kv_cache_width == b.cp_exchange_width else 1, 1)
+                          for b in profile.blocks], dtype=np.float64)
+        per_gpu_width = cache_width[None, :] * np.ceil(heads[None, :] / tp)  # kv heads shard over tp
+        sequences = (workload.global_batch / c.dp)[:, None]
+        out["kv_cache"] = (ACT_BYTES * sequences * workload.seq_len / c.cp[:, None]) * (per_gpu_width @ layout.type_counts.T)
+    logits = tokens * profile.vocab / tp * (2 + 4)  # bf16 logits and fp32 softmax for the loss
+    out["activations"] = out["activations"] + layout.has_head[None, :] * logits
+
+    buffers = np.where(c.tp[:, None] > 1, 2 * ACT_BYTES * tokens * profile.hidden, 0.0)
+    buffers = buffers + np.where(c.pp[:, None] > 1, 4 * ACT_BYTES * tokens * profile.hidden / tp, 0.0)
+    top_k = max((b.top_k for b in profile.blocks), default=0)
+    buffers = buffers + np.where(c.ep[:, None] > 1, 4 * ACT_BYTES * tokens * top_k * profile.hidden / tp, 0.0)
+    if workload.training:
+        buffers = buffers + np.where(zero <= 1, 2 * mm.bucket_bytes, mm.weight_bytes * largest_block / tp)
+        buffers = buffers + np.where(zero == 3, 2 * mm.weight_bytes * largest_block / tp, 0.0)
+    out["comm_buffers"] = np.broadcast_to(buffers, (len(c), pp)).copy()
+    out["reserved"] = np.full((len(c), pp), mm.reserved_gib * GIB)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _no_recompute(c: Candidates) -> Candidates:
+    return dataclasses.replace(c, recompute=np.zeros_like(c.recompute))

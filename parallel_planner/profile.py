@@ -1,0 +1,216 @@
+"""What the planner needs from a ``ModelSpec``: per block structure, GEMM shapes, saved activations.
+
+Everything here is read off the spec's attention/MLP/parameter fields (no model names).  Blocks with
+the same signature share one ``BlockProfile``; ``ModelProfile.layer_types`` maps each layer to it, so
+a stage's cost is a count of each block type plus the embedding and head it may own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from adapt.errors import BadInput
+from adapt.spec import BlockSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One forward GEMM per token: ``in_features -> out_features``."""
+
+    in_features: int
+    out_features: int
+    tp_sharded: bool = True  # column- or row-parallel; False for small replicated projections (MLA down, router)
+    routed: bool = False  # routed-expert GEMM: its M dimension is the tokens each expert receives
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    count: int
+    hidden: int
+    gemms: tuple[GemmShape, ...]
+    flops_scale: float  # spec linear FLOPs / FLOPs of ``gemms``: the spec is authoritative for the total
+    attention_flops_per_ctx: int  # forward, per token per attended token (all heads)
+    window: int | None
+    causal: bool
+    num_heads: int
+    num_kv_heads: int
+    kv_cache_width: int  # elements cached per token (K and V, or MLA's latent + rope key)
+    cp_exchange_width: int  # K and V elements per token that context parallelism passes around the ring
+    saved_width: int  # activation elements per token kept for backward (TP/SP sharded), no recompute
+    recomputable_width: int  # of which norm outputs and activation-function outputs (selective recompute drops)
+    routed_width: int  # elements per routed token saved inside the experts (times top_k)
+    elementwise_width: int  # bytes-moving elementwise work per token (norms, residuals, activations), elements
+    num_experts: int
+    top_k: int
+    dense_params: int  # everything but routed experts (sharded by TP)
+    expert_params: int  # all routed experts (sharded by EP x TP)
+    has_attention: bool
+    has_mlp: bool
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _attention_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int, int]:
+    """GEMMs, saved width, recomputable width, KV-cache width and CP ring width of the attention."""
+    attn = block.attention
+    if attn is None or attn.kind == "none":
+        return [], 0, 0, 0, 0
+    a, g, dq, dv = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.v_head_dim
+    if attn.kind == "mla":
+        rope, nope = attn.qk_rope_head_dim, attn.qk_nope_head_dim or dq - attn.qk_rope_head_dim
+        gemms = [GemmShape(h, attn.kv_lora_rank + rope, tp_sharded=False), GemmShape(attn.kv_lora_rank, a * (nope + dv))]
+        if attn.q_lora_rank:
+            gemms += [GemmShape(h, attn.q_lora_rank, tp_sharded=False), GemmShape(attn.q_lora_rank, a * dq)]
+        else:
+            gemms.append(GemmShape(h, a * dq))
+        latent = attn.q_lora_rank + attn.kv_lora_rank + rope
+        saved = 2 * h + latent + a * (2 * dq + dv) + a * dv + 2 * a
+        cache, ring = attn.kv_lora_rank + rope, a * (dq + dv)
+    else:
+        gemms = [GemmShape(h, a * dq), GemmShape(h, g * (dq + dv))]
+        saved = 2 * h + a * dq + g * (dq + dv) + a * dv + 2 * a  # norm in, qkv in, q/k/v, output, fp32 lse
+        cache = ring = g * (dq + dv)
+    gemms.append(GemmShape(a * dv, h))
+    return gemms, saved, h, cache, ring
+
+
+def _mlp_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int, int]:
+    """GEMMs, saved, recomputable and routed widths, and the routed experts' parameter count."""
+    mlp = block.mlp
+    if mlp.kind == "none":
+        return [], 0, 0, 0, 0
+    if mlp.kind in ("dense_gated", "dense_plain"):
+        gated = mlp.kind == "dense_gated"
+        f = mlp.intermediate_size
+        gemms = [GemmShape(h, (2 if gated else 1) * f), GemmShape(f, h)]
+        return gemms, 2 * h + (3 if gated else 2) * f, h + f, 0, 0
+    e, k, f = mlp.num_experts, mlp.top_k, mlp.intermediate_size
+    if e <= k:
+        raise BadInput(f"block {block.index}: MoE with {e} experts and top-{k} routing is not a sparse MoE")
+    per_expert = (block.params - block.params_active) // (e - k)  # routed experts are all the block's idle params
+    gated = per_expert >= 3 * h * f
+    gemms = [GemmShape(h, e, tp_sharded=False)]
+    gemms += [GemmShape(h, (2 if gated else 1) * f, routed=True), GemmShape(f, h, routed=True)]
+    saved, recomputable = 2 * h + 2 * e, h  # norm in, router input, fp32 router logits
+    if mlp.shared_intermediate_size:
+        fs = mlp.shared_intermediate_size
+        gemms += [GemmShape(h, 2 * fs), GemmShape(fs, h)]
+        saved, recomputable = saved + 3 * fs, recomputable + fs
+    routed_width = h + (3 if gated else 2) * f
+    return gemms, saved, recomputable, routed_width, per_expert * e
+
+
+def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
+    attn_gemms, attn_saved, attn_recomp, cache, ring = _attention_parts(block, h)
+    mlp_gemms, mlp_saved, mlp_recomp, routed_width, expert_params = _mlp_parts(block, h)
+    gemms = attn_gemms + mlp_gemms
+    k = block.mlp.top_k if block.mlp.kind == "moe" else 1
+    own_flops = sum(2 * gm.in_features * gm.out_features * (k if gm.routed else 1) for gm in gemms)
+    if not gemms and block.linear_flops_per_token:  # unknown mixer: one square-ish GEMM carrying the spec's FLOPs
+        gemms = [GemmShape(h, max(1, block.linear_flops_per_token // (2 * h)))]
+        own_flops = 2 * h * gemms[0].out_features
+    attn = block.attention
+    intermediate = (block.mlp.top_k * block.mlp.intermediate_size + block.mlp.shared_intermediate_size
+                    if block.mlp.kind == "moe" else block.mlp.intermediate_size)
+    return BlockProfile(
+        count=count,
+        hidden=h,
+        gemms=tuple(gemms),
+        flops_scale=block.linear_flops_per_token / own_flops if own_flops else 1.0,
+        attention_flops_per_ctx=block.attention_flops_per_token_per_ctx,
+        window=attn.window if attn else None,
+        causal=attn.causal if attn else True,
+        num_heads=attn.num_heads if attn else 0,
+        num_kv_heads=attn.num_kv_heads if attn else 0,
+        kv_cache_width=cache,
+        cp_exchange_width=ring,
+        saved_width=attn_saved + mlp_saved,
+        recomputable_width=attn_recomp + mlp_recomp,
+        routed_width=routed_width,
+        elementwise_width=12 * h + 4 * intermediate,
+        num_experts=block.mlp.num_experts if block.mlp.kind == "moe" else 0,
+        top_k=block.mlp.top_k if block.mlp.kind == "moe" else 0,
+        dense_params=block.params - expert_params,
+        expert_params=expert_params,
+        has_attention=bool(attn_gemms),
+        has_mlp=bool(mlp_gemms),
+    )
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    blocks: tuple[BlockProfile, ...]
+    layer_types: np.ndarray  # block-type index of each layer, in order
+    hidden: int
+    vocab: int
+    embed_params: int
+    head_params: int  # lm head (a copy of the embedding when tied and the ends sit on different stages), final norm
+    head_flops_per_token: int
+    tied: bool
+    signatures: tuple[str, ...]  # BlockSpec.signature() of each block type, for calibration look-ups
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def max_experts(self) -> int:
+        return max((b.num_experts for b in self.blocks), default=0)
+
+    def attention_context(self, block: BlockProfile, seq_len: int) -> float:
+        """Average attended tokens per query: causal halves the square, a window caps it."""
+        span = min(seq_len, block.window) if block.window else seq_len
+        if not block.causal:
+            return float(span)
+        if block.window and block.window < seq_len:
+            return span * (1 - span / (2 * seq_len)) + 0.5
+        return (seq_len + 1) / 2
+
+    def model_flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """Model FLOPs per token (no recompute): the numerator of MFU."""
+        forward = self.head_flops_per_token + sum(
+            b.count * (b.flops_scale * _gemm_flops(b) + b.attention_flops_per_ctx * self.attention_context(b, seq_len))
+            for b in self.blocks
+        )
+        return 3 * forward if training else forward
+
+
+def _gemm_flops(block: BlockProfile) -> float:
+    return sum(2 * g.in_features * g.out_features * (block.top_k if g.routed else 1) for g in block.gemms)
+
+
+def profile_model(spec: ModelSpec) -> ModelProfile:
+    if not spec.blocks:
+        raise BadInput("the model spec has no repeated blocks to lay out")
+    h = spec.hidden_size
+    signatures: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    first: dict[str, BlockSpec] = {}
+    layer_types = []
+    for block in spec.blocks:
+        sig = block.signature()
+        if sig not in signatures:
+            signatures[sig] = len(signatures)
+            first[sig] = block
+        counts[sig] = counts.get(sig, 0) + 1
+        layer_types.append(signatures[sig])
+    blocks = tuple(_profile_block(first[sig], h, counts[sig]) for sig in signatures)
+    embed = spec.params.embeddings or spec.vocab_size * h
+    head = spec.params.lm_head or (spec.vocab_size * h if spec.is_causal else 0)
+    outside_blocks = spec.params.total - sum(b.params for b in spec.blocks) - embed - spec.params.lm_head
+    head += max(0, outside_blocks)  # final norm and anything else outside the blocks rides with the head
+    return ModelProfile(
+        blocks=blocks,
+        layer_types=np.asarray(layer_types, dtype=np.int64),
+        hidden=h,
+        vocab=spec.vocab_size,
+        embed_params=embed,
+        head_params=head,
+        head_flops_per_token=spec.cost.lm_head_flops_per_token or 2 * h * spec.vocab_size,
+        tied=spec.tie_word_embeddings,
+        signatures=tuple(signatures),
+    )

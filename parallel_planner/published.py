@@ -1,0 +1,355 @@
+"""Validation against published training runs (``data/published_runs.csv``).
+
+Each row names a model by its dimensions, a cluster and the layout the authors ran.  We write the
+row's ModelSpec from those dimensions (the CSV header says which decoder each source trained), plan
+that layout with ``--fixed`` semantics, and compare per-GPU token throughput with the paper's figure
+converted under the paper's own FLOP convention:
+
+* Megatron-LM 2021 counts the recomputed forward: ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step.
+The schedule is pinned to interleaved 1F1B (what both papers ran); micro-batch and virtual stages are the
+planner's choice.  A published layout our memory model says does not fit is still timed, and flagged.
+
+* Llama 3 reports model-FLOPs utilisation; we read it as adapt's model FLOPs (3x forward, causal
+  attention averaging ``(s+1)/2`` context), the same numerator adapt's own MFU uses.
+
+``python -m parallel_planner.published --fit`` refits ``Efficiency.gemm/attention/network`` on all rows
+and leave-one-source-out; ``--write`` regenerates ``benchmarks/results/planner-published.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+import math
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from adapt.spec import (
+    SCHEMA_VERSION, AttentionSpec, BlockSpec, CostSpec, MLPSpec, ModelSpec, NormSpec, ParamCounts,
+)
+from parallel_planner.cluster import make_cluster
+from parallel_planner.profile import profile_model
+from parallel_planner.search import plan_parallel
+from parallel_planner.timing import Efficiency
+from parallel_planner.workload import Workload
+
+# How each source's software ran: Megatron-LM 2021's default "local" DDP all-reduces gradients after the
+# pipeline flush, without overlapping the backward pass.
+SOURCE_EFFICIENCY = {"megatron2021": dict(overlap_grad_reduce=False), "llama3": {}}
+
+# What each source trained, as its paper describes it (the CSV gives the dimensions).
+SOURCE_ARCHITECTURE = {
+    "megatron2021": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="absolute", tied=True),
+    "llama3": dict(mlp="dense_gated", activation="silu", norm="rmsnorm", positional="rope", tied=False),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    source: str
+    model: str
+    params_b: float
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq: int
+    gpu: str
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    zero: int
+    global_batch_seqs: int
+    recompute: str
+    reported_tflops_per_gpu: float
+    reported_pct_peak: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}@{self.gpus}x{self.gpu}" + (f",s={self.seq}" if self.source == "llama3" else "")
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The published layout; both papers ran Megatron's interleaved 1F1B schedule when pipelining."""
+        layout = dict(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, zero=self.zero, recompute=self.recompute)
+        if self.pp > 1:
+            layout["schedule"] = "interleaved_1f1b"
+        return layout
+
+    def workload(self) -> Workload:
+        return Workload(self.seq, self.global_batch_seqs)
+
+    def published_tokens_per_s_per_gpu(self, spec: ModelSpec) -> float:
+        """The paper's per-GPU FLOP rate turned into tokens/s with the paper's FLOP count."""
+        if self.source == "megatron2021":
+            l, h, s, v = self.layers, self.hidden, self.seq, self.vocab
+            flops_per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        else:
+            flops_per_token = profile_model(spec).model_flops_per_token(self.seq)
+        return self.reported_tflops_per_gpu * 1e12 / flops_per_token
+
+
+def load_published_runs(path: str | Path | None = None) -> list[PublishedRun]:
+    text = Path(path).read_text() if path else resources.files("parallel_planner.data").joinpath(
+        "published_runs.csv").read_text()
+    rows = csv.DictReader(io.StringIO("\n".join(l for l in text.splitlines() if not l.startswith("#"))))
+    runs = []
+    for row in rows:
+        kwargs = {}
+        for f in dataclasses.fields(PublishedRun):
+            kwargs[f.name] = row[f.name] if f.type == "str" else (float if f.type == "float" else int)(row[f.name])
+        runs.append(PublishedRun(**kwargs))
+    return runs
+
+
+def run_spec(run: PublishedRun) -> ModelSpec:
+    """The ModelSpec of a row's decoder, written from its published dimensions."""
+    arch = SOURCE_ARCHITECTURE[run.source]
+    h, f, a, g, v, s = run.hidden, run.ffn, run.heads, run.kv_heads, run.vocab, run.seq
+    d = h // a
+    gated = arch["mlp"] == "dense_gated"
+    bias = not gated  # GPT linears carry biases, Llama's do not
+    attn_params = h * a * d + 2 * h * g * d + a * d * h + (a * d + 2 * g * d + h) * bias
+    mlp_params = (3 if gated else 2) * h * f + (f + h) * bias
+    norm_params = 2 * h * (2 if arch["norm"] == "layernorm" else 1)
+    block_params = attn_params + mlp_params + norm_params
+    linear = 2 * (attn_params - (a * d + 2 * g * d + h) * bias) + 2 * (3 if gated else 2) * h * f
+    blocks = [
+        BlockSpec(
+            index=i, module=f"layers.{i}", class_name="DecoderLayer", mixer="full_attention",
+            attention=AttentionSpec(kind="mha" if g == a else "gqa", num_heads=a, num_kv_heads=g, head_dim=d,
+                                    v_head_dim=d, qkv_bias=bias),
+            mlp=MLPSpec(kind=arch["mlp"], intermediate_size=f, activation=arch["activation"], bias=bias),
+            norm=NormSpec(kind=arch["norm"], placement="pre"), positional=arch["positional"],
+            params=block_params, params_active=block_params, linear_flops_per_token=linear,
+            attention_flops_per_token_per_ctx=2 * a * d + 2 * a * d,
+        )
+        for i in range(run.layers)
+    ]
+    embeddings = v * h + (s * h if arch["positional"] == "absolute" else 0)
+    lm_head = 0 if arch["tied"] else v * h
+    total = embeddings + lm_head + run.layers * block_params + norm_params // 2
+    ctx = (s + 1) / 2
+    forward = run.layers * (linear + 4 * a * d * ctx) + 2 * h * v
+    cost = CostSpec(
+        seq_len=s, forward_flops_per_token=int(forward), train_flops_per_token=int(3 * forward),
+        linear_flops_per_token=run.layers * linear, attention_flops_per_token=int(run.layers * 4 * a * d * ctx),
+        lm_head_flops_per_token=2 * h * v, kv_cache_bytes_per_token=run.layers * 2 * g * d * 2, kv_cache_dtype_bytes=2,
+    )
+    return ModelSpec(
+        schema_version=SCHEMA_VERSION, model_type=run.source, architectures=[], source=f"published:{run.model}",
+        revision=None, dtype="bfloat16", model_class="", is_causal=True, hidden_size=h, vocab_size=v,
+        num_layers=run.layers, max_position_embeddings=s, tie_word_embeddings=arch["tied"], rope=None, blocks=blocks,
+        params=ParamCounts(embeddings=embeddings, lm_head=lm_head, total=total, active_per_token=total),
+        cost=cost, unrecognized=[], novelties=[],
+    )
+
+
+def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bool = True) -> list[dict[str, Any]]:
+    """Predicted vs published per-GPU throughput for each row (and the searched plan when ``search``)."""
+    eff = eff or Efficiency()
+    out = []
+    for run in runs:
+        spec = run_spec(run)
+        cluster = make_cluster(run.gpu, run.gpus)
+        run_eff = dataclasses.replace(eff, **SOURCE_EFFICIENCY[run.source])
+        fixed = plan_parallel(spec, cluster, run.workload(), fixed=run.layout, top_k=1, efficiency=run_eff).best
+        published = run.published_tokens_per_s_per_gpu(spec)
+        row = {
+            "source": run.source, "run": run.name, "layout": run.layout,
+            "published_tflops_per_gpu": run.reported_tflops_per_gpu,
+            "published_tokens_per_s_per_gpu": published,
+            "predicted_tokens_per_s_per_gpu": fixed.tokens_per_s_per_gpu,
+            "error": fixed.tokens_per_s_per_gpu / published - 1,
+            "fits": fixed.fits, "memory_gib_per_gpu": fixed.memory_gib_per_gpu,
+            "chosen": {k: getattr(fixed.plan, k) for k in ("micro_batch", "vpp", "pp_schedule")},
+            "predicted_mfu": fixed.mfu, "published_pct_peak": run.reported_pct_peak,
+        }
+        if search:
+            started = time.perf_counter()
+            best = plan_parallel(spec, cluster, run.workload(), top_k=1, efficiency=run_eff).best
+            row["search_s"] = time.perf_counter() - started
+            row["searched"] = {k: v for k, v in best.to_dict().items() if k in (
+                "tp", "pp", "dp", "cp", "ep", "zero", "recompute", "micro_batch", "vpp", "pp_schedule",
+                "memory_gib_per_gpu", "fits", "tokens_per_s_per_gpu")}
+            row["searched_speedup"] = best.tokens_per_s_per_gpu / fixed.tokens_per_s_per_gpu
+        out.append(row)
+    return out
+
+
+def error_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    errors = [abs(r["error"]) for r in rows]
+    return {"mean_abs_error": sum(errors) / len(errors), "max_abs_error": max(errors), "rows": len(errors)}
+
+
+FITTED = ("gemm", "attention", "network")
+BOUNDS = {"gemm": (0.3, 1.0), "attention": (0.05, 1.0), "network": (0.2, 1.0)}
+
+
+def fit(runs: list[PublishedRun], start: Efficiency | None = None, rounds: int = 3) -> Efficiency:
+    """Coordinate descent (golden section per parameter) on the mean squared log throughput error."""
+    eff = start or Efficiency()
+
+    def loss(candidate: Efficiency) -> float:
+        rows = evaluate(runs, candidate, search=False)
+        return sum(math.log1p(r["error"]) ** 2 for r in rows) / len(rows)
+
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(rounds):
+        for name in FITTED:
+            lo, hi = BOUNDS[name]
+            for _ in range(14):
+                a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+                if loss(dataclasses.replace(eff, **{name: a})) < loss(dataclasses.replace(eff, **{name: b})):
+                    hi = b
+                else:
+                    lo = a
+            eff = dataclasses.replace(eff, **{name: round((lo + hi) / 2, 3)})
+    return eff
+
+
+def planning_speed() -> list[dict[str, Any]]:
+    """Seconds to plan the two giants of the issue, from a config-only checkpoint to the ranked answer.
+
+    ``intake_s`` builds the ModelSpec from a meta skeleton (torch/transformers start-up included when cold);
+    ``cli_cached_s`` is ``adapt plan`` end to end in a fresh process once that spec is cached.
+    """
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from transformers import DeepseekV3Config
+
+    from adapt.intake import inspect
+
+    cases = [
+        ("DeepSeek-V3 (671B MoE, MLA), 2048 x H800", DeepseekV3Config(), "h800", 2048, 4096, 15360),
+        ("3T MoE (DeepSeek-V3 shape, 1024 experts, 70 layers), 16384 x H100",
+         DeepseekV3Config(n_routed_experts=1024, num_hidden_layers=70), "h100", 16384, 4096, 16384),
+    ]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, ADAPT_CACHE_DIR=os.path.join(tmp, "cache"))
+        for i, (name, config, gpu, gpus, seq, batch) in enumerate(cases):
+            path = os.path.join(tmp, f"model{i}")
+            config.save_pretrained(path)
+            started = time.perf_counter()
+            spec = inspect(path, config_only=True, seq_len=seq)
+            intake_s = time.perf_counter() - started
+            started = time.perf_counter()
+            result = plan_parallel(spec, make_cluster(gpu, gpus), Workload(seq, batch))
+            plan_s = time.perf_counter() - started
+            command = [sys.executable, "-m", "adapt.cli", "plan", path, "--config-only", "--gpu", gpu, "--gpus",
+                       str(gpus), "--seq", str(seq), "--global-batch", str(batch), "--json"]
+            subprocess.run(command, env=env, check=True, capture_output=True)  # fills the spec cache
+            started = time.perf_counter()
+            subprocess.run(command, env=env, check=True, capture_output=True)
+            cli_s = time.perf_counter() - started
+            best = result.best
+            out.append({
+                "case": name, "params_total": spec.params_total, "layouts_scored": result.searched,
+                "intake_s": intake_s, "plan_s": plan_s, "cli_cached_s": cli_s,
+                "best": {k: v for k, v in best.to_dict().items() if k in (
+                    "tp", "pp", "dp", "cp", "ep", "zero", "recompute", "micro_batch", "vpp", "pp_schedule",
+                    "memory_gib_per_gpu", "tokens_per_s", "mfu")},
+            })
+    return out
+
+
+def _markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    lines = [
+        "# Planner: predicted vs published per-GPU throughput",
+        "",
+        "Generated by `python -m parallel_planner.published --write`. Each row is planned with its published",
+        "layout pinned (`--fixed` tp/pp/dp/cp/ep/zero/recompute; micro-batch, virtual stages and schedule chosen",
+        "by the planner) and compared with the paper's TFLOP/s per GPU turned into tokens/s under the paper's",
+        "own FLOP convention (see `parallel_planner/published.py`).",
+        "",
+        f"Efficiency parameters: `{json.dumps({k: summary['efficiency'][k] for k in FITTED})}` "
+        "(fitted jointly on all rows).",
+        "",
+        f"**All rows: mean |error| {summary['all']['mean_abs_error']:.1%}, max {summary['all']['max_abs_error']:.1%}.**",
+        "",
+    ]
+    for source, s in summary["per_source"].items():
+        lines.append(f"- {source}: mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}")
+    if "leave_one_source_out" in summary:
+        lines += ["", "Leave-one-source-out (fit on the other source, predict this one):", ""]
+        for source, s in summary["leave_one_source_out"].items():
+            lines.append(f"- {source}: mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}, "
+                         f"parameters fitted without it `{json.dumps(s['efficiency'])}`")
+    lines += ["", "| run | layout | published tok/s/GPU | predicted | error | fits | GiB/GPU | searched plan | search speed-up | search s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lay = r["layout"]
+        srch = r.get("searched", {})
+        searched = (f"tp{srch.get('tp')} pp{srch.get('pp')} dp{srch.get('dp')} cp{srch.get('cp')} "
+                    f"z{srch.get('zero')} {srch.get('recompute')} mbs{srch.get('micro_batch')} vpp{srch.get('vpp')}")
+        lines.append(
+            f"| {r['run']} | tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} {lay['recompute']} "
+            f"| {r['published_tokens_per_s_per_gpu']:.0f} | {r['predicted_tokens_per_s_per_gpu']:.0f} "
+            f"| {r['error']:+.1%} | {r['fits']} | {r['memory_gib_per_gpu']:.1f} | {searched} "
+            f"| {r.get('searched_speedup', float('nan')):.2f}x | {r.get('search_s', float('nan')):.2f} |"
+        )
+    if summary.get("speed"):
+        lines += ["", "## Planning speed (this 2-core CPU machine, shared)", "",
+                  "| case | params | layouts scored | intake (cold) s | search s | `adapt plan` end to end, spec cached, s | best |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for case in summary["speed"]:
+            b = case["best"]
+            lines.append(
+                f"| {case['case']} | {case['params_total'] / 1e12:.2f}T | {case['layouts_scored']:,} "
+                f"| {case['intake_s']:.2f} | {case['plan_s']:.2f} | {case['cli_cached_s']:.2f} "
+                f"| tp{b['tp']} pp{b['pp']} dp{b['dp']} cp{b['cp']} ep{b['ep']} z{b['zero']} {b['recompute']} "
+                f"mbs{b['micro_batch']} vpp{b['vpp']} {b['pp_schedule']}: {b['memory_gib_per_gpu']:.1f} GiB, "
+                f"MFU {b['mfu']:.1%} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fit", action="store_true", help="refit the efficiency parameters (all rows and LOSO)")
+    parser.add_argument("--write", metavar="DIR", help="write planner-published.{json,md} into DIR")
+    args = parser.parse_args(argv)
+    runs = load_published_runs()
+    eff = fit(runs) if args.fit else Efficiency()
+    rows = evaluate(runs, eff)
+    sources = sorted({r.source for r in runs})
+    summary: dict[str, Any] = {
+        "efficiency": eff.to_dict(),
+        "all": error_summary(rows),
+        "per_source": {s: error_summary([r for r in rows if r["source"] == s]) for s in sources},
+    }
+    if args.fit:
+        summary["leave_one_source_out"] = {}
+        for held in sources:
+            held_eff = fit([r for r in runs if r.source != held])
+            held_rows = evaluate([r for r in runs if r.source == held], held_eff, search=False)
+            summary["leave_one_source_out"][held] = {
+                **error_summary(held_rows), "efficiency": {k: getattr(held_eff, k) for k in FITTED}}
+    if args.write:
+        summary["speed"] = planning_speed()
+    print(json.dumps(summary, indent=2))
+    if args.write:
+        out = Path(args.write)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "planner-published.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+        (out / "planner-published.md").write_text(_markdown(rows, summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

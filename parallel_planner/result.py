@@ -1,0 +1,80 @@
+"""What the planner returns: ranked plans with their memory and time breakdowns, JSON-ready."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from parallel_planner.plan import ParallelPlan
+
+
+@dataclass
+class RankedPlan:
+    rank: int
+    plan: ParallelPlan
+    fits: bool
+    memory_gib_per_gpu: float  # the fullest stage
+    memory_breakdown: dict[str, float]  # GiB per component on the fullest stage
+    memory_per_stage_gib: list[float]
+    usable_memory_gib: float
+    step_time_s: float
+    time_breakdown: dict[str, float]
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float  # model FLOPs (no recompute) over dense bf16 peak
+    hfu: float  # hardware FLOPs (with recompute) over dense bf16 peak
+    torchrun: str
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "rank": self.rank,
+            "tp": p.tp,
+            "pp": p.pp,
+            "dp": p.dp,
+            "cp": p.cp,
+            "ep": p.ep,
+            "zero": p.zero,
+            "recompute": p.recompute,
+            "micro_batch": p.micro_batch,
+            "grad_accum": p.grad_accum,
+            "vpp": p.vpp,
+            "pp_schedule": p.pp_schedule,
+            "offload_optimizer": p.offload_optimizer,
+            "fits": self.fits,
+            "memory_gib_per_gpu": self.memory_gib_per_gpu,
+            "memory_breakdown": self.memory_breakdown,
+            "memory_per_stage_gib": self.memory_per_stage_gib,
+            "usable_memory_gib": self.usable_memory_gib,
+            "step_time_s": self.step_time_s,
+            "time_breakdown": self.time_breakdown,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "torchrun": self.torchrun,
+            "plan": p.to_dict(),
+        }
+
+
+@dataclass
+class PlannerResult:
+    plans: list[RankedPlan]
+    binding_constraint: str
+    searched: int  # candidate layouts scored
+    feasible: int  # of which fit memory and every constraint
+    fixed: dict[str, Any] | None = None
+    cluster: dict[str, Any] = field(default_factory=dict)
+    workload: dict[str, Any] = field(default_factory=dict)
+    efficiency: dict[str, float] = field(default_factory=dict)
+    calibration: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> RankedPlan:
+        return self.plans[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if k != "plans"}
+        data["plans"] = [p.to_dict() for p in self.plans]
+        return data

@@ -1,0 +1,374 @@
+"""Search the layout space and rank what fits: ``plan_parallel``.
+
+Every structurally valid layout (TP x CP x PP x DP over the GPUs, EP inside DP x CP, ZeRO stage,
+recompute, micro-batch, virtual stages, schedule, layer split, optimizer offload) is scored at once by
+the vectorised memory and time models, grouped by pipeline split.  TP and EP stay inside a node;
+only when nothing fits there does the search widen to cross-node TP/EP.  ``fixed`` pins any subset of
+the knobs and the rest are still chosen for the fastest fitting result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from adapt.errors import BadInput
+from adapt.spec import ModelSpec
+from parallel_planner.calibration import Calibration, compute_scale
+from parallel_planner.catalog import GIB
+from parallel_planner.cluster import Cluster
+from parallel_planner.layout import FIELDS, RECOMPUTE, SCHEDULES, SPLITS, Candidates, stage_layout
+from parallel_planner.memory import MemoryModel, memory_breakdown, model_state_floor
+from parallel_planner.plan import ParallelPlan
+from parallel_planner.profile import ModelProfile, profile_model
+from parallel_planner.result import PlannerResult, RankedPlan
+from parallel_planner.timing import Efficiency, step_time
+from parallel_planner.workload import Workload
+
+ALIASES = {"micro_batch": "mbs", "pp_schedule": "schedule", "offload_optimizer": "offload"}
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+VIRTUAL_STAGES = (1, 2, 3, 4, 6, 8)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Limits of the enumeration; ``cross_node`` lets TP and EP leave the node."""
+
+    cross_node: bool = False
+    offload: bool = False  # optimizer offload only joins when nothing fits on the GPUs alone
+    max_cp: int = 64
+    min_cp_chunk: int = 256  # tokens per context-parallel rank below which ring attention cannot pay off
+
+
+def parse_fixed(text: str | dict | None) -> dict[str, int]:
+    """``"tp=8,pp=16,recompute=none"`` (or a dict) -> knob indices as the candidate columns hold them."""
+    if not text:
+        return {}
+    items = text.items() if isinstance(text, dict) else (_pair(p) for p in str(text).split(",") if p.strip())
+    fixed: dict[str, int] = {}
+    for key, value in items:
+        key = ALIASES.get(key.strip(), key.strip())
+        value = str(value).strip().lower()
+        if key not in FIELDS:
+            raise BadInput(f"--fixed: unknown key {key!r} (known: {', '.join(FIELDS)})")
+        choices = {"recompute": RECOMPUTE, "schedule": SCHEDULES, "split": SPLITS}.get(key)
+        if choices:
+            value = {"interleaved": "interleaved_1f1b", "zb": "zero_bubble"}.get(value, value)
+            if value not in choices:
+                raise BadInput(f"--fixed: {key} must be one of {', '.join(choices)}, got {value!r}")
+            fixed[key] = choices.index(value)
+            continue
+        if key == "offload" and value in ("true", "false", "yes", "no"):
+            value = "1" if value in ("true", "yes") else "0"
+        try:
+            fixed[key] = int(value)
+        except ValueError:
+            raise BadInput(f"--fixed: {key} must be an integer, got {value!r}") from None
+        if fixed[key] < (0 if key in ("zero", "offload") else 1):
+            raise BadInput(f"--fixed: {key}={value} is out of range")
+    if fixed.get("zero", 0) > 3:
+        raise BadInput("--fixed: zero must be 0, 1, 2 or 3")
+    return fixed
+
+
+def _pair(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise BadInput(f"--fixed: expected key=value, got {text.strip()!r}")
+    key, value = text.split("=", 1)
+    return key, value
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def enumerate_candidates(
+    profile: ModelProfile, cluster: Cluster, workload: Workload, fixed: dict[str, int], space: SearchSpace
+) -> tuple[dict[tuple[int, int, int], Candidates], Counter]:
+    """Structurally valid layouts grouped by (pp, vpp, split), and how many families were rejected why."""
+    n, per_node = cluster.num_gpus, cluster.gpus_per_node
+    rejected: Counter = Counter()
+    heads = [b.num_heads for b in profile.blocks if b.has_attention]
+    kv_heads = [b.num_kv_heads for b in profile.blocks if b.has_attention]
+    experts = [b.num_experts for b in profile.blocks if b.is_moe]
+    outer: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+
+    def allowed(key: str, values) -> list[int]:
+        return [v for v in values if key not in fixed or fixed[key] == v]
+
+    for tp in allowed("tp", _divisors(n)):
+        if any(h % tp for h in heads) or any(g % tp for g in kv_heads):
+            rejected["tensor parallel must divide the attention and kv heads"] += 1
+            continue
+        if tp > per_node and not space.cross_node and "tp" not in fixed:
+            rejected["tensor parallel kept inside a node"] += 1
+            continue
+        for cp in allowed("cp", _divisors(n // tp)):
+            if cp > 1 and (workload.seq_len % (2 * cp) or cp > space.max_cp
+                           or workload.seq_len // cp < space.min_cp_chunk):
+                rejected[f"context parallel needs 2*cp equal chunks of at least {space.min_cp_chunk // 2} tokens"] += 1
+                continue
+            for pp in allowed("pp", _divisors(n // (tp * cp))):
+                if pp > profile.num_layers:
+                    rejected["pipeline stages must each hold at least one layer"] += 1
+                    continue
+                dp = n // (tp * cp * pp)
+                if "dp" in fixed and fixed["dp"] != dp:
+                    continue
+                if workload.global_batch % dp:
+                    rejected["global batch must divide over the data-parallel ranks"] += 1
+                    continue
+                for row in _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, space, per_node, rejected):
+                    outer.setdefault((row[1], row[6]), []).append(row)
+    return {key: cands for key, cands in _expand(outer, workload, fixed, space)}, rejected
+
+
+def _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, space, per_node, rejected):
+    """(tp, pp, dp, cp, ep, mbs, vpp, schedule) rows of one TP x CP x PP x DP layout."""
+    per_rank = workload.global_batch // dp
+    ep_options = _divisors(math.gcd(dp * cp, *experts)) if experts else [1]
+    if "ep" in fixed and fixed["ep"] not in ep_options:
+        rejected[f"ep={fixed['ep']} must divide the experts and dp*cp={dp * cp}"] += 1
+    for ep in ep_options:
+        if "ep" in fixed and fixed["ep"] != ep:
+            continue
+        if ep * tp > per_node and not space.cross_node and "ep" not in fixed:
+            rejected["expert parallel kept inside a node"] += 1
+            continue
+        for mbs in (b for b in MICRO_BATCHES if per_rank % b == 0):
+            if "mbs" in fixed and fixed["mbs"] != mbs:
+                continue
+            for vpp, schedule in _schedules(pp, per_rank // mbs, profile.num_layers, workload.training):
+                if fixed.get("vpp", vpp) == vpp and fixed.get("schedule", schedule) == schedule:
+                    yield (tp, pp, dp, cp, ep, mbs, vpp, schedule)
+
+
+def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace):
+    """Cross each group's layouts with ZeRO stage, recompute, offload and layer split, as arrays."""
+    training = workload.training
+    offload = (0, 1) if space.offload else (0,)
+    inner = [
+        (zero, rec, off)
+        for zero, rec, off in itertools.product(range(4) if training else (0,), range(3) if training else (0,), offload)
+        if not (off and zero == 0)
+        and all(fixed.get(k, v) == v for k, v in (("zero", zero), ("recompute", rec), ("offload", off)))
+    ]
+    if not inner:
+        return
+    inner_arr = np.asarray(inner, dtype=np.int64)
+    for (pp, vpp), rows in outer.items():
+        base = np.asarray(rows, dtype=np.int64)
+        reps = len(inner_arr)
+        b = np.repeat(base, reps, axis=0)
+        z = np.tile(inner_arr, (len(base), 1))
+        for split in range(len(SPLITS)) if pp > 1 else (0,):
+            if fixed.get("split", split) != split:
+                continue
+            cols = dict(tp=b[:, 0], pp=b[:, 1], dp=b[:, 2], cp=b[:, 3], ep=b[:, 4], mbs=b[:, 5], vpp=b[:, 6],
+                        schedule=b[:, 7], zero=z[:, 0], recompute=z[:, 1], offload=z[:, 2],
+                        split=np.full(len(b), split, dtype=np.int64))
+            yield (pp, vpp, split), Candidates(**cols)
+
+
+def _schedules(pp: int, m: int, layers: int, training: bool) -> list[tuple[int, int]]:
+    if pp == 1:
+        return [(1, 0)]
+    out = [(1, SCHEDULES.index("1f1b"))]
+    if not training:
+        return out
+    for v in VIRTUAL_STAGES[1:]:
+        if pp * v <= layers and m % pp == 0:  # interleaving needs whole rounds of pp micro-batches
+            out.append((v, SCHEDULES.index("interleaved_1f1b")))
+            out.append((v, SCHEDULES.index("zero_bubble")))
+    return out
+
+
+@dataclass
+class Scored:
+    candidates: Candidates
+    memory_total: np.ndarray  # bytes on the fullest stage
+    step: np.ndarray
+    smallest_pruned: float = np.inf  # least model-state floor among layouts pruned before scoring
+
+
+def score(
+    profile: ModelProfile, cluster: Cluster, workload: Workload, groups: dict[tuple[int, int, int], Candidates],
+    eff: Efficiency, mm: MemoryModel, scale: np.ndarray | None, prune: bool = True,
+) -> Scored:
+    """Fullest-stage memory and step time of every candidate, one (pp, vpp, split) group at a time.
+
+    With ``prune``, layouts whose model states alone overflow the GPU are dropped before scoring.
+    """
+    parts: list[tuple[Candidates, np.ndarray, np.ndarray]] = []
+    usable = mm.usable_bytes(cluster) if prune else np.inf
+    smallest_pruned = np.inf
+    for (pp, vpp, split), cands in groups.items():
+        layout = stage_layout(profile, pp, vpp, SPLITS[split])
+        if layout is None:
+            continue
+        floor = model_state_floor(profile, workload, cands, mm)
+        possible = floor <= usable
+        if not possible.all():
+            smallest_pruned = min(smallest_pruned, float(floor[~possible].min()))
+            if not possible.any():
+                continue
+            cands = cands.take(np.flatnonzero(possible))
+        memory = memory_breakdown(profile, cluster, workload, cands, layout, mm)["total"].max(axis=1)
+        parts.append((cands, memory, step_time(profile, cluster, workload, cands, layout, eff, scale)["step"]))
+    if not parts:
+        return Scored(Candidates.from_rows([]), np.zeros(0), np.zeros(0), smallest_pruned)
+    cands = Candidates(*(np.concatenate([getattr(p[0], f) for p in parts]) for f in FIELDS))
+    return Scored(cands, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]), smallest_pruned)
+
+
+def plan_parallel(
+    spec: ModelSpec,
+    cluster: Cluster,
+    workload: Workload,
+    fixed: dict | str | None = None,
+    top_k: int = 5,
+    calibration: Calibration | None = None,
+    efficiency: Efficiency | None = None,
+    memory_model: MemoryModel | None = None,
+) -> PlannerResult:
+    """Rank the fastest layouts that fit, or evaluate a fixed one (``fixed`` pins knobs, see ``parse_fixed``)."""
+    eff = efficiency or Efficiency()
+    mm = memory_model or MemoryModel()
+    pinned = parse_fixed(fixed)
+    product = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "dp", "cp"))
+    if cluster.num_gpus % product or (all(k in pinned for k in ("tp", "pp", "dp", "cp")) and product != cluster.num_gpus):
+        raise BadInput(f"--fixed: tp*pp*dp*cp = {product} does not lay out {cluster.num_gpus} GPUs")
+    profile = profile_model(spec)
+    scale = compute_scale(calibration, profile, cluster, workload, eff) if calibration else None
+    usable = mm.usable_bytes(cluster)
+    rejected, notes = Counter(), []
+    spaces = (SearchSpace(), SearchSpace(offload=True), SearchSpace(cross_node=True, offload=True))
+    for space in spaces:
+        groups, rejected_here = enumerate_candidates(profile, cluster, workload, pinned, space)
+        rejected += rejected_here
+        scored = score(profile, cluster, workload, groups, eff, mm, scale, prune=not pinned)
+        if (scored.memory_total <= usable).any():
+            break
+    if space is not spaces[0] and not pinned and (scored.memory_total <= usable).any():
+        notes.append("nothing fitted with TP/EP inside a node and optimizer states on the GPU; the search widened"
+                     if space.cross_node else "nothing fitted with optimizer states on the GPU; offload joined the search")
+    if not len(scored.candidates):
+        if np.isfinite(scored.smallest_pruned):
+            raise BadInput(
+                f"no layout fits in {usable / GIB:.1f} GiB per {cluster.gpu.name}: parameters, gradients and "
+                f"optimizer states alone need at least {scored.smallest_pruned / GIB:.1f} GiB; use more GPUs"
+            )
+        raise BadInput(_no_layout_message(cluster, workload, rejected, pinned))
+    fits = scored.memory_total <= usable
+    if not fits.any() and not pinned:
+        smallest = int(np.argmin(scored.memory_total))
+        raise BadInput(
+            f"no layout fits in {usable / GIB:.1f} GiB per {cluster.gpu.name}: the smallest needs "
+            f"{scored.memory_total[smallest] / GIB:.1f} GiB ({_short(scored.candidates.row(smallest))}); "
+            "use more GPUs, a larger GPU or a shorter sequence"
+        )
+    pool = np.flatnonzero(fits) if fits.any() else np.arange(len(fits))  # a pinned layout may not fit: say so
+    order = pool[np.argsort(scored.step[pool], kind="stable")][:top_k]
+    plans = [
+        _ranked(rank, scored.candidates.row(int(i)), profile, cluster, workload, eff, mm, scale, spec.source)
+        for rank, i in enumerate(order, 1)
+    ]
+    return PlannerResult(
+        plans=plans,
+        binding_constraint=_binding(scored, fits, usable, int(order[0]), rejected),
+        searched=len(scored.candidates),
+        feasible=int(fits.sum()),
+        fixed={k: _knob_name(k, v) for k, v in pinned.items()} or None,
+        cluster=cluster.to_dict(),
+        workload=workload.to_dict(),
+        efficiency=eff.to_dict(),
+        calibration=calibration.device if calibration else None,
+        notes=notes,
+    )
+
+
+def _knob_name(key: str, value: int):
+    names = {"recompute": RECOMPUTE, "schedule": SCHEDULES, "split": SPLITS}.get(key)
+    return names[value] if names else value
+
+
+def _short(row: dict[str, int]) -> str:
+    return ",".join(f"{k}={_knob_name(k, v)}" for k, v in row.items())
+
+
+def _binding(scored: Scored, fits: np.ndarray, usable: float, best: int, rejected: Counter) -> str:
+    """What stops a faster plan: memory if faster layouts overflow it, else the commonest structural limit."""
+    if not fits[best]:
+        return f"memory: needs {scored.memory_total[best] / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable"
+    faster = np.flatnonzero((scored.step < scored.step[best]) & ~fits)
+    if len(faster):
+        quickest = faster[np.argmin(scored.step[faster])]
+        return (
+            f"memory: {len(faster)} faster layouts exceed {usable / GIB:.1f} GiB usable per GPU; the fastest "
+            f"({_short(scored.candidates.row(int(quickest)))}) needs {scored.memory_total[quickest] / GIB:.1f} GiB"
+        )
+    if rejected:
+        reason, count = rejected.most_common(1)[0]
+        return f"{reason} ({count} layout families excluded)"
+    return "none: the fastest layout in the space fits"
+
+
+def _no_layout_message(cluster: Cluster, workload: Workload, rejected: Counter, pinned: dict) -> str:
+    reasons = "; ".join(f"{r} ({c})" for r, c in rejected.most_common(3)) or "the fixed knobs admit no layout"
+    what = f"the fixed layout {_short(pinned)}" if pinned else f"{cluster.num_gpus} x {cluster.gpu.name}"
+    return f"no valid layout for {what} with global batch {workload.global_batch}: {reasons}"
+
+
+def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Workload, eff, mm, scale,
+            profile_source: str) -> RankedPlan:
+    """Re-evaluate one layout with every breakdown kept."""
+    one = Candidates.from_rows([tuple(row[f] for f in FIELDS)])
+    layout = stage_layout(profile, row["pp"], row["vpp"], SPLITS[row["split"]])
+    memory = memory_breakdown(profile, cluster, workload, one, layout, mm)
+    times = step_time(profile, cluster, workload, one, layout, eff, scale)
+    fullest = int(memory["total"][0].argmax())
+    m = workload.global_batch // (row["mbs"] * row["dp"])
+    plan = ParallelPlan(
+        tp=row["tp"], pp=row["pp"], cp=row["cp"], ep=row["ep"], zero=row["zero"],
+        dp_replicate=row["dp"] if row["zero"] == 0 else 1, dp_shard=1 if row["zero"] == 0 else row["dp"],
+        sequence_parallel=row["tp"] > 1, recompute=RECOMPUTE[row["recompute"]], micro_batch=row["mbs"],
+        grad_accum=m, pp_schedule=SCHEDULES[row["schedule"]], vpp=row["vpp"],
+        stage_layers=list(layout.chunk_layers) if row["pp"] > 1 else [], offload_optimizer=bool(row["offload"]),
+        vocab_parallel=row["tp"] > 1, seq_len=workload.seq_len, global_batch=workload.global_batch,
+        precision=workload.precision, gpus_per_node=cluster.gpus_per_node,
+    )
+    step = float(times["step"][0])
+    tokens_per_s = workload.tokens_per_step / step
+    peak = cluster.gpu.peak_flops("bf16") * cluster.num_gpus
+    model_flops = profile.model_flops_per_token(workload.seq_len, workload.training)
+    total = float(memory["total"][0, fullest])
+    return RankedPlan(
+        rank=rank,
+        plan=plan,
+        fits=total <= mm.usable_bytes(cluster),
+        memory_gib_per_gpu=total / GIB,
+        memory_breakdown={k: float(v[0, fullest] / GIB) for k, v in memory.items() if k != "total"},
+        memory_per_stage_gib=[round(float(x / GIB), 3) for x in memory["total"][0]],
+        usable_memory_gib=mm.usable_bytes(cluster) / GIB,
+        step_time_s=step,
+        time_breakdown={k: float(v[0]) for k, v in times.items() if k not in ("step", "hardware_flops_per_token")},
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_per_gpu=tokens_per_s / cluster.num_gpus,
+        mfu=model_flops * tokens_per_s / peak,
+        hfu=float(times["hardware_flops_per_token"][0]) * tokens_per_s / peak,
+        torchrun=launch_command(plan, cluster, profile_source),
+    )
+
+
+def launch_command(plan: ParallelPlan, cluster: Cluster, source: str) -> str:
+    """The command ``adapt launch`` would print for this plan (``plan.json`` = this answer, saved)."""
+    from parallel_planner.distributed.launch import LaunchConfig, render, torchrun_command
+
+    nodes = max(1, plan.world_size // cluster.gpus_per_node)
+    launch = LaunchConfig(nnodes=nodes, rdzv_endpoint="HEAD_NODE:29500" if nodes > 1 else None)
+    return render(torchrun_command(plan, launch, [source, "--plan", "plan.json"]))

@@ -1,0 +1,52 @@
+"""What the cluster will run: sequence length, global batch, training or inference, precision, optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from adapt.errors import BadInput
+
+# fp32 bytes of optimizer state per parameter (Adam: two moments; SGD/Lion: one; Adafactor: factored, ~0).
+OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4, "adafactor": 0}
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int  # sequences per optimizer step (inference: sequences per forward batch)
+    mode: Literal["train", "inference"] = "train"
+    precision: Literal["bf16", "fp8"] = "bf16"
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.global_batch < 1:
+            raise BadInput(f"--seq and --global-batch must be positive (got {self.seq_len}, {self.global_batch})")
+        if self.mode not in ("train", "inference"):
+            raise BadInput(f"mode must be train or inference, got {self.mode!r}")
+        if self.precision not in ("bf16", "fp8"):
+            raise BadInput(f"--precision must be bf16 or fp8, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise BadInput(f"optimizer {self.optimizer!r} unknown (known: {', '.join(OPTIMIZER_STATE_BYTES)})")
+
+    @classmethod
+    def from_tokens(cls, seq_len: int, global_batch_tokens: int, **kwargs: Any) -> "Workload":
+        """A global batch given in tokens must be a whole number of sequences."""
+        if global_batch_tokens % seq_len:
+            raise BadInput(f"global batch of {global_batch_tokens} tokens is not a multiple of seq {seq_len}")
+        return cls(seq_len, global_batch_tokens // seq_len, **kwargs)
+
+    @property
+    def training(self) -> bool:
+        return self.mode == "train"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        return OPTIMIZER_STATE_BYTES[self.optimizer]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

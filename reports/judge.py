@@ -1,0 +1,234 @@
+"""Re-judging a finished report against other thresholds: what ``adapt gate`` runs in CI.
+
+Thresholds file (YAML or JSON); every section and key is optional.  A stage without a section
+keeps the verdict it was given when it ran::
+
+    alignment:              # limits per dtype, or flat keys that apply to the report's dtype
+      bf16: {min_cosine: 0.995, max_rel_err: 0.05, max_err_ratio: 1.5, rel_err_floor: 0.01}
+    operators: {max_unmapped: 0, max_unsupported: 0, min_fast_flop_share: 0.6}
+    throughput: {min_speedup: 1.0}        # adapted / baseline, every measurement
+    soak: {max_step_time_cv: 0.3, allow_leak: false}
+    ignore: [throughput]                  # stages whose result does not gate the build
+
+The alignment rule is the validators' rule (``validators.compare.Thresholds``): a tensor passes
+when it is finite, ``cosine >= min_cosine``, ``rel_err <= max_rel_err`` and
+``rel_err <= max_err_ratio * baseline_rel_err + rel_err_floor``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adapt.errors import BadInput
+from reports.schema import summary
+
+_SECTIONS = {
+    "alignment": {"min_cosine", "max_rel_err", "max_err_ratio", "rel_err_floor"},
+    "operators": {"max_unmapped", "max_unsupported", "min_fast_flop_share"},
+    "throughput": {"min_speedup"},
+    "soak": {"max_step_time_cv", "allow_leak"},
+}
+_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class Check:
+    stage: str
+    name: str
+    passed: bool
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    checks: list[Check] = field(default_factory=list)
+    first_divergent: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "first_divergent": self.first_divergent,
+            "checks": [c.to_dict() for c in self.checks],
+        }
+
+
+def load_thresholds(path: str | Path | None) -> dict[str, Any]:
+    """Read and validate a thresholds file; unknown sections or keys are bad input (typos must not pass)."""
+    if path is None:
+        return {}
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"{path}: no such thresholds file")
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as err:  # noqa: BLE001 - any parse error is the user's file
+        raise BadInput(f"{path}: cannot parse thresholds ({err})") from err
+    data = data or {}
+    if not isinstance(data, dict):
+        raise BadInput(f"{path}: thresholds must be a mapping of sections")
+    for section, values in data.items():
+        if section == "ignore":
+            if not isinstance(values, list):
+                raise BadInput(f"{path}: 'ignore' must be a list of stage names")
+            continue
+        if section not in _SECTIONS:
+            raise BadInput(f"{path}: unknown section {section!r}; known: {', '.join([*_SECTIONS, 'ignore'])}")
+        if not isinstance(values, dict):
+            raise BadInput(f"{path}: section {section!r} must be a mapping")
+        flat = values
+        if section == "alignment":
+            flat = {}
+            for key, value in values.items():
+                flat.update(value if key in _DTYPES and isinstance(value, dict) else {key: value})
+        unknown = set(flat) - _SECTIONS[section]
+        if unknown:
+            raise BadInput(f"{path}: unknown key(s) in {section}: {', '.join(sorted(unknown))}")
+        for key, value in flat.items():
+            if not isinstance(value, (int, float)):
+                raise BadInput(f"{path}: {section}.{key} must be a number or boolean, got {value!r}")
+    return data
+
+
+def rejudge(report: dict[str, Any], thresholds: dict[str, Any]) -> GateResult:
+    """Judge every stage of ``report``; sections present in ``thresholds`` are recomputed from the raw numbers."""
+    ignored = set(thresholds.get("ignore", []))
+    checks: list[Check] = []
+    first_divergent = None
+    for entry in report["stages"]:
+        name, status = entry["name"], entry["status"]
+        if name in ignored or status == "skipped":
+            checks.append(Check(name, "stage", True, "ignored by thresholds" if name in ignored else "skipped"))
+            continue
+        if status not in ("passed", "failed"):
+            checks.append(Check(name, "stage", False, f"{status}: {entry.get('verdict', '')}"))
+            continue
+        if name == "alignment" and "alignment" in thresholds:
+            layer_checks, first_divergent = _alignment(report, thresholds["alignment"])
+            checks += layer_checks
+        elif name in thresholds and name in _JUDGES:
+            checks += _JUDGES[name](summary(report, name), thresholds[name])
+        else:
+            checks.append(Check(name, "stage", status == "passed", entry.get("verdict", "")))
+            if name == "alignment":
+                first_divergent = summary(report, "alignment").get("first_divergent")
+    return GateResult(all(c.passed for c in checks), checks, first_divergent)
+
+
+def _num(value: Any) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, str):
+        return float(value)  # "inf" / "-inf" as the validators encode them
+    return float(value)
+
+
+def alignment_limits(section: dict[str, Any], dtype: str) -> dict[str, float]:
+    """Flat keys of an ``alignment`` section, overridden by its per-dtype mapping for ``dtype``."""
+    limits = {k: v for k, v in section.items() if k not in _DTYPES}
+    if isinstance(section.get(dtype), dict):
+        limits.update(section[dtype])
+    return limits
+
+
+def _alignment(report: dict[str, Any], section: dict[str, Any]) -> tuple[list[Check], str | None]:
+    align = summary(report, "alignment")
+    dtype = align.get("dtype")
+    limits = {**(align.get("thresholds") or {}), **alignment_limits(section, dtype)}
+    missing = _SECTIONS["alignment"] - set(limits)
+    if missing:
+        raise BadInput(
+            f"alignment thresholds for {dtype} lack {', '.join(sorted(missing))} and the report does not state them"
+        )
+    checks, first = [], None
+    for layer in align.get("layers", []):
+        cosine, rel, base = _num(layer.get("cosine")), _num(layer.get("rel_err")), _num(layer.get("baseline_rel_err"))
+        finite = math.isfinite(cosine) and math.isfinite(rel)
+        ok = (
+            finite
+            and cosine >= limits["min_cosine"]
+            and rel <= limits["max_rel_err"]
+            and rel <= limits["max_err_ratio"] * base + limits["rel_err_floor"]
+        )
+        if not ok and first is None:
+            first = layer.get("name")
+        checks.append(
+            Check("alignment", str(layer.get("name")), ok, f"cosine={cosine:.6g} rel_err={rel:.3e} baseline={base:.3e}")
+        )
+    return checks, first
+
+
+def _operators(ops: dict[str, Any], section: dict[str, Any]) -> list[Check]:
+    checks = []
+    coverage = ops.get("coverage", {})
+    if "max_unmapped" in section:
+        unmapped = coverage.get("unmapped")
+        ok = unmapped is not None and unmapped <= section["max_unmapped"]
+        checks.append(Check("operators", "unmapped", ok, f"unmapped={unmapped} (max {section['max_unmapped']})"))
+    if "max_unsupported" in section:
+        count = ops.get("status_counts", {}).get("unsupported", 0) + ops.get("op_status_counts", {}).get("unsupported", 0)
+        checks.append(
+            Check("operators", "unsupported", count <= section["max_unsupported"], f"unsupported components and ops={count}")
+        )
+    if "min_fast_flop_share" in section:
+        share = ops.get("fast_flop_share")
+        ok = share is not None and share >= section["min_fast_flop_share"]
+        checks.append(Check("operators", "fast_flop_share", ok, f"fused/native FLOP share={share}"))
+    return checks
+
+
+def _throughput(tp: dict[str, Any], section: dict[str, Any]) -> list[Check]:
+    checks = []
+    for row in tp.get("rows", []):
+        speedup = row.get("speedup")
+        ok = speedup is not None and speedup >= section.get("min_speedup", 0.0)
+        checks.append(
+            Check("throughput", str(row.get("metric")), ok, f"speedup={speedup} (min {section.get('min_speedup')})")
+        )
+    return checks
+
+
+def _soak(soak: dict[str, Any], section: dict[str, Any]) -> list[Check]:
+    checks = [Check("soak", "loss_finite", bool(soak.get("loss_finite")), f"loss finite: {soak.get('loss_finite')}")]
+    if "max_step_time_cv" in section:
+        cv = soak.get("step_time_cv")
+        ok = cv is not None and cv <= section["max_step_time_cv"]
+        checks.append(Check("soak", "step_time_cv", ok, f"step-time CV={cv} (max {section['max_step_time_cv']})"))
+    if not section.get("allow_leak", False):
+        leak = soak.get("leak")
+        leaking = bool(leak.get("leaking", leak.get("leak"))) if isinstance(leak, dict) else bool(leak)
+        checks.append(Check("soak", "memory_leak", not leaking, f"leak: {leak}"))
+    return checks
+
+
+_JUDGES = {"operators": _operators, "throughput": _throughput, "soak": _soak}
+
+
+def render_gate_junit(report: dict[str, Any], result: GateResult) -> str:
+    """The gate's checks as JUnit XML: one test case per check, classname ``adapt.gate.<stage>``."""
+    import xml.etree.ElementTree as ET
+
+    failures = sum(not c.passed for c in result.checks)
+    root = ET.Element("testsuites", name="adapt gate", tests=str(len(result.checks)), failures=str(failures))
+    suite = ET.SubElement(root, "testsuite", name="adapt.gate", tests=str(len(result.checks)), failures=str(failures))
+    for check in result.checks:
+        case = ET.SubElement(suite, "testcase", classname=f"adapt.gate.{check.stage}", name=check.name)
+        if check.passed:
+            ET.SubElement(case, "system-out").text = check.detail
+        else:
+            ET.SubElement(case, "failure", message=check.detail)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

@@ -1,0 +1,162 @@
+"""report.md: the report a user reads first, rendered from report.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reports import tables
+from reports.schema import stage, summary
+
+STATUS_MARK = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "blocked": "BLOCKED", "skipped": "skipped",
+               "interrupted": "INTERRUPTED", "pending": "not run", "incomplete": "INCOMPLETE"}  # fmt: skip
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    intake = summary(report, "intake")
+    title = intake.get("model_class") or report["source"].get("text", "model")
+    out = [
+        f"# adapt report: {title}",
+        "",
+        f"**{STATUS_MARK.get(report['status'], report['status'])}** (exit code {report['exit_code']}) · "
+        f"source `{report['source'].get('text')}` · fingerprint `{report['source'].get('fingerprint', '')[:12]}` · "
+        f"adapt {report['adapt_version']} · {report['created_utc']}",
+        "",
+        "## Summary",
+        "",
+        tables.to_markdown(tables.stage_table(report)),
+        _shapes_line(report),
+        "",
+    ]
+    out += _section_new(report)
+    out += _section_model(report)
+    out += _section_operators(report)
+    out += _section_plan(report)
+    out += _section_environment(report)
+    out += _section_alignment(report)
+    out += _section_throughput(report)
+    out += _section_soak(report)
+    out += _section_problems(report)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _shapes_line(report: dict[str, Any]) -> str:
+    o = report["options"]
+    return (
+        f"Validation ran on `{o.get('device')}` in `{o.get('dtype')}` at batch {o.get('batch_size')} × seq "
+        f"{o.get('seq_len')} (throughput {o.get('bench_steps')} steps, soak {o.get('soak_steps')} steps, "
+        f"checkpoint every {o.get('ckpt_every')}); the plan targets `{o.get('cluster')}` "
+        f"at seq {o.get('plan_seq_len')}, "
+        f"global batch {o.get('plan_global_batch')}, {o.get('precision')}."
+    )
+
+
+def _not_available(report: dict[str, Any], name: str) -> list[str]:
+    entry = stage(report, name)
+    status = entry["status"] if entry else "absent"
+    reason = (entry or {}).get("verdict") or ""
+    return [f"_No result: stage {status}{': ' + reason if reason else ''}._", ""]
+
+
+def _section_new(report: dict[str, Any]) -> list[str]:
+    items = tables.novelties(report)
+    lines = ["## What is new in this model", ""]
+    lines += [f"- {item}" for item in items] if items else ["Nothing: every component matches a known kind."]
+    return lines + [""]
+
+
+def _section_model(report: dict[str, Any]) -> list[str]:
+    lines = ["## Model", ""]
+    if not summary(report, "intake"):
+        return lines + _not_available(report, "intake")
+    return lines + [tables.to_markdown(tables.model_facts(report)), tables.to_markdown(tables.block_groups(report))]
+
+
+def _section_operators(report: dict[str, Any]) -> list[str]:
+    lines = ["## Operator mapping", ""]
+    if not summary(report, "operators"):
+        return lines + _not_available(report, "operators")
+    return lines + [
+        "Coverage by status:",
+        "",
+        tables.to_markdown(tables.coverage_table(report)),
+        tables.to_markdown(tables.coverage_facts(report)),
+        "Components:",
+        "",
+        tables.to_markdown(tables.operator_table(report)),
+    ]
+
+
+def _section_plan(report: dict[str, Any]) -> list[str]:
+    lines = ["## Parallel plan", ""]
+    plan = summary(report, "plan")
+    if not plan:
+        return lines + _not_available(report, "plan")
+    workload = plan.get("workload", {})
+    lines += [f"Cluster `{plan.get('cluster')}`, workload {tables._cell(workload)}.", ""]
+    if plan.get("binding_constraint"):
+        lines += [f"Binding constraint: {plan['binding_constraint']}", ""]
+    if not plan.get("best"):
+        return lines + ["No layout fits.", ""]
+    lines += [tables.to_markdown(tables.plan_layout(report)), "Memory per GPU of the chosen plan:", ""]
+    lines += [tables.to_markdown(tables.memory_breakdown(report))]
+    if plan["best"].get("command"):
+        lines += ["```", str(plan["best"]["command"]), "```", ""]
+    lines += ["Ranked alternatives:", "", tables.to_markdown(tables.ranked_plans(report))]
+    return lines
+
+
+def _section_environment(report: dict[str, Any]) -> list[str]:
+    lines = ["## Environment", ""]
+    env = summary(report, "environment")
+    if not env:
+        return lines + _not_available(report, "environment")
+    lines += [f"- {k}: {tables._cell(v)}" for k, v in (env.get("versions") or {}).items()]
+    lines += [f"- problem: {p}" for p in env.get("problems", [])]
+    lines += [f"- not checked here: {u}" for u in env.get("unchecked", [])]
+    return lines + [""]
+
+
+def _section_alignment(report: dict[str, Any]) -> list[str]:
+    lines = ["## Alignment", ""]
+    align = summary(report, "alignment")
+    if not align:
+        return lines + _not_available(report, "alignment")
+    first = align.get("first_divergent")
+    lines += [
+        f"Candidate `{align.get('dtype')}` on `{align.get('device')}` against a float64 reference; "
+        f"err_ratio = candidate error / unadapted-model error in the same dtype.",
+        "",
+        f"**First divergent: `{first}`**" if first else "No divergent block.",
+        "",
+        tables.to_markdown(tables.alignment_table(report)),
+    ]
+    return lines
+
+
+def _section_throughput(report: dict[str, Any]) -> list[str]:
+    lines = ["## Throughput", ""]
+    tp = summary(report, "throughput")
+    if not tp:
+        return lines + _not_available(report, "throughput")
+    if tp.get("truncated"):
+        lines += [f"Measured on a depth-truncated model: {tables._cell(tp['truncated'])}.", ""]
+    return lines + [tables.to_markdown(tables.throughput_table(report))]
+
+
+def _section_soak(report: dict[str, Any]) -> list[str]:
+    lines = ["## Soak", ""]
+    if not summary(report, "soak"):
+        return lines + _not_available(report, "soak")
+    entry = stage(report, "soak")
+    lines += [f"Verdict: **{STATUS_MARK[entry['status']]}** — {entry.get('verdict', '')}", ""]
+    return lines + [tables.to_markdown(tables.soak_facts(report))]
+
+
+def _section_problems(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for entry in report["stages"]:
+        notes = (entry.get("summary") or {}).get("notes", [])
+        if entry.get("error"):
+            lines.append(f"- **{entry['name']}** {entry['status']}: {entry['error']}")
+        lines += [f"- {entry['name']}: {note}" for note in notes]
+    return ["## Errors and notes", "", *lines, ""] if lines else []

@@ -1,0 +1,228 @@
+"""pandas tables shared by the Markdown, HTML and matrix renderers (one builder per report table)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from reports.schema import summary
+
+GIB = 1024**3
+
+
+def stage_table(report: dict[str, Any]) -> pd.DataFrame:
+    rows = [
+        {
+            "stage": s["name"],
+            "status": s["status"],
+            "time": "cached"
+            if s.get("cached")
+            else (f"{s.get('duration_s', 0):.1f}s" if s["status"] not in ("skipped", "pending", "blocked") else ""),
+            "verdict": s.get("verdict", ""),
+        }
+        for s in report["stages"]
+    ]
+    return pd.DataFrame(rows, columns=["stage", "status", "time", "verdict"])
+
+
+def model_facts(report: dict[str, Any]) -> pd.DataFrame:
+    intake = summary(report, "intake")
+    keys = ("model_class", "architectures", "dtype", "is_causal", "num_layers", "hidden_size", "vocab_size",
+            "params_total", "params_active")  # fmt: skip
+    rows = [{"field": k, "value": _cell(intake.get(k))} for k in keys if k in intake]
+    return pd.DataFrame(rows, columns=["field", "value"])
+
+
+def block_groups(report: dict[str, Any]) -> pd.DataFrame:
+    """Blocks grouped by composition, so a 61-layer model reads as two or three rows."""
+    blocks = summary(report, "intake").get("blocks", [])
+    if not blocks:
+        return pd.DataFrame(columns=["blocks", "mixer", "attention", "mlp", "norm", "params/block"])
+    df = pd.DataFrame(blocks)
+    grouped = df.groupby(["mixer", "attention", "mlp", "norm"], sort=False).agg(
+        indices=("index", list), params=("params", "first")
+    )
+    grouped = grouped.reset_index()
+    grouped.insert(0, "blocks", grouped.pop("indices").map(_ranges))
+    grouped = grouped.rename(columns={"params": "params/block"})
+    return grouped
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    indices = sorted(indices)
+    spans: list[tuple[int, int]] = []
+    start = prev = indices[0]
+    for cur in indices[1:]:
+        if cur != prev + 1:
+            spans.append((start, prev))
+            start = cur
+        prev = cur
+    spans.append((start, prev))
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def novelties(report: dict[str, Any]) -> list[str]:
+    """What is new in this model: intake's structural novelties, then what no kernel kind covers."""
+    items = list(summary(report, "intake").get("novelties", []))
+    for entry in summary(report, "operators").get("new", []):
+        items.append(entry if isinstance(entry, str) else _describe(entry))
+    unrecognised = summary(report, "intake").get("unrecognized", [])
+    if unrecognised:
+        items.append(f"modules whose role was not identified structurally: {', '.join(unrecognised)}")
+    return list(dict.fromkeys(items))
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    head = entry.get("module") or entry.get("name") or entry.get("op") or "?"
+    rest = ", ".join(f"{k}={_cell(v)}" for k, v in entry.items() if k not in ("module", "name", "op"))
+    return f"{head}: {rest}" if rest else str(head)
+
+
+def operator_table(report: dict[str, Any]) -> pd.DataFrame:
+    comps = summary(report, "operators").get("components", [])
+    return pd.DataFrame(comps, columns=["module", "kind", "provider", "kernel", "status"])
+
+
+def coverage_table(report: dict[str, Any]) -> pd.DataFrame:
+    ops = summary(report, "operators")
+    counts = ops.get("status_counts", {})
+    total = sum(counts.values())
+    rows = [
+        {"status": k, "components": n, "share": _share(n / total if total else None)} for k, n in sorted(counts.items())
+    ]
+    df = pd.DataFrame(rows, columns=["status", "components", "share"])
+    return df
+
+
+def coverage_facts(report: dict[str, Any]) -> pd.DataFrame:
+    cov = _flatten(summary(report, "operators").get("coverage", {}))
+    rows = [{"metric": k, "value": _cell(v)} for k, v in cov.items()]
+    return pd.DataFrame(rows, columns=["metric", "value"])
+
+
+def plan_layout(report: dict[str, Any]) -> pd.DataFrame:
+    best = summary(report, "plan").get("best") or {}
+    rows = [{"field": k, "value": _cell(v)} for k, v in best.items() if not isinstance(v, dict) and k != "command"]
+    return pd.DataFrame(rows, columns=["field", "value"])
+
+
+def memory_breakdown(report: dict[str, Any]) -> pd.DataFrame:
+    """The best plan's memory per GPU, in GiB, one row per component (nested dicts flattened)."""
+    best = summary(report, "plan").get("best") or {}
+    flat = _flatten(best.get("memory_breakdown") or {})
+    rows = [{"component": k, "GiB": _gib(k, v)} for k, v in flat.items() if isinstance(v, (int, float))]
+    return pd.DataFrame(rows, columns=["component", "GiB"])
+
+
+def _gib(key: str, value: float) -> float:
+    # The planner reports GiB (keys ending _gib or a plain breakdown in GiB) or bytes (keys ending _bytes).
+    return value / GIB if key.endswith("bytes") else float(value)
+
+
+def ranked_plans(report: dict[str, Any]) -> pd.DataFrame:
+    return pd.DataFrame(summary(report, "plan").get("plans", []))
+
+
+def alignment_table(report: dict[str, Any]) -> pd.DataFrame:
+    layers = summary(report, "alignment").get("layers", [])
+    cols = ["name", "block", "component", "cosine", "rel_err", "max_abs", "err_ratio", "passed"]
+    df = pd.DataFrame(layers, columns=cols)
+    if not df.empty:
+        df["block"] = df["block"].map(lambda b: "" if b is None or (isinstance(b, float) and math.isnan(b)) else int(b))
+        df["component"] = df["component"].map(lambda c: c if isinstance(c, str) else "")
+        # cosine lives in the last digits: 0.9999998 must not print as 1
+        df["cosine"] = df["cosine"].map(lambda c: f"{c:.7f}" if isinstance(c, float) and math.isfinite(c) else "nan")
+    return df
+
+
+def throughput_table(report: dict[str, Any]) -> pd.DataFrame:
+    """Baseline against adapted, one row per measurement, with the speedup."""
+    rows = summary(report, "throughput").get("rows", [])
+    df = pd.DataFrame(rows)
+    if {"baseline", "adapted"} <= set(df.columns) and "speedup" not in df.columns:
+        df["speedup"] = [_ratio(a, b) for a, b in zip(df["adapted"], df["baseline"], strict=True)]
+    return df
+
+
+def _ratio(new: Any, old: Any) -> float | None:
+    if isinstance(new, (int, float)) and isinstance(old, (int, float)) and old:
+        return round(new / old, 3)
+    return None
+
+
+def soak_facts(report: dict[str, Any]) -> pd.DataFrame:
+    soak = summary(report, "soak")
+    keys = ("steps", "steps_planned", "resumed_from", "checkpoints", "first_loss", "last_loss", "loss_finite",
+            "step_time_cv", "step_time_drift", "memory_slope_bytes_per_step", "leak")  # fmt: skip
+    rows = [{"check": k, "value": _cell(soak.get(k))} for k in keys if k in soak]
+    return pd.DataFrame(rows, columns=["check", "value"])
+
+
+def soak_timeline(report: dict[str, Any]) -> pd.DataFrame:
+    """One row per soak step: step, loss, grad_norm, step_time_s, allocated_bytes, reserved_bytes."""
+    return pd.DataFrame(summary(report, "soak").get("timeline") or [])
+
+
+# ---- cell formatting --------------------------------------------------------------------------
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _share(value: float | None) -> str:
+    return "" if value is None else f"{100 * value:.1f}%"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value) if value else "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+    return str(value)
+
+
+def format_number(value: Any) -> str:
+    """How a number reads in a table cell: 4 significant digits, scientific for small errors."""
+    if isinstance(value, bool) or value is None:
+        return "" if value is None else ("yes" if value else "NO")
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""  # pandas' marker for a value the stage did not report
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
+            return f"{value:.3e}"
+        return f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    """A GitHub pipe table (pandas' to_markdown needs tabulate, which adapt does not depend on)."""
+    if df.empty:
+        return "_(none)_\n"
+    header = [str(c) for c in df.columns]
+    body = [
+        [format_number(v).replace("|", "\\|").replace("\n", " ") for v in row] for row in df.itertuples(index=False)
+    ]
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
+    align = ["---:" if n else "---" for n in numeric]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines) + "\n"

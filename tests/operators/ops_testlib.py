@@ -1,0 +1,34 @@
+"""Shared helpers for the operators tests: load a zoo model through intake and run the stage's pieces."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from adapt.intake import load_model, resolve_source
+from operators import plan_kernels, recognise
+from operators.inventory import trace_model
+from operators.profiles import load_profile
+from operators.registry import Target
+
+
+def load(path, **flags):
+    return load_model(resolve_source(str(path), trust_remote_code=True, **flags), dtype=torch.float32)
+
+
+@lru_cache(maxsize=None)
+def recognised(path: str):
+    """(model, inventory, recognition) for a zoo checkpoint, cached per test session."""
+    model = load(path)
+    inventory = trace_model(model)
+    return model, inventory, recognise(model, inventory)
+
+
+def planned(path: str, profile: str = "cuda-hopper", target: Target | None = None):
+    model, inventory, recognition = recognised(path)
+    return model, plan_kernels(inventory, recognition, load_profile(profile), target or Target.here())
+
+
+def kinds(recognition, kind: str, confirmed_only: bool = True):
+    return [c for c in recognition.components if c.kind == kind and (c.confirmed or not confirmed_only)]

@@ -1,0 +1,222 @@
+"""Recognition by structure and numerics: the kinds each zoo family must yield, and look-alikes rejected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from operators.inventory import trace_callable
+from operators.recognition import recognise
+from ops_testlib import kinds, recognised
+
+
+def by_module(recognition, kind):
+    return {c.module: c for c in kinds(recognition, kind)}
+
+
+def test_llama_kinds(zoo):
+    _, _, rec = recognised(str(zoo("llama")))
+    norms = by_module(rec, "rms_norm")
+    assert set(norms) >= {"model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"}
+    assert all(n.variant["offset"] == 0.0 and n.variant["cast"] == "llama" and n.variant["eps"] == 1e-6 for n in norms.values())
+    (mlp,) = [c for c in kinds(rec, "gated_mlp") if c.module == "model.layers.0.mlp"]
+    assert mlp.variant["activation"] == "silu" and (mlp.variant["gate"], mlp.variant["up"]) == ("gate_proj", "up_proj")
+    attn = by_module(rec, "attention")["model.layers.0.self_attn"].variant
+    assert attn["causal"] and attn["window"] is None and attn["layout"] == "gqa" and attn["num_kv_heads"] == 2
+    assert attn["rope"]["style"] == "half" and not attn["rope"]["partial"]
+    assert by_module(rec, "rotary")["model.rotary_emb"].variant["table_layout"] == "half"
+    assert "model.layers.0.post_attention_layernorm" in by_module(rec, "residual_add_norm")
+    assert kinds(rec, "lm_head_cross_entropy", confirmed_only=False)[0].module == "lm_head"
+    assert not kinds(rec, "new", confirmed_only=False)
+
+
+def test_gemma2_offset_norm_softcap_and_alternating_windows(zoo):
+    _, _, rec = recognised(str(zoo("gemma2")))
+    norms = kinds(rec, "rms_norm")
+    assert len(norms) == 9 and all(n.variant["offset"] == 1.0 and n.variant["cast"] == "gemma" for n in norms)
+    assert {c.variant["activation"] for c in kinds(rec, "gated_mlp")} == {"gelu_tanh"}
+    attn = by_module(rec, "attention")
+    assert attn["model.layers.0.self_attn"].variant["window"] == 16  # sliding layer
+    assert attn["model.layers.1.self_attn"].variant["window"] is None  # global layer
+    assert all(a.variant["softcap"] == 50.0 for a in attn.values())
+    head = kinds(rec, "lm_head_cross_entropy", confirmed_only=False)[0]
+    assert head.variant["final_softcap"] == 30.0
+
+
+def test_mistral_sliding_window_mqa(zoo):
+    _, _, rec = recognised(str(zoo("mistral")))
+    for attn in kinds(rec, "attention"):
+        assert attn.variant["window"] == 16 and attn.variant["layout"] == "mqa" and attn.variant["causal"]
+
+
+def test_deepseek_v3_mla_and_grouped_sigmoid_moe(zoo):
+    _, _, rec = recognised(str(zoo("deepseek_v3")))
+    attn = by_module(rec, "attention")["model.layers.1.self_attn"].variant
+    assert attn["mla"] and attn["rope"] == {"style": "interleaved", "rotary_dim": 8, "partial": True, "decoupled": True}
+    assert attn["head_dim"] == 24 and attn["v_head_dim"] == 16 and attn["causal"]
+    assert "model.layers.0.mlp" in by_module(rec, "gated_mlp")  # first_k_dense_replace layer
+    moe = by_module(rec, "moe")
+    assert set(moe) == {"model.layers.1.mlp", "model.layers.2.mlp"}
+    v = moe["model.layers.1.mlp"].variant
+    assert (v["scoring"], v["top_k"], v["n_group"], v["topk_group"], v["group_score"]) == ("sigmoid", 2, 4, 2, "top2_sum")
+    assert v["selection_bias"] and v["normalize_topk"] and v["routed_scale"] == 2.5 and v["activation"] == "silu"
+    assert v["shared_experts"] == "model.layers.1.mlp.shared_experts" and v["num_experts"] == 8
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_softmax_routed_moe(zoo, family):
+    _, _, rec = recognised(str(zoo(family)))
+    moes = kinds(rec, "moe")
+    assert len(moes) == 2
+    assert all(m.variant["scoring"] == "softmax" and m.variant["top_k"] == 2 and m.variant["shared_experts"] is None for m in moes)
+
+
+def test_qwen_families(zoo):
+    _, _, qwen3 = recognised(str(zoo("qwen3")))
+    assert all(a.variant["qk_norm"] for a in kinds(qwen3, "attention"))
+    _, _, qwen2 = recognised(str(zoo("qwen2")))
+    assert len(kinds(qwen2, "attention")) == 2 and len(kinds(qwen2, "gated_mlp")) == 2
+
+
+def test_gpt2_layernorm_and_plain_gelu_mlp(zoo):
+    _, _, rec = recognised(str(zoo("gpt2")))
+    assert len(kinds(rec, "layer_norm")) == 5 and not kinds(rec, "rms_norm")
+    mlps = kinds(rec, "mlp")
+    assert len(mlps) == 2 and all(m.variant["activation"] == "gelu_tanh" for m in mlps)
+    assert all(a.variant["causal"] and a.variant["rope"] is None and a.variant["layout"] == "mha" for a in kinds(rec, "attention"))
+
+
+def test_bert_bidirectional_attention(zoo):
+    _, _, rec = recognised(str(zoo("bert")))
+    attns = kinds(rec, "attention")
+    assert len(attns) == 6 and all(not a.variant["causal"] and a.variant["window"] is None for a in attns)
+    assert all(n.variant["eps"] == 1e-12 for n in kinds(rec, "layer_norm"))
+
+
+def test_custom_remote_code_renamed_components_and_novel_op(zoo):
+    _, _, rec = recognised(str(zoo("custom")))
+    norms = by_module(rec, "rms_norm")
+    assert "trunk.strata.0.level_a" in norms and norms["trunk.level_out"].variant["weight"] == "gain"
+    forge = by_module(rec, "gated_mlp")["trunk.strata.0.forge"].variant
+    assert (forge["gate"], forge["up"], forge["down"], forge["activation"]) == ("valve", "feed", "drain", "silu")
+    gaze = by_module(rec, "attention")["trunk.strata.0.gaze"].variant
+    assert gaze["causal"] and gaze["layout"] == "gqa" and not gaze["hook"]
+    new = kinds(rec, "new", confirmed_only=False)
+    assert [c.module for c in new] == ["trunk.strata.0.quench", "trunk.strata.1.quench"]
+    assert "aten.asinh.default" in new[0].variant["ops"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Look-alikes: a renamed RMSNorm must match; norms that compute something else must not.
+# ---------------------------------------------------------------------------------------------
+
+
+class FooNorm(nn.Module):
+    """LlamaRMSNorm, renamed, with other attribute names."""
+
+    def __init__(self, width, tiny=1e-6):
+        super().__init__()
+        self.scale_vec = nn.Parameter(torch.ones(width))
+        self.tiny = tiny
+
+    def forward(self, h):
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.tiny)
+        return self.scale_vec * h.to(dtype)
+
+
+class CentredRawRms(FooNorm):
+    """Mean-centred numerator, un-centred RMS denominator: neither RMSNorm nor LayerNorm."""
+
+    def forward(self, h):
+        return self.scale_vec * (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.tiny)
+
+
+class EpsOutsideSqrt(FooNorm):
+    def forward(self, h):
+        return self.scale_vec * h / (torch.sqrt(h.pow(2).mean(-1, keepdim=True)) + self.tiny)
+
+
+class DoubledScale(FooNorm):
+    def forward(self, h):
+        return 2.0 * self.scale_vec * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.tiny)
+
+
+class SumNotMean(FooNorm):
+    def forward(self, h):
+        return self.scale_vec * h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + self.tiny)
+
+
+class CentredLayerNorm(FooNorm):
+    """Centred numerator and centred variance: this *is* a bias-free LayerNorm."""
+
+    def forward(self, h):
+        c = h - h.mean(-1, keepdim=True)
+        return self.scale_vec * c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + self.tiny)
+
+
+class Holder(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
+
+
+def recognise_norm(norm: nn.Module):
+    model = Holder(norm)
+    inv = trace_callable(model, torch.randn(2, 7, 32))
+    rec = recognise(model, inv)
+    return [c for c in rec.components if c.module == "norm"], rec.rejected
+
+
+def test_renamed_rmsnorm_is_recognised():
+    comps, rejected = recognise_norm(FooNorm(32, tiny=1e-5))
+    assert [(c.kind, c.variant["eps"], c.variant["weight"]) for c in comps] == [("rms_norm", 1e-5, "scale_vec")]
+    assert not rejected
+
+
+@pytest.mark.parametrize("lookalike", [CentredRawRms, EpsOutsideSqrt, DoubledScale, SumNotMean])
+def test_lookalike_norms_fall_through_to_the_generic_path(lookalike):
+    comps, rejected = recognise_norm(lookalike(32))
+    assert [c.kind for c in comps] == ["new"]  # generic path: decomposition or a generated kernel
+    assert [r["module"] for r in rejected] == ["norm"]
+
+
+def test_centred_variance_is_layernorm_not_rmsnorm():
+    comps, _ = recognise_norm(CentredLayerNorm(32))
+    assert [(c.kind, c.variant["bias"]) for c in comps] == [("layer_norm", None)]
+
+
+class GluMlp(nn.Module):
+    """Three projections; ``gate_act`` decides what the gate computes."""
+
+    def __init__(self, gate_act):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+        self.gate_act = gate_act
+
+    def forward(self, x):
+        return self.c(self.gate_act(self.a(x)) * self.b(x))
+
+
+def recognise_mlp(gate_act):
+    model = nn.Sequential(nn.Linear(32, 32), GluMlp(gate_act))
+    rec = recognise(model, trace_callable(model, torch.randn(2, 5, 32)))
+    return [c for c in rec.components if c.module == "1"], rec.rejected
+
+
+def test_swiglu_in_a_plain_container_is_recognised():
+    comps, _ = recognise_mlp(torch.nn.functional.silu)
+    assert [(c.kind, c.variant["activation"], c.variant["gate"], c.variant["up"]) for c in comps] == [("gated_mlp", "silu", "a", "b")]
+
+
+def test_glu_lookalike_mlp_is_rejected():
+    """sigmoid(a) * b is a GLU, not SwiGLU/GeGLU: no gated-MLP kernel may claim it."""
+    comps, rejected = recognise_mlp(torch.sigmoid)
+    assert not [c for c in comps if c.kind in ("gated_mlp", "mlp")]
+    assert [r["module"] for r in rejected] == ["1"]

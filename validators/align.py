@@ -1,0 +1,295 @@
+"""Alignment: does the adapted model compute the same function as the original, and where does it diverge?
+
+Three instances of the model run on the same fresh random tokens:
+  reference  the original model in float64 (float32 for wide models) on the CPU,
+  baseline   the original model in the target dtype on the target device,
+  candidate  the adapted model (kernel plan applied) in the target dtype on the target device.
+Every block, every component inside a block and the logits are captured with forward hooks and
+compared; gradients are compared per parameter; a short loss-curve parity run trains baseline and
+candidate side by side.  ``streamed=True`` hands off to ``validators.streamed`` (block by block).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from adapt.errors import BadInput
+from validators.compare import LayerResult, Thresholds, judge, parse_dtype, thresholds_for
+from validators.modules import NonFiniteOutput, find_blocks, probes, record_outputs, stop_on_nonfinite
+from validators.training import batch_for_step, loss_from_output, make_optimizer, model_output, train_step, vocab_size
+
+CandidateTransform = Callable[[nn.Module], Any]
+
+# Widths from which a float64 CPU reference costs more than it tells: use float32 there.
+FP32_REFERENCE_FROM_WIDTH = 4096
+PARITY_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 3e-2}
+
+
+@dataclass
+class AlignOptions:
+    batch: int = 2
+    seq_len: int = 32
+    seed: int | None = None  # None: fresh random inputs each run (the seed used is reported)
+    backward: bool = True
+    parity_steps: int = 4
+    lr: float = 1e-3
+
+
+@dataclass
+class ParityResult:
+    steps: int
+    baseline_losses: list[float]
+    candidate_losses: list[float]
+    max_rel_diff: float
+    tolerance: float
+    passed: bool
+
+
+@dataclass
+class AlignmentReport:
+    source: str
+    dtype: str
+    device: str
+    reference_dtype: str
+    streamed: bool
+    seed: int
+    thresholds: dict[str, float]
+    passed: bool
+    first_divergent: str | None
+    first_divergent_block: int | None
+    first_divergent_component: str | None
+    nonfinite_module: str | None
+    layers: list[LayerResult]
+    gradients: list[LayerResult] = field(default_factory=list)
+    parity: ParityResult | None = None
+    peak_rss_bytes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["layers"] = [r.to_dict() for r in self.layers]
+        data["gradients"] = [r.to_dict() for r in self.gradients]
+        data["parity"] = dataclasses.asdict(self.parity) if self.parity else None
+        return data
+
+
+def kernel_plan_transform(kernel_plan: Any) -> CandidateTransform | None:
+    """The operators engineer's ``apply_kernel_plan`` as a candidate transform (None: no plan)."""
+    if kernel_plan is None:
+        return None
+    from operators import apply_kernel_plan
+
+    return lambda model: apply_kernel_plan(model, kernel_plan)
+
+
+def reference_dtype(hidden_size: int) -> torch.dtype:
+    return torch.float32 if hidden_size >= FP32_REFERENCE_FROM_WIDTH else torch.float64
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set.  Linux: ``VmHWM`` of the current address space, because
+    ``ru_maxrss`` also carries the parent's peak across fork+exec; elsewhere ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def check_device(device: str) -> None:
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise BadInput(f"unknown device {device!r}: use cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput("--device cuda requested but no CUDA device is available")
+
+
+def align(
+    src,
+    kernel_plan: Any = None,
+    dtype: str = "bf16",
+    device: str = "cpu",
+    streamed: bool = False,
+    thresholds: Thresholds | dict[str, float] | None = None,
+    transform: CandidateTransform | None = None,
+    options: AlignOptions | None = None,
+) -> AlignmentReport:
+    """Align the adapted model against the original.  ``transform`` overrides ``kernel_plan`` (tests use it)."""
+    parse_dtype(dtype)
+    check_device(device)
+    options = options or AlignOptions()
+    limits = thresholds_for(dtype, thresholds)
+    transform = transform or kernel_plan_transform(kernel_plan)
+    seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
+    if streamed:
+        from validators.streamed import streamed_align
+
+        return streamed_align(src, dtype, device, limits, transform, options, seed)
+    return _full_align(src, dtype, device, limits, transform, options, seed)
+
+
+def _full_align(src, dtype_name, device, limits, transform, options, seed) -> AlignmentReport:
+    from validators.skeleton import load_model
+
+    started = time.perf_counter()
+    dtype = parse_dtype(dtype_name)
+    notes: list[str] = []
+    reference = load_model(src, torch.float64, "cpu", notes)
+    ref_dtype = reference_dtype(reference.get_input_embeddings().embedding_dim)
+    if ref_dtype != torch.float64:
+        reference = load_model(src, ref_dtype, "cpu", notes)
+    baseline = load_model(src, dtype, device, notes)
+    candidate = copy.deepcopy(baseline)
+    if transform is not None:
+        candidate = transform(candidate) or candidate
+
+    vocab = vocab_size(reference)
+    ids = batch_for_step(seed, 0, options.batch, options.seq_len, vocab, "cpu")
+    try:
+        ref_out, ref_rec = _forward(reference, ids, options.backward, vocab)
+    except RuntimeError as err:
+        if ref_dtype != torch.float64:
+            raise
+        # Some operators (grouped GEMM for MoE experts) have no float64 kernel: fall back to float32.
+        notes.append(f"float64 reference failed ({str(err).splitlines()[0]}); reference runs in float32")
+        ref_dtype = torch.float32
+        reference = load_model(src, ref_dtype, "cpu", notes)
+        ref_out, ref_rec = _forward(reference, ids, options.backward, vocab)
+    base_out, base_rec = _forward(baseline, ids.to(device), options.backward, vocab)
+    report = AlignmentReport(
+        source=src.text,
+        dtype=dtype_name,
+        device=device,
+        reference_dtype=str(ref_dtype).removeprefix("torch."),
+        streamed=False,
+        seed=seed,
+        thresholds=limits.to_dict(),
+        passed=False,
+        first_divergent=None,
+        first_divergent_block=None,
+        first_divergent_component=None,
+        nonfinite_module=None,
+        layers=[],
+        notes=notes,
+    )
+    try:
+        with stop_on_nonfinite(candidate):
+            cand_out, cand_rec = _forward(candidate, ids.to(device), options.backward, vocab)
+    except NonFiniteOutput as err:
+        report.nonfinite_module = report.first_divergent = err.module_path
+        report.notes.append(str(err))
+        report.seconds = time.perf_counter() - started
+        report.peak_rss_bytes = peak_rss_bytes()
+        return report
+
+    for key, ref in ref_rec.outputs.items():
+        where = ref_rec.where[key]
+        if key not in cand_rec.outputs or key not in base_rec.outputs:
+            report.notes.append(f"{key}: not produced by the candidate; the kernel plan changed the module tree")
+            continue
+        report.layers.append(
+            judge(key, where.block, where.component, ref, cand_rec.outputs[key], base_rec.outputs[key], limits)
+        )
+    report.layers.append(judge("logits", None, None, ref_out, cand_out, base_out, limits))
+    if options.backward:
+        report.gradients = _compare_gradients(reference, baseline, candidate, limits)
+        if options.parity_steps > 0:
+            report.parity = _loss_parity(baseline, candidate, options, seed, vocab, device, dtype_name)
+    _finish(report, started)
+    return report
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, backward: bool, vocab: int):
+    blocks = find_blocks(model)
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(backward), record_outputs(probes(model, blocks)) as rec:
+        out = model_output(model, ids)
+    if backward:
+        loss_from_output(out, ids, vocab).backward()
+    return out.detach(), rec
+
+
+def _compare_gradients(reference, baseline, candidate, limits: Thresholds) -> list[LayerResult]:
+    """Per-parameter gradient agreement.  Gradients compound every forward error, so the absolute
+    limit is relaxed 4x; the ratio to the unadapted model's gradient error is what discriminates.
+    Gradients that vanish in exact arithmetic are measured against 1e-3 of the global gradient norm."""
+    grad_limits = dataclasses.replace(limits, max_rel_err=min(1.0, 4 * limits.max_rel_err), min_cosine=1 - 4 * (1 - limits.min_cosine))
+    blocks = find_blocks(reference)
+    block_of = {id(p): (i, None) for i, b in enumerate(blocks.blocks) for p in b.parameters()}
+    base_params = dict(baseline.named_parameters())
+    cand_params = dict(candidate.named_parameters())
+    grads = [p.grad.double() for p in reference.parameters() if p.grad is not None]
+    floor = 1e-3 * torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() if grads else 0.0
+    results = []
+    for name, ref_p in reference.named_parameters():
+        if ref_p.grad is None or name not in cand_params or name not in base_params:
+            continue
+        cand_g, base_g = cand_params[name].grad, base_params[name].grad
+        if cand_g is None or base_g is None:
+            continue
+        block, _ = block_of.get(id(ref_p), (None, None))
+        component = _component_of(name, blocks.path, block)
+        results.append(judge(name, block, component, ref_p.grad, cand_g, base_g, grad_limits, floor))
+    return results
+
+
+def _component_of(param_name: str, blocks_path: str, block: int | None) -> str | None:
+    if block is None:
+        return None
+    rest = param_name[len(f"{blocks_path}.{block}.") :]
+    return rest.split(".", 1)[0] if "." in rest else None
+
+
+def _loss_parity(baseline, candidate, options: AlignOptions, seed, vocab, device, dtype_name) -> ParityResult:
+    """Train unadapted and adapted side by side from the same weights on the same batches."""
+    losses: dict[str, list[float]] = {"baseline": [], "candidate": []}
+    for label, model in (("baseline", baseline), ("candidate", candidate)):
+        torch.manual_seed(seed)  # same dropout masks for both
+        model.train()
+        optimizer = make_optimizer(model, options.lr)
+        for step in range(options.parity_steps):
+            ids = batch_for_step(seed, step + 1, options.batch, options.seq_len, vocab, device)
+            loss, _ = train_step(model, optimizer, ids, vocab)
+            losses[label].append(loss)
+        model.eval()
+    diffs = [abs(c - b) / max(abs(b), 1e-12) for b, c in zip(losses["baseline"], losses["candidate"])]
+    finite = all(math.isfinite(x) for x in losses["candidate"])
+    worst = max(diffs) if finite else float("inf")
+    tolerance = PARITY_TOLERANCE[dtype_name]
+    return ParityResult(
+        steps=options.parity_steps,
+        baseline_losses=losses["baseline"],
+        candidate_losses=losses["candidate"],
+        max_rel_diff=worst,
+        tolerance=tolerance,
+        passed=finite and worst <= tolerance,
+    )
+
+
+def _finish(report: AlignmentReport, started: float) -> None:
+    """Verdict: every tensor, every gradient and the parity run must pass; name the first divergence."""
+    first = next((r for r in report.layers if not r.passed), None)
+    if first is None:
+        first = next((r for r in report.gradients if not r.passed), None)
+    if first is not None:
+        report.first_divergent = first.name
+        report.first_divergent_block = first.block
+        report.first_divergent_component = first.component
+    parity_ok = report.parity is None or report.parity.passed
+    report.passed = first is None and parity_ok and report.nonfinite_module is None and bool(report.layers)
+    report.seconds = time.perf_counter() - started
+    report.peak_rss_bytes = peak_rss_bytes()

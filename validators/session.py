@@ -1,0 +1,58 @@
+"""Single-process training through the distributed engineer's trainer (a plan of world size 1).
+
+Bench and soak measure the loop that ``adapt train`` runs, not a private one: the model is
+parallelised by ``parallel_planner.distributed`` under a one-rank plan and stepped by its
+``Trainer`` (AdamW, clipping, warm-up/decay, DCP checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from adapt.errors import BadInput
+from parallel_planner.plan import ParallelPlan
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_single_process_group() -> None:
+    """Join a one-rank process group unless torchrun (or an earlier stage) already made one."""
+    from parallel_planner.distributed.runner import init_distributed
+
+    if not dist.is_initialized():
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        init_distributed()
+    if dist.get_world_size() != 1:
+        raise BadInput("bench and soak measure one device: run them without torchrun (world size 1)")
+
+
+def one_rank_plan(seq_len: int, batch: int, precision: str) -> ParallelPlan:
+    return ParallelPlan(
+        zero=0, seq_len=seq_len, global_batch=batch, micro_batch=batch, precision="fp32" if precision == "fp32" else "bf16"
+    )
+
+
+def prepare_run(model: nn.Module, seq_len: int, batch: int, precision: str, steps: int, seed: int, deterministic: bool, lr: float = 3e-4):
+    """A ``TrainingRun`` (trainer + parallelised model) for ``model`` on this one device."""
+    from parallel_planner.distributed.runner import prepare
+    from parallel_planner.distributed.trainer import TrainConfig
+
+    ensure_single_process_group()
+    config = TrainConfig(steps=steps, lr=lr, warmup_steps=min(10, max(1, steps // 10)), seed=seed, deterministic=deterministic)
+    return prepare(model, one_rank_plan(seq_len, batch, precision), config)
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

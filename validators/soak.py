@@ -1,0 +1,249 @@
+"""Soak: train the adapted model for N steps (or T minutes) and watch that it stays healthy.
+
+Tracked every step: loss (must stay finite), gradient norm, step time, allocated and reserved
+memory.  Verdicts: non-finite loss fails; a memory slope that would grow by more than the
+tolerance over the window is a leak; step-time coefficient of variation and drift are reported.
+Checkpoints go through the trainer's DCP save every K steps, with the RNG state beside them, and
+a ``latest`` pointer replaced atomically after each save: a run killed at any moment resumes
+from the last complete checkpoint and, in deterministic mode, reproduces the uninterrupted
+loss trajectory bit for bit (the data for step s is a pure function of the seed and s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapt.errors import BadInput
+from validators.align import check_device, kernel_plan_transform
+from validators.compare import parse_dtype
+
+LEAK_TOLERANCE_BYTES = {"cuda": 1 << 20, "cpu": 64 << 20}  # CPU RSS is process-wide and noisier
+
+
+@dataclass
+class SoakOptions:
+    steps: int = 100
+    minutes: float | None = None  # stop early once this much wall time has passed
+    ckpt_every: int = 0  # 0: no checkpoints
+    ckpt_dir: str | None = None
+    dtype: str = "bf16"
+    seq_len: int = 128
+    batch: int = 2
+    seed: int = 0
+    deterministic: bool = True
+    lr: float = 3e-4
+
+
+@dataclass
+class SoakStep:
+    step: int
+    loss: float
+    grad_norm: float
+    step_time_s: float
+    allocated_bytes: int
+    reserved_bytes: int | None
+
+
+@dataclass
+class SoakReport:
+    source: str
+    device: str
+    dtype: str
+    steps_planned: int
+    steps_done: int
+    resumed_from: int | None
+    checkpoints: list[int]
+    losses: list[float]  # whole trajectory, including steps run before a resume
+    loss_finite: bool
+    step_time_cv: float | None
+    step_time_drift: float | None  # median of the last quarter / median of the first quarter
+    memory_slope_bytes_per_step: float | None
+    leak: bool
+    passed: bool
+    steps: list[SoakStep] = field(default_factory=list)  # steps run by this process
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["losses"] = [x if math.isfinite(x) else None for x in self.losses]
+        return data
+
+
+def _memory(device: torch.device) -> tuple[int, int | None]:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    import psutil
+
+    return psutil.Process().memory_info().rss, None
+
+
+class CheckpointStore:
+    """``ckpt_dir/step-NNNNNNNN`` DCP directories, ``rng.pt`` inside each, ``latest`` naming the newest complete one."""
+
+    def __init__(self, root: str):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.history = self.root / "history.jsonl"
+
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        return self.root / pointer.read_text().strip() if pointer.is_file() else None
+
+    def save(self, run, step: int) -> None:
+        from parallel_planner.distributed import checkpoint
+
+        target = self.root / f"step-{step:08d}"
+        checkpoint.save(target, run.pmodel, run.trainer.optimizers, step)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, target / "rng.pt")
+        tmp = self.root / "latest.tmp"
+        tmp.write_text(target.name)
+        os.replace(tmp, self.root / "latest")
+
+    def restore(self, run) -> int:
+        from parallel_planner.distributed import checkpoint
+
+        target = self.latest()
+        step = checkpoint.load(target, run.pmodel, run.trainer.optimizers)
+        rng = torch.load(target / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        run.trainer.step = step
+        for sched in run.trainer.schedulers:
+            sched.last_epoch = step - 1
+            sched.step()
+        return step
+
+    def read_history(self, before: int) -> list[dict[str, Any]]:
+        """History lines of steps before ``before``; later ones were lost with the killed run and are rewritten."""
+        if not self.history.is_file():
+            return []
+        rows = [json.loads(line) for line in self.history.read_text().splitlines() if line.strip()]
+        kept = [r for r in rows if r["step"] < before]
+        self.history.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return kept
+
+
+def soak(
+    src,
+    kernel_plan: Any = None,
+    steps: int = 100,
+    ckpt_every: int = 0,
+    device: str = "cpu",
+    dtype: str = "bf16",
+    seq_len: int = 128,
+    batch_size: int = 2,
+    ckpt_dir: str | None = None,
+    minutes: float | None = None,
+    seed: int = 0,
+    deterministic: bool = True,
+    transform=None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> SoakReport:
+    """Train for ``steps`` steps (or ``minutes``), checkpointing every ``ckpt_every`` into ``ckpt_dir``.
+
+    A ``ckpt_dir`` that already holds a checkpoint is resumed from; the step count must match the
+    original run (it shapes the learning-rate schedule).
+    """
+    from validators.session import prepare_run
+    from validators.skeleton import load_model
+
+    options = SoakOptions(steps, minutes, ckpt_every, ckpt_dir, dtype, seq_len, batch_size, seed, deterministic)
+    check_device(device)
+    if options.steps < 1:
+        raise BadInput("--steps must be at least 1")
+    if options.ckpt_every < 0 or (options.ckpt_every and not options.ckpt_dir):
+        raise BadInput("--ckpt-every must be >= 0 and needs a checkpoint directory")
+    torch_dtype = parse_dtype(options.dtype)
+    transform = transform or kernel_plan_transform(kernel_plan)
+    notes: list[str] = []
+    model = load_model(src, torch_dtype, device, notes)
+    if transform is not None:
+        model = transform(model) or model
+    run = prepare_run(model, options.seq_len, options.batch, options.dtype, options.steps, options.seed, options.deterministic, options.lr)
+    store = CheckpointStore(options.ckpt_dir) if options.ckpt_dir else None
+    resumed_from, history = None, []
+    if store is not None and store.latest() is not None:
+        resumed_from = store.restore(run)
+        history = store.read_history(resumed_from)
+    elif store is not None:
+        store.read_history(0)
+    dev = run.pmodel.dims.device
+    started, records, checkpoints = time.perf_counter(), [], []
+    while run.trainer.step < options.steps:
+        if options.minutes is not None and time.perf_counter() - started > 60 * options.minutes:
+            notes.append(f"stopped after {options.minutes} minutes at step {run.trainer.step}")
+            break
+        run.pmodel.train()
+        metrics = run.trainer.train_step()
+        allocated, reserved = _memory(dev)
+        record = SoakStep(metrics.step, metrics.loss, metrics.grad_norm, metrics.step_time_s, allocated, reserved)
+        records.append(record)
+        if store is not None:
+            with store.history.open("a") as fh:
+                fh.write(json.dumps({"step": record.step, "loss": record.loss}) + "\n")
+        if not math.isfinite(metrics.loss):
+            notes.append(f"loss became non-finite at step {metrics.step}")
+            break
+        if store is not None and options.ckpt_every and run.trainer.step % options.ckpt_every == 0:
+            store.save(run, run.trainer.step)
+            checkpoints.append(run.trainer.step)
+        if progress is not None:
+            progress(run.trainer.step, options.steps, f"loss {metrics.loss:.4f}")
+    return _verdict(src, device, options, resumed_from, history, records, checkpoints, notes, dev.type)
+
+
+def _verdict(src, device, options, resumed_from, history, records, checkpoints, notes, device_type) -> SoakReport:
+    losses = [r["loss"] for r in history] + [r.loss for r in records]
+    finite = bool(losses) and all(math.isfinite(x) for x in losses)
+    warm = max(2, len(records) // 10)
+    window = records[warm:]
+    cv = drift = slope = None
+    if len(window) >= 4:
+        times = [r.step_time_s for r in window]
+        cv = statistics.pstdev(times) / statistics.mean(times)
+        quarter = max(1, len(times) // 4)
+        drift = statistics.median(times[-quarter:]) / statistics.median(times[:quarter])
+        slope = _slope([r.step for r in window], [r.allocated_bytes for r in window])
+    leak = slope is not None and slope * len(window) > LEAK_TOLERANCE_BYTES[device_type]
+    if leak:
+        notes.append(f"allocated memory grows {slope / 2**10:.1f} KiB per step")
+    return SoakReport(
+        source=src.text,
+        device=device,
+        dtype=options.dtype,
+        steps_planned=options.steps,
+        steps_done=len(losses),
+        resumed_from=resumed_from,
+        checkpoints=checkpoints,
+        losses=losses,
+        loss_finite=finite,
+        step_time_cv=cv,
+        step_time_drift=drift,
+        memory_slope_bytes_per_step=slope,
+        leak=leak,
+        passed=finite and not leak,
+        steps=records,
+        notes=notes,
+    )
+
+
+def _slope(xs: list[int], ys: list[int]) -> float:
+    """Least-squares slope of ys over xs."""
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
