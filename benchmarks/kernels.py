@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchmarks.kernel_cases as cases  # noqa: E402
@@ -75,6 +74,13 @@ def bench_ms(fn: Callable, grad_to_none=None, smoke: bool = False, quick: bool =
     from triton.testing import do_bench
 
     warmup, rep = (10, 40) if quick else (25, 100)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    rep = max(rep, 10 * start.elapsed_time(end))  # at least ~10 timed repetitions even for 50+ ms steps
     return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
 
 
@@ -161,7 +167,7 @@ def check(case: cases.Case) -> dict:
     outs = _as_tuple(case.variants["adapt"](**leaves))
     ref_outs = _as_tuple(case.reference(**refs))
     errors = {}
-    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+    for i, (o, r) in enumerate(zip(outs, ref_outs, strict=True)):
         errors[f"out{i}"] = rel_err(o, r)
     grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in outs]
     torch.autograd.backward(outs, grads)
@@ -290,7 +296,8 @@ def markdown(results: Results) -> str:
         lines.append(f"| {t['kernel']} | {t['shape']} | {t['target']} | {t['measured']} | {t['goal']} | "
                      f"{'yes' if t['met'] else 'NO'} |")
     if results.sweeps:
-        lines += ["", "## Launch-config sweeps (adapt kernels alone, best 5 per kernel and shape)", "",
+        lines += ["", "## Launch-config sweeps (adapt kernels alone, best 5 per kernel and shape)",
+                  "",
                   "| kernel | shape | config | ms |", "| --- " * 4 + "|"]
         groups: dict = {}
         for s in results.sweeps:
@@ -316,7 +323,8 @@ def main() -> int:
     results = Results(device=device, versions=versions, copy_gbps=copy_bandwidth(args.smoke))
     print(f"{device} {versions} copy {results.copy_gbps:,.0f} GB/s", flush=True)
     if args.sweep:
-        results.sweeps = cases.sweep_configs(lambda fn, **kw: bench_ms(fn, smoke=args.smoke, quick=True, **kw), args.smoke)
+        quick_bench = lambda fn, **kw: bench_ms(fn, smoke=args.smoke, quick=True, **kw)  # noqa: E731
+        results.sweeps = cases.sweep_configs(quick_bench, args.smoke)
         results.save(args.out)
     for case in cases.all_cases(args.smoke, args.only):
         run_case(case, results, args.smoke, set(args.skip_variants))

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from operators.generated import GeneratedKernel, generate
-from operators.inventory import OnnxReport, OpInventory, example_batch, json_ready, model_loss, trace_meta_model, trace_model
+from operators.inventory import OnnxReport, OpInventory, example_batch, json_ready, trace_model
 from operators.mapping import KernelPlan, plan_kernels
+from operators.meta_trace import trace_meta_model
 from operators.patch import apply_kernel_plan
 from operators.profiles import BackendProfile, load_profile
 from operators.recognition import Recognition, recognise
@@ -88,7 +89,7 @@ class OpsReport:
         )
 
 
-def build_inventory(model_or_spec: Any, *, seq_len: int = 24, backward: bool = True) -> OpInventory:
+def build_inventory(model_or_spec: Any, *, seq_len: int = 24, backward: bool = True, trust_remote_code: bool = False) -> OpInventory:
     """Trace a model: real weights -> forward+backward ATen inventory; meta -> one block per structure.
 
     Accepts an ``nn.Module``, a ``ModelSource``, or a ``ModelSpec`` (its ``source`` is re-read config-only).
@@ -99,7 +100,8 @@ def build_inventory(model_or_spec: Any, *, seq_len: int = 24, backward: bool = T
     if isinstance(model_or_spec, ModelSpec):
         from adapt.intake import build_meta_model, resolve_source
 
-        model = build_meta_model(resolve_source(model_or_spec.source, config_only=True, trust_remote_code=True))
+        source = resolve_source(model_or_spec.source, config_only=True, trust_remote_code=trust_remote_code)
+        model = build_meta_model(source)
     elif not isinstance(model_or_spec, nn.Module):
         from adapt.intake import build_meta_model
 
@@ -140,7 +142,7 @@ def run_ops(
         plan = plan_kernels(inventory, recognition, prof, tgt)
         report = OpsReport(str(src), prof, tgt, inventory, recognition, plan, None, patch_check=PatchCheck(False, note="config-only: no weights"))
     else:
-        model = load_model(source, dtype=torch.float32)
+        model = load_model(source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu")
         inventory = trace_model(model)
         recognition = recognise(model, inventory)
         plan = plan_kernels(inventory, recognition, prof, tgt, model)
@@ -178,26 +180,27 @@ def _capture_generated(model: nn.Module, inv: OpInventory, plan: KernelPlan, out
 def _onnx(model: nn.Module, out: Path | None) -> OnnxReport:
     from operators.onnx_export import export_onnx
 
-    return export_onnx(model, example_batch(model, 2, 16), out / "model.onnx" if out else None)
+    return export_onnx(model, example_batch(model, 2, 16, device=next(model.parameters()).device), out / "model.onnx" if out else None)
 
 
 def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -> PatchCheck:
     """Apply ``plan``, compare float32 logits and gradients against the unpatched model, revert."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    ids = example_batch(model, 2, 20)
+    ids = example_batch(model, 2, 20, device=next(model.parameters()).device)
     torch.random.set_rng_state(generator_state)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ref_out, ref_grads = _forward_backward(model, ids)
+    training = bool(plan.target.get("training", True))  # inference plans may hold forward-only kernels
+    ref_out, ref_grads = _forward_backward(model, ids, training)
     handle = apply_kernel_plan(model, plan)
     try:
-        out, grads = _forward_backward(model, ids)
+        out, grads = _forward_backward(model, ids, training)
         calls = handle.attention_calls()
         patched = len(handle.patched)
         unchanged = model.state_dict().keys() == before.keys() and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     finally:
         handle.revert()
-    again, _ = _forward_backward(model, ids)
+    again, _ = _forward_backward(model, ids, training)
     logits_diff = float((out - ref_out).abs().max())
     grad_rel = max((float((grads[k] - g).abs().max()) / max(float(g.abs().max()), 1e-12) for k, g in ref_grads.items()), default=0.0)
     scale = max(float(ref_out.abs().max()), 1.0)
@@ -205,14 +208,16 @@ def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -
     return PatchCheck(True, passed, logits_diff, grad_rel, unchanged, bool(torch.equal(again, ref_out)), calls, patched)
 
 
-def _forward_backward(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _forward_backward(model: nn.Module, ids: torch.Tensor, training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     saved = {p: p.grad for p in model.parameters()}
     for p in model.parameters():
         p.grad = None
     try:
-        out = model(input_ids=ids)
+        with torch.set_grad_enabled(training):
+            out = model(input_ids=ids)
         logits = out.logits if getattr(out, "logits", None) is not None else out[0]
-        logits.float().pow(2).mean().backward()
+        if training:
+            logits.float().pow(2).mean().backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     finally:
         for p, g in saved.items():

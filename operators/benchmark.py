@@ -27,7 +27,8 @@ def _cache_path() -> Path:
 
 
 def _key(comp: Component, target: Target) -> str:
-    payload = json.dumps([torch.cuda.get_device_name(), comp.kind, comp.variant, target.dtype, target.training, TOKENS], sort_keys=True, default=str)
+    variant = {k: v for k, v in comp.variant.items() if not k.endswith("evidence")}
+    payload = json.dumps([torch.cuda.get_device_name(), comp.kind, variant, target.dtype, target.training, TOKENS], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
@@ -48,7 +49,7 @@ def fastest(options: list[KernelOption], comp: Component, target: Target, module
         mod = copy.deepcopy(module).to("cuda", dtype)
         fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
         x = torch.randn(TOKENS, comp.variant["width"], device="cuda", dtype=dtype, requires_grad=target.training)
-        timings[f"{opt.provider}:{opt.kernel}"] = _time(lambda: _step(fwd, x, target.training))
+        timings[f"{opt.provider}:{opt.kernel}"] = _time(lambda fwd=fwd, x=x: _step(fwd, x, target.training))
     winner = min(timings, key=timings.get)
     cache[key] = {"winner": winner, "ms": timings}
     path.parent.mkdir(parents=True, exist_ok=True)

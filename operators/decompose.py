@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -21,7 +21,7 @@ from operators.decompose import decompose
 from operators.inventory import OpInventory, json_ready
 from operators.profiles import BackendProfile
 from operators.recognition import Component, Recognition
-from operators.registry import KernelOption, Target, providers
+from operators.registry import KernelOption, Target, provider_status, providers
 
 STATUSES = ("fused", "native", "decomposed", "generated", "unsupported")
 
@@ -104,12 +104,7 @@ def plan_kernels(
     if to_generate:  # whole components become generated kernels: their ops follow them
         _escalate_to_generated(to_generate, choices)
         ops, _ = _op_decisions(inventory, choices, profile)
-    return KernelPlan(profile.to_dict(), target.to_dict(), choices, ops, {p.name: _avail(p, target) for p in provs})
-
-
-def _avail(provider, target: Target) -> str:
-    ok, why = provider.available(target)
-    return "available" if ok else f"unavailable: {why}"
+    return KernelPlan(profile.to_dict(), target.to_dict(), choices, ops, provider_status(target))
 
 
 def _choose(comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None) -> KernelChoice:

@@ -4,13 +4,14 @@ Each patched module gets an instance-level ``forward`` that calls the chosen ker
 module's *own* parameters, looked up by name on every call.  Parameters, buffers and module
 structure are untouched, so ``state_dict`` keys and tensors stay identical, and wrappers that work
 through hooks and parameter swaps (FSDP2 ``fully_shard``, DTensor TP) keep working on top.
-Attention is switched through transformers' attention-function hook: the model's config selects
-the ``adapt`` function, which runs SDPA/FlexAttention with the recognised parameters.
-``PatchHandle.revert()`` restores every forward and config value it changed.
+Attention is switched through transformers' attention-function hook: the attention module gets a
+private config copy selecting the ``adapt`` function, which runs SDPA/FlexAttention with the
+recognised parameters.  ``PatchHandle.revert()`` restores every forward and config it changed.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ _MISSING = object()
 class PatchHandle:
     model: nn.Module
     forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, previous instance forward or _MISSING)
-    configs: list[tuple[Any, str]] = field(default_factory=list)  # (config, previous _attn_implementation)
+    configs: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (attention module, its shared config)
     attention_modules: list[nn.Module] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)  # "module: provider/kernel"
     generated: list[GeneratedKernel] = field(default_factory=list)
@@ -44,8 +45,8 @@ class PatchHandle:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = previous
-        for config, previous in reversed(self.configs):
-            config._attn_implementation = previous
+        for module, shared in reversed(self.configs):
+            module.config = shared
         for module in self.attention_modules:
             torch_native.forget_attention(module)
         self.active = False
@@ -105,13 +106,18 @@ def _install(handle: PatchHandle, module: nn.Module, forward) -> None:
 
 
 def _install_attention(handle: PatchHandle, module: nn.Module, choice: KernelChoice) -> None:
+    """Give the module a private shallow copy of its config that selects the ``adapt`` attention function.
+
+    Model-level code (mask construction) and every unpatched module keep the shared config, so only
+    this module's attention core changes.
+    """
     _register_hook()
     torch_native.attention_forward(module, _component(choice))
     handle.attention_modules.append(module)
-    config = module.config
-    if all(c is not config for c, _ in handle.configs):
-        handle.configs.append((config, config._attn_implementation))
-        config._attn_implementation = torch_native.ATTENTION_HOOK_NAME
+    private = copy.copy(module.config)
+    private._attn_implementation = torch_native.ATTENTION_HOOK_NAME
+    handle.configs.append((module, module.config))
+    module.config = private
 
 
 def _register_hook() -> None:

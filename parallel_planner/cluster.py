@@ -1,4 +1,5 @@
-"""The cluster a plan targets: a catalogue GPU type and a GPU count, from flags, a file or this machine.
+"""The cluster a plan targets: a catalogue GPU type and a GPU count, from flags, a file or this machine
+(as the environment stage measures it: memory, GEMM ceiling, copy and all-reduce bandwidth).
 
 Cluster file (YAML or TOML), for example::
 
@@ -91,17 +92,32 @@ def load_cluster_file(path: str | Path) -> Cluster:
     return Cluster(dataclasses.replace(kind, gpus_per_node=per_node), num_gpus, min(per_node, num_gpus))
 
 
-def local_cluster() -> Cluster:
-    """This machine's GPUs: the catalogue entry its device name matches, with the measured memory."""
-    import torch
+def cluster_from_environment(report: dict[str, Any]) -> Cluster:
+    """This machine as the environment stage measured it (``validators.environment.EnvReport.to_dict()``).
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+    Peaks and network figures come from the catalogue entry the device name matches; memory, the
+    achieved GEMM ceiling, HBM bandwidth (measured copy) and NCCL bus bandwidth replace catalogue figures.
+    """
+    devices = report.get("devices") or []
+    if report.get("device_type") != "cuda" or not devices:
         raise BadInput("this machine has no GPU to plan for; pass --gpu TYPE --gpus N instead")
-    props = torch.cuda.get_device_properties(0)
-    name = props.name.lower().replace(" ", "")
+    name = str(devices[0]["name"]).lower().replace(" ", "")
     matches = [gpu for key, gpu in GPU_CATALOG.items() if key in name]
     if not matches:
-        raise BadInput(f"local GPU {props.name!r} is not in the catalogue; describe it in a cluster file")
-    count = torch.cuda.device_count()
-    kind = dataclasses.replace(matches[0], memory_gib=props.total_memory / GIB, gpus_per_node=count)
-    return Cluster(kind, count, count)
+        raise BadInput(f"local GPU {devices[0]['name']!r} is not in the catalogue; describe it in a cluster file")
+    kind = matches[0]
+    measured: dict[str, Any] = {"memory_gib": devices[0]["memory_bytes"] / GIB, "gpus_per_node": len(devices)}
+    if report.get("matmul_tflops") and report.get("matmul_dtype") == "bfloat16":
+        measured["gemm_ceiling"] = min(1.0, report["matmul_tflops"] / kind.bf16_tflops)
+    if report.get("copy_gbps"):
+        measured["hbm_gbps"] = report["copy_gbps"]
+    if report.get("allreduce_gbps"):
+        measured["intra_node_gbps"] = report["allreduce_gbps"]
+    return Cluster(dataclasses.replace(kind, **measured), len(devices), len(devices))
+
+
+def local_cluster() -> Cluster:
+    """Run the environment stage's measurements on this machine and plan for what it found."""
+    from validators.environment import check_environment
+
+    return cluster_from_environment(check_environment(measure=True).to_dict())

@@ -52,12 +52,28 @@ class Candidates:
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Blocks per virtual stage, and per physical stage the count of each block type it holds."""
+    """Blocks per virtual stage, and per physical stage the count of each block type it holds.
+
+    The per-stage arrays may be *compressed*: stages with identical contents collapse onto the first of
+    them (which holds the most micro-batches in flight, so memory maxima are kept) and ``multiplicity``
+    says how many stages each column stands for (so pipeline sums are kept).
+    """
 
     chunk_layers: tuple[int, ...]  # pp * vpp entries; chunk j runs on physical stage j % pp
-    type_counts: np.ndarray  # (pp, n_block_types)
-    has_embedding: np.ndarray  # (pp,) 0/1
-    has_head: np.ndarray  # (pp,) 0/1
+    type_counts: np.ndarray  # (stages, n_block_types)
+    has_embedding: np.ndarray  # (stages,) 0/1
+    has_head: np.ndarray  # (stages,) 0/1
+    stage_ids: np.ndarray  # physical stage index of each column
+    multiplicity: np.ndarray  # stages each column stands for
+    pp: int
+
+    def compressed(self) -> "StageLayout":
+        contents = np.concatenate([self.type_counts, self.has_embedding[:, None], self.has_head[:, None]], axis=1)
+        _, first, counts = np.unique(contents, axis=0, return_index=True, return_counts=True)
+        keep = np.sort(first)
+        weight = counts[np.argsort(first)]
+        return StageLayout(self.chunk_layers, self.type_counts[keep], self.has_embedding[keep], self.has_head[keep],
+                           self.stage_ids[keep], weight.astype(np.float64), self.pp)
 
 
 def split_layers(num_layers: int, chunks: int, split: str) -> list[int] | None:
@@ -93,5 +109,5 @@ def stage_layout(profile: ModelProfile, pp: int, vpp: int, split: str) -> StageL
     head = np.zeros(pp)
     embed[0] = 1.0
     head[(pp * vpp - 1) % pp] = 1.0
-    return StageLayout(tuple(chunks), counts, embed, head)
+    return StageLayout(tuple(chunks), counts, embed, head, np.arange(pp), np.ones(pp), pp)
 

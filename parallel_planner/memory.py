@@ -47,13 +47,13 @@ def micro_batches(workload: Workload, c: Candidates) -> np.ndarray:
     return workload.global_batch // (c.mbs * c.dp)
 
 
-def in_flight(c: Candidates, m: np.ndarray, pp: int) -> np.ndarray:
+def in_flight(c: Candidates, m: np.ndarray, pp: int, stage_ids: np.ndarray) -> np.ndarray:
     """Micro-batches of activations each physical stage holds at its peak, (C, pp).
 
     1F1B warms up ``pp - i`` micro-batches on stage i; the interleaved schedules (1F1B and zero-bubble)
     warm up ``2(pp-i-1) + (v-1)pp + 1`` chunks of 1/v of the stage.
     """
-    stage = np.arange(pp)[None, :]
+    stage = stage_ids[None, :]
     v = c.vpp[:, None]
     plain = np.minimum(m[:, None], pp - stage)
     chunks = np.minimum(m[:, None] * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
@@ -65,7 +65,7 @@ def stage_params(profile: ModelProfile, layout: StageLayout) -> tuple[np.ndarray
     dense = layout.type_counts @ np.array([b.dense_params for b in profile.blocks], dtype=np.float64)
     experts = layout.type_counts @ np.array([b.expert_params for b in profile.blocks], dtype=np.float64)
     dense = dense + layout.has_embedding * profile.embed_params
-    shared_with_embedding = profile.vocab * profile.hidden if profile.tied and len(layout.has_head) == 1 else 0
+    shared_with_embedding = profile.vocab * profile.hidden if profile.tied and layout.pp == 1 else 0
     return dense + layout.has_head * (profile.head_params - shared_with_embedding), experts
 
 
@@ -112,7 +112,7 @@ def memory_breakdown(
     profile: ModelProfile, cluster: Cluster, workload: Workload, c: Candidates, layout: StageLayout, mm: MemoryModel
 ) -> dict[str, np.ndarray]:
     """Bytes per GPU by component for every candidate (rows) and physical stage (columns)."""
-    pp = layout.type_counts.shape[0]
+    pp = layout.type_counts.shape[0]  # columns: physical stages, or their distinct representatives
     tp = c.tp[:, None].astype(np.float64)
     shard = (c.dp * c.cp)[:, None].astype(np.float64)
     expert_shard = shard / c.ep[:, None]
@@ -141,16 +141,11 @@ def memory_breakdown(
         out["optimizer_states"] = np.where(c.offload[:, None] > 0, 0.0, sharded(workload.optimizer_state_bytes, 1))
         stage_act = per_block @ layout.type_counts.T
         working = np.where(c.recompute[:, None] == FULL, full_width.max(axis=1, keepdims=True), 0.0)
-        out["activations"] = stage_act * in_flight(c, m, pp) + working
+        out["activations"] = stage_act * in_flight(c, m, layout.pp, layout.stage_ids) + working
     else:
         out["parameters"] = mm.weight_bytes * (dense_gpu + expert_gpu)
         out["activations"] = np.broadcast_to(full_width.max(axis=1, keepdims=True), (len(c), pp)).copy()
-        cache_width = np.array(
-            [b.kv_cache_width / (b.num_kv_heads if b.kv_cache_width == b.cp_exchange_width else 1)
-             for b in profile.blocks], dtype=np.float64)
-        heads = np.array([max(b.num_kv_heads if b.kv_cache_width == b.cp_exchange_width else 1, 1)
-                          for b in profile.blocks], dtype=np.float64)
-        per_gpu_width = cache_width[None, :] * np.ceil(heads[None, :] / tp)  # kv heads shard over tp
+        per_gpu_width = np.stack([_kv_cache_width_per_gpu(b, c.tp) for b in profile.blocks], axis=1)
         sequences = (workload.global_batch / c.dp)[:, None]
         out["kv_cache"] = (ACT_BYTES * sequences * workload.seq_len / c.cp[:, None]) * (per_gpu_width @ layout.type_counts.T)
     logits = tokens * profile.vocab / tp * (2 + 4)  # bf16 logits and fp32 softmax for the loss
@@ -167,6 +162,15 @@ def memory_breakdown(
     out["reserved"] = np.full((len(c), pp), mm.reserved_gib * GIB)
     out["total"] = sum(out.values())
     return out
+
+
+def _kv_cache_width_per_gpu(block, tp: np.ndarray) -> np.ndarray:
+    """Cached elements per token on one GPU: per-head K/V split over TP (replicated below one head per
+    rank); a latent cache (MLA) is not split by heads and stays whole."""
+    per_head_cache = block.kv_cache_width == block.cp_exchange_width and block.num_kv_heads > 0
+    if not per_head_cache:
+        return np.full(len(tp), float(block.kv_cache_width))
+    return block.kv_cache_width / block.num_kv_heads * np.ceil(block.num_kv_heads / tp)
 
 
 def _no_recompute(c: Candidates) -> Candidates:

@@ -13,7 +13,8 @@ planner's choice.  A published layout our memory model says does not fit is stil
   attention averaging ``(s+1)/2`` context), the same numerator adapt's own MFU uses.
 
 ``python -m parallel_planner.published --fit`` refits ``Efficiency.gemm/attention/network`` on all rows
-and leave-one-source-out; ``--write`` regenerates ``benchmarks/results/planner-published.{json,md}``.
+(the defaults in ``timing.Efficiency`` are that fit); ``--write DIR`` evaluates the rows with those
+defaults, refits leaving each source out, times the giants and writes ``planner-published.{json,md}``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from adapt.spec import (
-    SCHEMA_VERSION, AttentionSpec, BlockSpec, CostSpec, MLPSpec, ModelSpec, NormSpec, ParamCounts,
+    SCHEMA_VERSION,
+    AttentionSpec,
+    BlockSpec,
+    CostSpec,
+    MLPSpec,
+    ModelSpec,
+    NormSpec,
+    ParamCounts,
 )
 from parallel_planner.cluster import make_cluster
 from parallel_planner.profile import profile_model
@@ -259,6 +267,7 @@ def planning_speed() -> list[dict[str, Any]]:
             cli_s = time.perf_counter() - started
             best = result.best
             out.append({
+                "load_average": round(os.getloadavg()[0], 1),
                 "case": name, "params_total": spec.params_total, "layouts_scored": result.searched,
                 "intake_s": intake_s, "plan_s": plan_s, "cli_cached_s": cli_s,
                 "best": {k: v for k, v in best.to_dict().items() if k in (
@@ -278,7 +287,7 @@ def _markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         "own FLOP convention (see `parallel_planner/published.py`).",
         "",
         f"Efficiency parameters: `{json.dumps({k: summary['efficiency'][k] for k in FITTED})}` "
-        "(fitted jointly on all rows).",
+        "(the `timing.Efficiency` defaults, fitted jointly on all rows with `--fit`).",
         "",
         f"**All rows: mean |error| {summary['all']['mean_abs_error']:.1%}, max {summary['all']['max_abs_error']:.1%}.**",
         "",
@@ -304,7 +313,8 @@ def _markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"| {r.get('searched_speedup', float('nan')):.2f}x | {r.get('search_s', float('nan')):.2f} |"
         )
     if summary.get("speed"):
-        lines += ["", "## Planning speed (this 2-core CPU machine, shared)", "",
+        load = summary["speed"][0].get("load_average")
+        lines += ["", f"## Planning speed (a 2-core CPU machine shared with other jobs; load average {load})", "",
                   "| case | params | layouts scored | intake (cold) s | search s | `adapt plan` end to end, spec cached, s | best |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for case in summary["speed"]:
@@ -321,33 +331,36 @@ def _markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="refit the efficiency parameters (all rows and LOSO)")
-    parser.add_argument("--write", metavar="DIR", help="write planner-published.{json,md} into DIR")
+    parser.add_argument("--fit", action="store_true", help="refit gemm/attention/network on all rows and print them")
+    parser.add_argument("--write", metavar="DIR", help="write planner-published.{json,md} (default parameters) into DIR")
     args = parser.parse_args(argv)
     runs = load_published_runs()
-    eff = fit(runs) if args.fit else Efficiency()
+    if args.fit:
+        fitted = fit(runs)
+        print(json.dumps({"fitted": {k: getattr(fitted, k) for k in FITTED},
+                          **error_summary(evaluate(runs, fitted, search=False))}, indent=2))
+    if not args.write:
+        return 0
+    eff = Efficiency()
     rows = evaluate(runs, eff)
     sources = sorted({r.source for r in runs})
     summary: dict[str, Any] = {
         "efficiency": eff.to_dict(),
         "all": error_summary(rows),
         "per_source": {s: error_summary([r for r in rows if r["source"] == s]) for s in sources},
+        "leave_one_source_out": {},
     }
-    if args.fit:
-        summary["leave_one_source_out"] = {}
-        for held in sources:
-            held_eff = fit([r for r in runs if r.source != held])
-            held_rows = evaluate([r for r in runs if r.source == held], held_eff, search=False)
-            summary["leave_one_source_out"][held] = {
-                **error_summary(held_rows), "efficiency": {k: getattr(held_eff, k) for k in FITTED}}
-    if args.write:
-        summary["speed"] = planning_speed()
+    for held in sources:
+        held_eff = fit([r for r in runs if r.source != held])
+        held_rows = evaluate([r for r in runs if r.source == held], held_eff, search=False)
+        summary["leave_one_source_out"][held] = {
+            **error_summary(held_rows), "efficiency": {k: getattr(held_eff, k) for k in FITTED}}
+    summary["speed"] = planning_speed()
+    out = Path(args.write)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "planner-published.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+    (out / "planner-published.md").write_text(_markdown(rows, summary))
     print(json.dumps(summary, indent=2))
-    if args.write:
-        out = Path(args.write)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "planner-published.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
-        (out / "planner-published.md").write_text(_markdown(rows, summary))
     return 0
 
 

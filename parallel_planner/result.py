@@ -23,7 +23,7 @@ class RankedPlan:
     tokens_per_s_per_gpu: float
     mfu: float  # model FLOPs (no recompute) over dense bf16 peak
     hfu: float  # hardware FLOPs (with recompute) over dense bf16 peak
-    torchrun: str
+    torchrun: str  # the `adapt train` launch of a training plan ("" for inference plans)
 
     def to_dict(self) -> dict[str, Any]:
         p = self.plan

@@ -2,9 +2,10 @@
 
 Every structurally valid layout (TP x CP x PP x DP over the GPUs, EP inside DP x CP, ZeRO stage,
 recompute, micro-batch, virtual stages, schedule, layer split, optimizer offload) is scored at once by
-the vectorised memory and time models, grouped by pipeline split.  TP and EP stay inside a node;
-only when nothing fits there does the search widen to cross-node TP/EP.  ``fixed`` pins any subset of
-the knobs and the rest are still chosen for the fastest fitting result.
+the vectorised memory and time models, grouped by pipeline split.  TP and EP stay inside a node and
+optimizer states on the GPU; only when nothing fits does the search add offload, then cross-node TP/EP
+(a faster cross-node-EP layout is still reported as the binding constraint).  ``fixed`` pins any subset
+of the knobs; the rest are chosen for the fastest fitting result.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from adapt.spec import ModelSpec
 from parallel_planner.calibration import Calibration, compute_scale
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
-from parallel_planner.layout import FIELDS, RECOMPUTE, SCHEDULES, SPLITS, Candidates, stage_layout
+from parallel_planner.layout import (
+    FIELDS,
+    RECOMPUTE,
+    SCHEDULES,
+    SPLITS,
+    Candidates,
+    stage_layout,
+)
 from parallel_planner.memory import MemoryModel, memory_breakdown, model_state_floor
 from parallel_planner.plan import ParallelPlan
 from parallel_planner.profile import ModelProfile, profile_model
@@ -36,7 +44,7 @@ VIRTUAL_STAGES = (1, 2, 3, 4, 6, 8)
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Limits of the enumeration; ``cross_node`` lets TP and EP leave the node."""
+    """Limits of the enumeration; ``cross_node`` lets TP and EP leave the node when ranking."""
 
     cross_node: bool = False
     offload: bool = False  # optimizer offload only joins when nothing fits on the GPUs alone
@@ -98,22 +106,22 @@ def enumerate_candidates(
     experts = [b.num_experts for b in profile.blocks if b.is_moe]
     outer: dict[tuple[int, int], list[tuple[int, ...]]] = {}
 
-    def allowed(key: str, values) -> list[int]:
+    def choices(key: str, values) -> list[int]:
         return [v for v in values if key not in fixed or fixed[key] == v]
 
-    for tp in allowed("tp", _divisors(n)):
+    for tp in choices("tp", _divisors(n)):
         if any(h % tp for h in heads) or any(g % tp for g in kv_heads):
             rejected["tensor parallel must divide the attention and kv heads"] += 1
             continue
         if tp > per_node and not space.cross_node and "tp" not in fixed:
             rejected["tensor parallel kept inside a node"] += 1
             continue
-        for cp in allowed("cp", _divisors(n // tp)):
+        for cp in choices("cp", _divisors(n // tp)):
             if cp > 1 and (workload.seq_len % (2 * cp) or cp > space.max_cp
                            or workload.seq_len // cp < space.min_cp_chunk):
                 rejected[f"context parallel needs 2*cp equal chunks of at least {space.min_cp_chunk // 2} tokens"] += 1
                 continue
-            for pp in allowed("pp", _divisors(n // (tp * cp))):
+            for pp in choices("pp", _divisors(n // (tp * cp))):
                 if pp > profile.num_layers:
                     rejected["pipeline stages must each hold at least one layer"] += 1
                     continue
@@ -123,22 +131,23 @@ def enumerate_candidates(
                 if workload.global_batch % dp:
                     rejected["global batch must divide over the data-parallel ranks"] += 1
                     continue
-                for row in _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, space, per_node, rejected):
+                for row in _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, rejected):
                     outer.setdefault((row[1], row[6]), []).append(row)
     return {key: cands for key, cands in _expand(outer, workload, fixed, space)}, rejected
 
 
-def _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, space, per_node, rejected):
-    """(tp, pp, dp, cp, ep, mbs, vpp, schedule) rows of one TP x CP x PP x DP layout."""
+def _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, rejected):
+    """(tp, pp, dp, cp, ep, mbs, vpp, schedule) rows of one TP x CP x PP x DP layout.
+
+    EP may leave the node here in every search space: ``plan_parallel`` ranks such layouts only once the
+    space allows it, and otherwise uses them to say what keeping EP inside a node costs.
+    """
     per_rank = workload.global_batch // dp
     ep_options = _divisors(math.gcd(dp * cp, *experts)) if experts else [1]
     if "ep" in fixed and fixed["ep"] not in ep_options:
         rejected[f"ep={fixed['ep']} must divide the experts and dp*cp={dp * cp}"] += 1
     for ep in ep_options:
         if "ep" in fixed and fixed["ep"] != ep:
-            continue
-        if ep * tp > per_node and not space.cross_node and "ep" not in fixed:
-            rejected["expert parallel kept inside a node"] += 1
             continue
         for mbs in (b for b in MICRO_BATCHES if per_rank % b == 0):
             if "mbs" in fixed and fixed["mbs"] != mbs:
@@ -152,9 +161,12 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
     """Cross each group's layouts with ZeRO stage, recompute, offload and layer split, as arrays."""
     training = workload.training
     offload = (0, 1) if space.offload else (0,)
+    # ZeRO-0 is dominated by ZeRO-1 (same compute, more memory, an all-reduce costing more than
+    # reduce-scatter + all-gather), so the open search skips it; a pinned zero=0 is still evaluated.
+    zeros = (0, 1, 2, 3) if "zero" in fixed else (1, 2, 3)
     inner = [
         (zero, rec, off)
-        for zero, rec, off in itertools.product(range(4) if training else (0,), range(3) if training else (0,), offload)
+        for zero, rec, off in itertools.product(zeros if training else (0,), range(3) if training else (0,), offload)
         if not (off and zero == 0)
         and all(fixed.get(k, v) == v for k, v in (("zero", zero), ("recompute", rec), ("offload", off)))
     ]
@@ -209,8 +221,10 @@ def score(
     smallest_pruned = np.inf
     for (pp, vpp, split), cands in groups.items():
         layout = stage_layout(profile, pp, vpp, SPLITS[split])
-        if layout is None:
-            continue
+        if layout is None or (split and layout.chunk_layers == getattr(stage_layout(profile, pp, vpp, SPLITS[0]),
+                                                                        "chunk_layers", None)):
+            continue  # no layer split, or the same split under another name
+        layout = layout.compressed()
         floor = model_state_floor(profile, workload, cands, mm)
         possible = floor <= usable
         if not possible.all():
@@ -252,7 +266,9 @@ def plan_parallel(
         groups, rejected_here = enumerate_candidates(profile, cluster, workload, pinned, space)
         rejected += rejected_here
         scored = score(profile, cluster, workload, groups, eff, mm, scale, prune=not pinned)
-        if (scored.memory_total <= usable).any():
+        c = scored.candidates
+        allowed = (c.ep * c.tp <= cluster.gpus_per_node) | space.cross_node | ("ep" in pinned)
+        if ((scored.memory_total <= usable) & allowed).any():
             break
     if space is not spaces[0] and not pinned and (scored.memory_total <= usable).any():
         notes.append("nothing fitted with TP/EP inside a node and optimizer states on the GPU; the search widened"
@@ -264,7 +280,8 @@ def plan_parallel(
                 f"optimizer states alone need at least {scored.smallest_pruned / GIB:.1f} GiB; use more GPUs"
             )
         raise BadInput(_no_layout_message(cluster, workload, rejected, pinned))
-    fits = scored.memory_total <= usable
+    fits_anywhere = scored.memory_total <= usable
+    fits = fits_anywhere & allowed
     if not fits.any() and not pinned:
         smallest = int(np.argmin(scored.memory_total))
         raise BadInput(
@@ -274,13 +291,21 @@ def plan_parallel(
         )
     pool = np.flatnonzero(fits) if fits.any() else np.arange(len(fits))  # a pinned layout may not fit: say so
     order = pool[np.argsort(scored.step[pool], kind="stable")][:top_k]
+    binding = _binding(scored, fits, fits_anywhere | ~allowed, usable, int(order[0]), rejected)
+    wide = np.flatnonzero(fits_anywhere & ~allowed & (scored.step < scored.step[order[0]] / 1.05))
+    if len(wide) and fits.any():
+        i = int(wide[np.argmin(scored.step[wide])])
+        binding = (
+            f"expert parallelism kept inside a node: {_short(scored.candidates.row(i))} is predicted "
+            f"{scored.step[order[0]] / scored.step[i]:.2f}x faster with EP across nodes (pass it with --fixed)"
+        )
     plans = [
         _ranked(rank, scored.candidates.row(int(i)), profile, cluster, workload, eff, mm, scale, spec.source)
         for rank, i in enumerate(order, 1)
     ]
     return PlannerResult(
         plans=plans,
-        binding_constraint=_binding(scored, fits, usable, int(order[0]), rejected),
+        binding_constraint=binding,
         searched=len(scored.candidates),
         feasible=int(fits.sum()),
         fixed={k: _knob_name(k, v) for k, v in pinned.items()} or None,
@@ -301,11 +326,13 @@ def _short(row: dict[str, int]) -> str:
     return ",".join(f"{k}={_knob_name(k, v)}" for k, v in row.items())
 
 
-def _binding(scored: Scored, fits: np.ndarray, usable: float, best: int, rejected: Counter) -> str:
+def _binding(
+    scored: Scored, fits: np.ndarray, memory_ok: np.ndarray, usable: float, best: int, rejected: Counter
+) -> str:
     """What stops a faster plan: memory if faster layouts overflow it, else the commonest structural limit."""
     if not fits[best]:
         return f"memory: needs {scored.memory_total[best] / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable"
-    faster = np.flatnonzero((scored.step < scored.step[best]) & ~fits)
+    faster = np.flatnonzero((scored.step < scored.step[best]) & ~memory_ok)
     if len(faster):
         quickest = faster[np.argmin(scored.step[faster])]
         return (
@@ -361,13 +388,17 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
         tokens_per_s_per_gpu=tokens_per_s / cluster.num_gpus,
         mfu=model_flops * tokens_per_s / peak,
         hfu=float(times["hardware_flops_per_token"][0]) * tokens_per_s / peak,
-        torchrun=launch_command(plan, cluster, profile_source),
+        torchrun=launch_command(plan, cluster, profile_source) if workload.training else "",
     )
 
 
 def launch_command(plan: ParallelPlan, cluster: Cluster, source: str) -> str:
     """The command ``adapt launch`` would print for this plan (``plan.json`` = this answer, saved)."""
-    from parallel_planner.distributed.launch import LaunchConfig, render, torchrun_command
+    from parallel_planner.distributed.launch import (
+        LaunchConfig,
+        render,
+        torchrun_command,
+    )
 
     nodes = max(1, plan.world_size // cluster.gpus_per_node)
     launch = LaunchConfig(nnodes=nodes, rdzv_endpoint="HEAD_NODE:29500" if nodes > 1 else None)

@@ -50,13 +50,17 @@ def render_html(report: dict[str, Any]) -> str:
         "operators",
         "Operator mapping",
         [tables.coverage_table(report), tables.coverage_facts(report), tables.operator_table(report)],
-        statuses=True,
     )
     parts += _section(
         report,
         "plan",
         "Parallel plan",
-        [tables.plan_layout(report), tables.memory_breakdown(report), tables.ranked_plans(report)],
+        [
+            tables.plan_layout(report),
+            tables.memory_breakdown(report),
+            tables.time_breakdown(report),
+            tables.ranked_plans(report),
+        ],
     )
     parts += _environment(report)
     parts += _section(report, "alignment", "Alignment", [tables.alignment_table(report)], rows_by_passed=True)
@@ -111,7 +115,9 @@ def _figure(report: dict[str, Any], name: str) -> str:
     return f'<figure><img alt="{_e(name)} plot" data-plot="{_e(name)}" src="data:image/png;base64,{data}"></figure>'
 
 
-def _section(report, name, title, frames, rows_by_passed: bool = False, statuses: bool = False) -> list[str]:
+def _section(
+    report: dict[str, Any], name: str, title: str, frames: list[pd.DataFrame], rows_by_passed: bool = False
+) -> list[str]:
     out = [f"<h2>{_e(title)}</h2>"]
     entry = stage(report, name)
     if not summary(report, name):
@@ -124,6 +130,8 @@ def _section(report, name, title, frames, rows_by_passed: bool = False, statuses
         out.append(
             f"<p><strong>First divergent: <code>{_e(summary(report, name)['first_divergent'])}</code></strong></p>"
         )
+    if name == "alignment":
+        out += [f"<p>{_e(line)}</p>" for line in tables.alignment_extras(report)]
     if name in plots.FIGURES:
         out.append(_figure(report, name))
     out += [_table(df, rows_by_passed) for df in frames]

@@ -80,27 +80,48 @@ def load_thresholds(path: str | Path | None) -> dict[str, Any]:
     data = data or {}
     if not isinstance(data, dict):
         raise BadInput(f"{path}: thresholds must be a mapping of sections")
-    for section, values in data.items():
-        if section == "ignore":
-            if not isinstance(values, list):
-                raise BadInput(f"{path}: 'ignore' must be a list of stage names")
-            continue
-        if section not in _SECTIONS:
-            raise BadInput(f"{path}: unknown section {section!r}; known: {', '.join([*_SECTIONS, 'ignore'])}")
-        if not isinstance(values, dict):
-            raise BadInput(f"{path}: section {section!r} must be a mapping")
-        flat = values
-        if section == "alignment":
-            flat = {}
-            for key, value in values.items():
-                flat.update(value if key in _DTYPES and isinstance(value, dict) else {key: value})
-        unknown = set(flat) - _SECTIONS[section]
-        if unknown:
-            raise BadInput(f"{path}: unknown key(s) in {section}: {', '.join(sorted(unknown))}")
-        for key, value in flat.items():
-            if not isinstance(value, (int, float)):
-                raise BadInput(f"{path}: {section}.{key} must be a number or boolean, got {value!r}")
-    return data
+    return {section: _check_section(path, section, values) for section, values in data.items()}
+
+
+def _check_section(path: Path, section: str, values: Any) -> Any:
+    """One validated section with every limit as a number (per-dtype alignment mappings kept nested)."""
+    if section == "ignore":
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise BadInput(f"{path}: 'ignore' must be a list of stage names")
+        return values
+    if section not in _SECTIONS:
+        raise BadInput(f"{path}: unknown section {section!r}; known: {', '.join([*_SECTIONS, 'ignore'])}")
+    if not isinstance(values, dict):
+        raise BadInput(f"{path}: section {section!r} must be a mapping")
+    if section == "alignment":
+        return {
+            key: _check_limits(path, f"alignment.{key}", value, _SECTIONS[section])
+            if key in _DTYPES and isinstance(value, dict)
+            else _check_limits(path, section, {key: value}, _SECTIONS[section])[key]
+            for key, value in values.items()
+        }
+    return _check_limits(path, section, values, _SECTIONS[section])
+
+
+def _check_limits(path: Path, where: str, values: dict[str, Any], known: set[str]) -> dict[str, Any]:
+    unknown = set(values) - known
+    if unknown:
+        raise BadInput(f"{path}: unknown key(s) in {where}: {', '.join(sorted(unknown))}")
+    checked = {}
+    for key, value in values.items():
+        number = value if isinstance(value, (int, float)) else _as_float(value)
+        if number is None:
+            raise BadInput(f"{path}: {where}.{key} must be a number or boolean, got {value!r}")
+        checked[key] = number
+    return checked
+
+
+def _as_float(value: Any) -> float | None:
+    """PyYAML reads ``1.0e9`` (no exponent sign) as a string; accept any string that is a number."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def rejudge(report: dict[str, Any], thresholds: dict[str, Any]) -> GateResult:
@@ -155,20 +176,32 @@ def _alignment(report: dict[str, Any], section: dict[str, Any]) -> tuple[list[Ch
         )
     checks, first = [], None
     for layer in align.get("layers", []):
-        cosine, rel, base = _num(layer.get("cosine")), _num(layer.get("rel_err")), _num(layer.get("baseline_rel_err"))
-        finite = math.isfinite(cosine) and math.isfinite(rel)
-        ok = (
-            finite
-            and cosine >= limits["min_cosine"]
-            and rel <= limits["max_rel_err"]
-            and rel <= limits["max_err_ratio"] * base + limits["rel_err_floor"]
-        )
-        if not ok and first is None:
-            first = layer.get("name")
-        checks.append(
-            Check("alignment", str(layer.get("name")), ok, f"cosine={cosine:.6g} rel_err={rel:.3e} baseline={base:.3e}")
-        )
+        check = _tensor_check("alignment", layer, limits)
+        if not check.passed and first is None:
+            first = check.name
+        checks.append(check)
+    checks += [_tensor_check("alignment.gradients", grad, limits) for grad in align.get("gradients", [])]
+    parity = align.get("parity")
+    if parity:  # the loss-curve parity run keeps its own tolerance
+        detail = f"max relative loss difference {parity.get('max_rel_diff')} (tolerance {parity.get('tolerance')})"
+        checks.append(Check("alignment", "loss_parity", bool(parity.get("passed")), detail))
+    if align.get("nonfinite_module"):
+        checks.append(Check("alignment", "nonfinite", False, f"NaN/Inf produced by {align['nonfinite_module']}"))
+        first = first or align["nonfinite_module"]
     return checks, first
+
+
+def _tensor_check(stage: str, tensor: dict[str, Any], limits: dict[str, float]) -> Check:
+    """The validators' rule on one captured tensor; NaN/Inf fails whatever the limits."""
+    cosine, rel, base = _num(tensor.get("cosine")), _num(tensor.get("rel_err")), _num(tensor.get("baseline_rel_err"))
+    ok = (
+        math.isfinite(cosine)
+        and math.isfinite(rel)
+        and cosine >= limits["min_cosine"]
+        and rel <= limits["max_rel_err"]
+        and rel <= limits["max_err_ratio"] * base + limits["rel_err_floor"]
+    )
+    return Check(stage, str(tensor.get("name")), ok, f"cosine={cosine:.6g} rel_err={rel:.3e} baseline={base:.3e}")
 
 
 def _operators(ops: dict[str, Any], section: dict[str, Any]) -> list[Check]:
@@ -179,9 +212,16 @@ def _operators(ops: dict[str, Any], section: dict[str, Any]) -> list[Check]:
         ok = unmapped is not None and unmapped <= section["max_unmapped"]
         checks.append(Check("operators", "unmapped", ok, f"unmapped={unmapped} (max {section['max_unmapped']})"))
     if "max_unsupported" in section:
-        count = ops.get("status_counts", {}).get("unsupported", 0) + ops.get("op_status_counts", {}).get("unsupported", 0)
+        count = ops.get("status_counts", {}).get("unsupported", 0) + ops.get("op_status_counts", {}).get(
+            "unsupported", 0
+        )
         checks.append(
-            Check("operators", "unsupported", count <= section["max_unsupported"], f"unsupported components and ops={count}")
+            Check(
+                "operators",
+                "unsupported",
+                count <= section["max_unsupported"],
+                f"unsupported components and ops={count}",
+            )
         )
     if "min_fast_flop_share" in section:
         share = ops.get("fast_flop_share")

@@ -99,6 +99,7 @@ def _section_plan(report: dict[str, Any]) -> list[str]:
         return lines + ["No layout fits.", ""]
     lines += [tables.to_markdown(tables.plan_layout(report)), "Memory per GPU of the chosen plan:", ""]
     lines += [tables.to_markdown(tables.memory_breakdown(report))]
+    lines += ["Predicted step time of the chosen plan:", "", tables.to_markdown(tables.time_breakdown(report))]
     if plan["best"].get("command"):
         lines += ["```", str(plan["best"]["command"]), "```", ""]
     lines += ["Ranked alternatives:", "", tables.to_markdown(tables.ranked_plans(report))]
@@ -123,11 +124,13 @@ def _section_alignment(report: dict[str, Any]) -> list[str]:
         return lines + _not_available(report, "alignment")
     first = align.get("first_divergent")
     lines += [
-        f"Candidate `{align.get('dtype')}` on `{align.get('device')}` against a float64 reference; "
+        f"Candidate `{align.get('dtype')}` on `{align.get('device')}` "
+        f"against a `{align.get('reference_dtype')}` reference; "
         f"err_ratio = candidate error / unadapted-model error in the same dtype.",
         "",
         f"**First divergent: `{first}`**" if first else "No divergent block.",
         "",
+        *(f"{line}\n" for line in tables.alignment_extras(report)),
         tables.to_markdown(tables.alignment_table(report)),
     ]
     return lines

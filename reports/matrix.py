@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -27,7 +28,7 @@ def build_matrix(reports: list[dict[str, Any]]) -> pd.DataFrame:
     for report in reports:
         intake = summary(report, "intake")
         row: dict[str, Any] = {
-            "model": report["source"].get("text"),
+            "model": _model_name(report["source"].get("text", "")),
             "architecture": ", ".join(intake.get("architectures", [])) or "",
             "params": intake.get("params_total"),
         }
@@ -40,6 +41,11 @@ def build_matrix(reports: list[dict[str, Any]]) -> pd.DataFrame:
         row["verdict"] = report["status"]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _model_name(text: str) -> str:
+    """A hub id as typed; a local path by its directory name (the matrix is read by people, not scripts)."""
+    return Path(text.rstrip("/")).name if text.startswith(("/", ".", "~")) else text
 
 
 def _coverage(report: dict[str, Any]) -> str:
@@ -59,7 +65,11 @@ def _coverage(report: dict[str, Any]) -> str:
 
 def _speedup(report: dict[str, Any]) -> str:
     rows = summary(report, "throughput").get("rows", [])
-    parts = [f"{r.get('metric')} ×{r['speedup']:.2f}" for r in rows if isinstance(r.get("speedup"), (int, float))]
+    parts = [
+        f"{r.get('metric')} ×{r['speedup']:.2f}"
+        for r in rows
+        if r.get("unit") == "tokens/s" and isinstance(r.get("speedup"), (int, float))
+    ]
     return ", ".join(parts)
 
 

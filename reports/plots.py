@@ -51,8 +51,13 @@ def alignment_errors(report: dict[str, Any]) -> bytes | None:
             ax.annotate("NaN/Inf", (x, floor), rotation=90, color="#c62828", fontsize=7)
     ax.set_yscale("log")
     ax.set_xticks(list(xs), [layer.get("name", "") for layer in layers], rotation=75, fontsize=7, ha="right")
-    ax.set_ylabel("relative L2 error vs float64")
-    ax.set_title("Alignment error per block and component")
+    reference = tables.summary(report, "alignment").get("reference_dtype") or "reference"
+    ax.set_ylabel(f"relative L2 error vs {reference}")
+    exact = all(c == 0 for c in cand if c is not None)
+    ax.set_title(
+        "Alignment error per block and component"
+        + (f"\n(every error is exactly 0, drawn at {floor:g})" if exact else "")
+    )
     ax.legend(fontsize=8)
     return _png(fig)
 

@@ -32,6 +32,12 @@ def model_facts(report: dict[str, Any]) -> pd.DataFrame:
     keys = ("model_class", "architectures", "dtype", "is_causal", "num_layers", "hidden_size", "vocab_size",
             "params_total", "params_active")  # fmt: skip
     rows = [{"field": k, "value": _cell(intake.get(k))} for k in keys if k in intake]
+    for key, label in (
+        ("checkpoint_problems", "checkpoint problems"),
+        ("checkpoint_unexpected", "unused checkpoint tensors"),
+    ):
+        if intake.get(key):
+            rows.append({"field": label, "value": _cell(intake[key])})
     return pd.DataFrame(rows, columns=["field", "value"])
 
 
@@ -117,6 +123,14 @@ def memory_breakdown(report: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["component", "GiB"])
 
 
+def time_breakdown(report: dict[str, Any]) -> pd.DataFrame:
+    """The chosen plan's predicted step time, in seconds, by component (compute, each collective, bubble)."""
+    best = summary(report, "plan").get("best") or {}
+    flat = _flatten(best.get("time_breakdown") or {})
+    rows = [{"component": k, "seconds": float(v)} for k, v in flat.items() if isinstance(v, (int, float))]
+    return pd.DataFrame(rows, columns=["component", "seconds"])
+
+
 def _gib(key: str, value: float) -> float:
     # The planner reports GiB (keys ending _gib or a plain breakdown in GiB) or bytes (keys ending _bytes).
     return value / GIB if key.endswith("bytes") else float(value)
@@ -136,6 +150,28 @@ def alignment_table(report: dict[str, Any]) -> pd.DataFrame:
         # cosine lives in the last digits: 0.9999998 must not print as 1
         df["cosine"] = df["cosine"].map(lambda c: f"{c:.7f}" if isinstance(c, float) and math.isfinite(c) else "nan")
     return df
+
+
+def alignment_extras(report: dict[str, Any]) -> list[str]:
+    """One line each for the reference, the gradients and the loss-curve parity run."""
+    align = summary(report, "alignment")
+    lines = [f"Reference {align.get('reference_dtype')} on the CPU; inputs drawn with seed {align.get('seed')} at "
+             f"{_cell(align.get('shapes'))}."]  # fmt: skip
+    grads = align.get("gradients") or []
+    if grads:
+        worst = max(grads, key=lambda g: g["rel_err"] if isinstance(g.get("rel_err"), (int, float)) else math.inf)
+        lines.append(
+            f"Gradients: {sum(bool(g.get('passed')) for g in grads)}/{len(grads)} parameters within limits; "
+            f"largest relative error {format_number(worst.get('rel_err'))} ({worst.get('name')})."
+        )
+    parity = align.get("parity")
+    if parity:
+        lines.append(
+            f"Loss parity over {parity.get('steps')} training steps, adapted against unadapted: max relative "
+            f"difference {format_number(parity.get('max_rel_diff'))} "
+            f"(tolerance {format_number(parity.get('tolerance'))}): {'passed' if parity.get('passed') else 'FAILED'}."
+        )
+    return lines
 
 
 def throughput_table(report: dict[str, Any]) -> pd.DataFrame:

@@ -25,9 +25,28 @@ import torch
 from torch import nn
 
 from adapt.errors import BadInput
-from validators.compare import LayerResult, Thresholds, judge, parse_dtype, thresholds_for
-from validators.modules import NonFiniteOutput, find_blocks, probes, record_outputs, stop_on_nonfinite
-from validators.training import batch_for_step, loss_from_output, make_optimizer, model_output, train_step, vocab_size
+from validators.compare import (
+    LayerResult,
+    Thresholds,
+    judge,
+    parse_dtype,
+    thresholds_for,
+)
+from validators.modules import (
+    NonFiniteOutput,
+    find_blocks,
+    probes,
+    record_outputs,
+    stop_on_nonfinite,
+)
+from validators.training import (
+    batch_for_step,
+    loss_from_output,
+    make_optimizer,
+    model_output,
+    train_step,
+    vocab_size,
+)
 
 CandidateTransform = Callable[[nn.Module], Any]
 
@@ -44,6 +63,7 @@ class AlignOptions:
     backward: bool = True
     parity_steps: int = 4
     lr: float = 1e-3
+    reference_dtype: str | None = None  # "fp64" or "fp32"; None: fp64, or fp32 from FP32_REFERENCE_FROM_WIDTH
 
 
 @dataclass
@@ -85,16 +105,28 @@ class AlignmentReport:
         return data
 
 
-def kernel_plan_transform(kernel_plan: Any) -> CandidateTransform | None:
-    """The operators engineer's ``apply_kernel_plan`` as a candidate transform (None: no plan)."""
+def kernel_plan_transform(kernel_plan: Any, notes: list[str] | None = None) -> CandidateTransform | None:
+    """``operators.apply_kernel_plan`` as a candidate transform (None: no plan); what it patched goes to ``notes``."""
     if kernel_plan is None:
         return None
     from operators import apply_kernel_plan
 
-    return lambda model: apply_kernel_plan(model, kernel_plan)
+    def transform(model: nn.Module) -> nn.Module:
+        handle = apply_kernel_plan(model, kernel_plan)
+        if notes is not None:
+            note = f"kernel plan patched {len(handle.patched)} modules: {', '.join(handle.patched) or 'none'}"
+            if note not in notes:
+                notes.append(note)
+        return model
+
+    return transform
 
 
-def reference_dtype(hidden_size: int) -> torch.dtype:
+def reference_dtype(hidden_size: int, requested: str | None = None) -> torch.dtype:
+    if requested is not None:
+        if requested not in ("fp64", "fp32"):
+            raise BadInput(f"reference dtype must be fp64 or fp32, not {requested!r}")
+        return torch.float64 if requested == "fp64" else torch.float32
     return torch.float32 if hidden_size >= FP32_REFERENCE_FROM_WIDTH else torch.float64
 
 
@@ -133,25 +165,28 @@ def align(
     check_device(device)
     options = options or AlignOptions()
     limits = thresholds_for(dtype, thresholds)
-    transform = transform or kernel_plan_transform(kernel_plan)
+    notes: list[str] = []
+    transform = transform or kernel_plan_transform(kernel_plan, notes)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
     if streamed:
         from validators.streamed import streamed_align
 
-        return streamed_align(src, dtype, device, limits, transform, options, seed)
-    return _full_align(src, dtype, device, limits, transform, options, seed)
+        report = streamed_align(src, dtype, device, limits, transform, options, seed)
+    else:
+        report = _full_align(src, dtype, device, limits, transform, options, seed)
+    report.notes[:0] = notes
+    return report
 
 
 def _full_align(src, dtype_name, device, limits, transform, options, seed) -> AlignmentReport:
-    from validators.skeleton import load_model
+    from validators.skeleton import build_skeleton, load_model
 
     started = time.perf_counter()
     dtype = parse_dtype(dtype_name)
     notes: list[str] = []
-    reference = load_model(src, torch.float64, "cpu", notes)
-    ref_dtype = reference_dtype(reference.get_input_embeddings().embedding_dim)
-    if ref_dtype != torch.float64:
-        reference = load_model(src, ref_dtype, "cpu", notes)
+    hidden = int(build_skeleton(src).get_input_embeddings().embedding_dim)
+    ref_dtype = reference_dtype(hidden, options.reference_dtype)
+    reference = load_model(src, ref_dtype, "cpu", notes)
     baseline = load_model(src, dtype, device, notes)
     candidate = copy.deepcopy(baseline)
     if transform is not None:
@@ -229,11 +264,11 @@ def _compare_gradients(reference, baseline, candidate, limits: Thresholds) -> li
     Gradients that vanish in exact arithmetic are measured against 1e-3 of the global gradient norm."""
     grad_limits = dataclasses.replace(limits, max_rel_err=min(1.0, 4 * limits.max_rel_err), min_cosine=1 - 4 * (1 - limits.min_cosine))
     blocks = find_blocks(reference)
-    block_of = {id(p): (i, None) for i, b in enumerate(blocks.blocks) for p in b.parameters()}
+    block_of = {id(p): i for i, b in enumerate(blocks.blocks) for p in b.parameters()}
     base_params = dict(baseline.named_parameters())
     cand_params = dict(candidate.named_parameters())
-    grads = [p.grad.double() for p in reference.parameters() if p.grad is not None]
-    floor = 1e-3 * torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() if grads else 0.0
+    norms = [p.grad.double().norm() for p in reference.parameters() if p.grad is not None]
+    floor = 1e-3 * torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
     results = []
     for name, ref_p in reference.named_parameters():
         if ref_p.grad is None or name not in cand_params or name not in base_params:
@@ -241,7 +276,7 @@ def _compare_gradients(reference, baseline, candidate, limits: Thresholds) -> li
         cand_g, base_g = cand_params[name].grad, base_params[name].grad
         if cand_g is None or base_g is None:
             continue
-        block, _ = block_of.get(id(ref_p), (None, None))
+        block = block_of.get(id(ref_p))
         component = _component_of(name, blocks.path, block)
         results.append(judge(name, block, component, ref_p.grad, cand_g, base_g, grad_limits, floor))
     return results

@@ -101,11 +101,17 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None
     return 2 * n**3 / seconds
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def measure_allreduce_gbps(world: int, nbytes: int = 256 << 20) -> float:
     """Bus bandwidth of an NCCL all-reduce across ``world`` local GPUs, one process each."""
     import torch.multiprocessing as mp
-
-    from validators.session import _free_port
 
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_allreduce_worker, args=(world, nbytes, _free_port(), queue), nprocs=world, join=True)

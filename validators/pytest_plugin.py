@@ -10,7 +10,6 @@ does nothing.
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,7 +35,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.getoption("--adapt-model"):
         return
-    collector = AdaptAlignment.from_parent(session, name=f"adapt[{config.getoption('--adapt-model')}]")
+    name = f"adapt[{config.getoption('--adapt-model')}]"
+    collector = AdaptAlignment.from_parent(session, name=name, nodeid=name)
     items.extend(collector.collect())
 
 
@@ -60,6 +60,7 @@ class AdaptAlignment(pytest.Collector):
         return items
 
     def _run(self) -> dict[str, Any]:
+        from adapt.errors import AdaptError
         from adapt.pipeline import RunOptions, run_pipeline
 
         opt = self.config.getoption
@@ -75,11 +76,10 @@ class AdaptAlignment(pytest.Collector):
             seq_len=opt("--adapt-seq-len"),
             thresholds=opt("--adapt-thresholds"),
         )
-        self.config.stash[_OUT_DIR] = Path(out_dir)
-        return run_pipeline(options).report
-
-
-_OUT_DIR = pytest.StashKey[Path]()
+        try:
+            return run_pipeline(options).report
+        except AdaptError as err:  # a bad --adapt-* value is a usage error: one line, no traceback
+            raise pytest.UsageError(f"--adapt-model: {err}") from None
 
 
 class StageItem(pytest.Item):
@@ -110,9 +110,10 @@ class TensorItem(pytest.Item):
     def runtest(self) -> None:
         layer = self.layer
         if not layer.get("passed"):
-            metrics = ", ".join(
-                f"{k}={layer.get(k)}" for k in ("cosine", "rel_err", "max_abs", "err_ratio", "baseline_rel_err")
-            )
+            from reports.tables import format_number
+
+            keys = ("cosine", "rel_err", "max_abs", "err_ratio", "baseline_rel_err")
+            metrics = ", ".join(f"{k}={format_number(layer.get(k))}" for k in keys)
             raise AdaptCheckFailure(
                 f"{layer['name']} (block {layer.get('block')}) outside {self.dtype} limits: {metrics}"
             )

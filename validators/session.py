@@ -7,9 +7,6 @@ parallelised by ``parallel_planner.distributed`` under a one-rank plan and stepp
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,21 +15,15 @@ from adapt.errors import BadInput
 from parallel_planner.plan import ParallelPlan
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ensure_single_process_group() -> None:
-    """Join a one-rank process group unless torchrun (or an earlier stage) already made one."""
-    from parallel_planner.distributed.runner import init_distributed
+    """Join a one-rank process group unless torchrun (or an earlier stage) already made one.
 
+    The rendezvous is an in-process ``HashStore``: no port is opened, and nothing is written to
+    ``os.environ`` that child processes (a soak being resumed, say) would inherit.
+    """
     if not dist.is_initialized():
-        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        init_distributed()
+        backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise BadInput("bench and soak measure one device: run them without torchrun (world size 1)")
 

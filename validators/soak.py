@@ -17,8 +17,8 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,8 +169,8 @@ def soak(
     if options.ckpt_every < 0 or (options.ckpt_every and not options.ckpt_dir):
         raise BadInput("--ckpt-every must be >= 0 and needs a checkpoint directory")
     torch_dtype = parse_dtype(options.dtype)
-    transform = transform or kernel_plan_transform(kernel_plan)
     notes: list[str] = []
+    transform = transform or kernel_plan_transform(kernel_plan, notes)
     model = load_model(src, torch_dtype, device, notes)
     if transform is not None:
         model = transform(model) or model

@@ -24,7 +24,14 @@ from torch import nn
 from adapt.errors import BadInput
 from validators.align import AlignmentReport, _finish, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
-from validators.modules import NonFiniteOutput, Probe, components, find_blocks, first_tensor, stop_on_nonfinite
+from validators.modules import (
+    NonFiniteOutput,
+    Probe,
+    components,
+    find_blocks,
+    first_tensor,
+    stop_on_nonfinite,
+)
 from validators.skeleton import build_skeleton
 from validators.training import batch_for_step, vocab_size
 
@@ -42,7 +49,7 @@ class ShardReader:
         self.file_of: dict[str, str] = {}
         for path in src.weight_files:
             with safe_open(path, framework="pt") as fh:
-                for key in fh.keys():
+                for key in fh.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     self.file_of[key] = path
         self.base_prefix = base_prefix
 
@@ -108,9 +115,10 @@ class Materialiser:
                     self.meta.setdefault(full, meta_param)
                     module._parameters[leaf] = real
                 self.owners[id(real)] = self.owners.pop(id(meta_param))
-        self._load_buffers(prefix)
+        self.load_buffers(prefix)
 
-    def _load_buffers(self, prefix: str) -> None:
+    def load_buffers(self, prefix: str) -> None:
+        """Checkpointed buffers under ``prefix`` from the shards; computed ones just move to the device."""
         for name, buf in list(self.model.named_buffers()):
             if not name.startswith(prefix):
                 continue
@@ -175,7 +183,7 @@ def streamed_align(src, dtype_name: str, device: str, limits: Thresholds, transf
     started = time.perf_counter()
     dtype = parse_dtype(dtype_name)
     skeleton = build_skeleton(src)
-    ref_dtype = reference_dtype(skeleton.get_input_embeddings().embedding_dim)
+    ref_dtype = reference_dtype(skeleton.get_input_embeddings().embedding_dim, options.reference_dtype)
     notes: list[str] = []
     try:
         report = _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform, options, seed)
@@ -218,7 +226,7 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
     for twin in (reference, *twins.values()):
         for path in units:
             twin.loader.load(f"{path}.")
-        twin.loader._load_buffers("")
+        twin.loader.load_buffers("")
 
     handles = []
     for path in units:

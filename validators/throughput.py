@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import statistics
 import time
 import warnings
@@ -150,10 +151,10 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
     options = options or BenchOptions()
     check_device(device)
     dtype = parse_dtype(options.dtype)
-    transform = transform or kernel_plan_transform(kernel_plan)
+    notes: list[str] = []
+    transform = transform or kernel_plan_transform(kernel_plan, notes)
     spec = build_spec(src, seq_len=options.seq_len)
     layers = options.max_layers or spec.num_layers
-    notes: list[str] = []
     if options.max_layers:
         notes.append(f"depth-truncated: first {layers} of {spec.num_layers} blocks at full width; rates are for that depth")
     peak, basis = peak_flops_for(device, options.dtype, options.peak_flops)
@@ -194,7 +195,7 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
 
 
 def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
+    return math.isfinite(x)
 
 
 def _reset_peak(device: str) -> None:
@@ -274,6 +275,21 @@ def _inference_rates(model: nn.Module, options: BenchOptions, device: str) -> tu
     return options.batch * options.seq_len / prefill_s, options.batch * options.decode_tokens / decode_s, cached
 
 
+def _time_block(block: nn.Module, args: tuple, kwargs: dict, device: str) -> tuple[float, float]:
+    """Median forward and backward seconds of one block on its captured inputs."""
+    hidden = (args[0] if args else kwargs["hidden_states"]).detach().requires_grad_(True)
+    call_args = (hidden, *args[1:]) if args else ()
+    call_kwargs = kwargs if args else {**kwargs, "hidden_states": hidden}
+
+    def forward():
+        return first_tensor(block(*call_args, **call_kwargs))
+
+    forward_s = _timed(forward, device, 5)
+    grad = torch.randn_like(forward())
+    backward_s = _timed(lambda: torch.autograd.backward(forward(), grad), device, 5) - forward_s
+    return forward_s, max(backward_s, 1e-9)
+
+
 def block_calibration(model: nn.Module, options: BenchOptions, device: str, spec) -> dict[str, Any]:
     """Forward and backward time of every block on its real inputs, in ``parallel_planner.calibration`` format."""
     model = model.to(device).train()
@@ -292,23 +308,7 @@ def block_calibration(model: nn.Module, options: BenchOptions, device: str, spec
             h.remove()
     entries = []
     for i, block in enumerate(blocks.blocks):
-        args, kwargs = inputs[i]
-        hidden = (args[0] if args else kwargs["hidden_states"]).detach().requires_grad_(True)
-        rest_args = (hidden, *args[1:]) if args else ()
-        rest_kwargs = kwargs if args else {**kwargs, "hidden_states": hidden}
-
-        def forward():
-            return first_tensor(block(*rest_args, **rest_kwargs))
-
-        forward_s = _timed(forward, device, 5)
-        out = forward()
-        grad = torch.randn_like(out)
-
-        def forward_backward():
-            torch.autograd.backward(forward(), grad)
-
-        backward_s = max(_timed(forward_backward, device, 5) - forward_s, 1e-9)
-        del out
+        forward_s, backward_s = _time_block(block, *inputs[i], device)
         entries.append({"index": i, "forward_s": forward_s, "backward_s": backward_s})
     model.zero_grad(set_to_none=True)
     return {

@@ -16,14 +16,35 @@ def register(subparsers) -> None:
     )
     add_train_arguments(p)
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--nproc-per-node", type=int, help="processes per node (default: plan world size / nnodes)")
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (required for --nnodes > 1)")
-    p.add_argument("--rdzv-id", default="adapt", help="rendezvous id shared by all nodes of one job")
-    p.add_argument("--execute", action="store_true", help="run the command instead of printing it")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="processes per node (default: plan world size / nnodes)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        help="HOST:PORT of the c10d rendezvous (required for --nnodes > 1)",
+    )
+    p.add_argument(
+        "--rdzv-id",
+        default="adapt",
+        help="rendezvous id shared by all nodes of one job",
+    )
+    p.add_argument(
+        "--execute", action="store_true", help="run the command instead of printing it"
+    )
     p.set_defaults(func=handler)
 
 
-_LAUNCH_ONLY = {"nnodes", "nproc_per_node", "rdzv_endpoint", "rdzv_id", "execute", "func", "command"}
+_LAUNCH_ONLY = {
+    "nnodes",
+    "nproc_per_node",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "execute",
+    "func",
+    "command",
+}
 
 
 def _train_args(args: argparse.Namespace) -> list[str]:
@@ -37,10 +58,19 @@ def _train_args(args: argparse.Namespace) -> list[str]:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from parallel_planner.distributed.launch import LaunchConfig, render, torchrun_command
+    from parallel_planner.distributed.launch import (
+        LaunchConfig,
+        render,
+        torchrun_command,
+    )
 
     plan = _plan(args.plan)
-    launch = LaunchConfig(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    launch = LaunchConfig(
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+    )
     cmd = torchrun_command(plan, launch, _train_args(args))
     if not args.execute:
         print(render(cmd))

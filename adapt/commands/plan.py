@@ -19,7 +19,7 @@ def register(sub) -> None:
     parser = sub.add_parser("plan", help="search parallel layouts: memory per GPU, step time, tokens/s, MFU")
     add_source_flags(parser)
     cluster = parser.add_argument_group("cluster (a catalogue GPU, a cluster file, or this machine)")
-    cluster.add_argument("--gpu", default=None, help="GPU type: a100, h100, h800, h200, b200, mi300x, or 'local'")
+    cluster.add_argument("--gpu", default=None, help="GPU type: a100, h100, h800, h200, b200, mi300x, or 'local' (measured)")
     cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs")
     cluster.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
     cluster.add_argument("--cluster", metavar="FILE", help="cluster description (YAML or TOML) instead of --gpu/--gpus")

@@ -64,7 +64,9 @@ def register(subparsers) -> None:
     p.add_argument("--thresholds", help="alignment thresholds file (YAML/JSON) passed to the alignment stage")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code to run")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickled (.bin) weights")
-    p.add_argument("--quiet", action="store_true", help="print nothing; the exit code and the report files tell the result")
+    p.add_argument(
+        "--quiet", action="store_true", help="print nothing; the exit code and the report files tell the result"
+    )
     p.set_defaults(func=handle)
 
 

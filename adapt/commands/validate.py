@@ -90,13 +90,9 @@ def _kernel_plan(src, args: argparse.Namespace, notes: list[str]) -> Any:
     if args.no_kernels:
         notes.append("--no-kernels: the candidate is the unmodified model")
         return None
-    try:
-        from operators import apply_kernel_plan, run_ops  # noqa: F401 - both are needed to adapt
-    except ImportError:
-        notes.append("operators provides no run_ops/apply_kernel_plan yet: the candidate is the unmodified model")
-        return None
-    report = run_ops(src)
-    return getattr(report, "kernel_plan", None) or getattr(report, "plan", None)
+    from operators import run_ops
+
+    return run_ops(src, trust_remote_code=src.trust_remote_code, onnx=False, check_patch=False).plan
 
 
 def _emit(result, args: argparse.Namespace, notes: list[str], summary) -> int:

@@ -89,4 +89,7 @@ def select_stages(only: list[str] | None, skip: list[str] | None) -> list[str]:
         if name not in STAGE_NAMES:
             raise BadInput(f"unknown stage {name!r}; choose from {', '.join((*STAGE_NAMES, REPORT_STAGE))}")
     chosen = only or list(STAGE_NAMES)
-    return [s for s in STAGE_NAMES if s in chosen and s not in skip]
+    selected = [s for s in STAGE_NAMES if s in chosen and s not in skip]
+    if not selected:
+        raise BadInput("--stages/--skip leave no stage to run")
+    return selected

@@ -62,9 +62,9 @@ class RunProgress:
         self._progress.__exit__(*exc)
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[ProgressCallback]:
-        """Show ``name`` as running; yields the callback that moves its item bar."""
-        task = self._progress.add_task(name, total=None, item="")
+    def stage(self, name: str, doing: str = "") -> Iterator[ProgressCallback]:
+        """Show ``name`` as running (``doing`` until the stage reports items); yields the item-bar callback."""
+        task = self._progress.add_task(name, total=None, item=doing)
 
         def update(done: int, total: int, label: str = "") -> None:
             self._progress.update(task, completed=done, total=total or None, item=label)

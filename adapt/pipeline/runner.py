@@ -7,6 +7,7 @@ only when a later stage actually needs it; a cached run therefore loads nothing 
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -142,8 +143,9 @@ class PipelineRun:
         record = StageRecord(stage.name, "error", key=key)
         self.store.clear_log(stage.name)
         self.rebuilt.clear()
+        _reset_compile_caches()
         try:
-            with self.progress.stage(stage.name) as callback:
+            with self.progress.stage(stage.name, stage.description) as callback:
                 ctx = self._context(stage, callback)
                 result = stage.execute(ctx)
             raw = record.result = to_jsonable(to_result_dict(result))
@@ -215,6 +217,16 @@ def run_pipeline(options: RunOptions, progress: RunProgress | None = None) -> Ru
     progress = progress or RunProgress(quiet=True)
     with progress:
         return PipelineRun(options, progress).run()
+
+
+def _reset_compile_caches() -> None:
+    """Each stage starts with clean torch.compile caches, as it would in a fresh process.
+
+    Otherwise recompilations counted in one stage (e.g. throughput's decode shapes) exhaust the
+    recompile limit of a generated kernel before the next stage calls it.
+    """
+    if "torch" in sys.modules:  # a run whose stages never imported torch has nothing to reset
+        sys.modules["torch"].compiler.reset()
 
 
 def _import_type(path: str | None) -> type | None:

@@ -10,6 +10,7 @@ fails its stage with that message; nothing here ever invents a result.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -121,20 +122,35 @@ def kernel_plan_of(ops_report: Any) -> Any:
     raise StageBlocked("the operators result carries no kernel plan")
 
 
-def adapted_transform(kernel_plan: Any) -> Callable[[Any], Any]:
+def adapted_transform(kernel_plan: Any, block_progress: tuple[list[str], ProgressCallback] | None = None) -> Callable:
     """The candidate transform the validators apply to a fresh model: the kernel plan, patched in place.
 
     ``operators.apply_kernel_plan`` returns a PatchHandle, not the model; the transform returns
-    the patched model itself and keeps the handles alive for as long as the stage runs.
+    the patched model itself and keeps the handles alive for as long as the stage runs.  With
+    ``block_progress`` (block module paths from intake, a callback), each block's forward moves the
+    live progress bar; the hooks return None, so outputs are untouched.
     """
     apply_kernel_plan = require("operators", "apply_kernel_plan")
     handles: list[Any] = []
 
     def transform(model: Any) -> Any:
         handles.append(apply_kernel_plan(model, kernel_plan))
+        if block_progress is not None:
+            paths, callback = block_progress
+            for index, path in enumerate(paths):
+                try:
+                    block = model.get_submodule(path)
+                except AttributeError:  # display only: a path the loaded class lays out differently shows no bar
+                    continue
+                hook = functools.partial(_block_done, callback, index + 1, len(paths), f"candidate {path}")
+                handles.append(block.register_forward_hook(hook))
         return model
 
     return transform
+
+
+def _block_done(callback: ProgressCallback, done: int, total: int, label: str, *hook_args: Any) -> None:
+    callback(done, total, label)
 
 
 def _plan(ctx: StageContext) -> Any:
@@ -207,9 +223,15 @@ def _alignment(ctx: StageContext) -> Any:
         device=opts.device,
         thresholds=alignment_thresholds(opts),
         options=align_options,
-        transform=adapted_transform(kernel_plan),
+        transform=adapted_transform(kernel_plan, _block_progress(ctx)),
         progress=ctx.progress,
     )
+
+
+def _block_progress(ctx: StageContext) -> tuple[list[str], ProgressCallback] | None:
+    """Block module paths from the intake result (when this run has one) for live per-block progress."""
+    spec = ctx.optional_upstream("intake")
+    return ([block.module for block in spec.blocks], ctx.progress) if spec is not None else None
 
 
 def alignment_thresholds(options: RunOptions) -> dict[str, float] | None:
@@ -297,6 +319,7 @@ STAGES: dict[str, Stage] = {
             _alignment,
             summaries.alignment,
             "compare the adapted model with a float64 reference, block by block",
+            ("intake",),
         ),
         Stage(
             "throughput",

@@ -41,12 +41,15 @@ def _pct(share: float | None) -> str:
 
 
 def intake(spec: dict[str, Any], options: RunOptions) -> Summary:
+    """Fails only on what would make the model wrong: tensors the model needs but the checkpoint lacks.
+
+    Unexpected tensors (e.g. a saved ``position_ids`` buffer) are reported: transformers'
+    loader ignores them too.  Shape mismatches never get here: intake rejects them as bad input.
+    """
     ckpt = spec.get("checkpoint") or {}
-    problems = [
-        *(f"missing tensor {n}" for n in ckpt.get("missing", [])),
-        *(f"unexpected tensor {n}" for n in ckpt.get("unexpected", [])),
-        *(f"shape mismatch {m.get('name', m)}" for m in ckpt.get("shape_mismatches", [])),
-    ]
+    problems = [f"missing tensor {n}" for n in ckpt.get("missing", [])]
+    problems += [f"shape mismatch {m.get('name', m)}" for m in ckpt.get("shape_mismatches", [])]
+    unexpected = list(ckpt.get("unexpected", []))
     blocks = [
         {
             "index": b["index"],
@@ -75,6 +78,7 @@ def intake(spec: dict[str, Any], options: RunOptions) -> Summary:
         "novelties": spec.get("novelties", []),
         "unrecognized": spec.get("unrecognized", []),
         "checkpoint_problems": problems,
+        "checkpoint_unexpected": unexpected,
     }
     kinds = sorted({f"{b['attention']}/{b['mlp']}" for b in blocks})
     verdict = (
@@ -83,6 +87,8 @@ def intake(spec: dict[str, Any], options: RunOptions) -> Summary:
     )
     if problems:
         verdict += f"; checkpoint: {problems[0]}" + (f" (+{len(problems) - 1})" if len(problems) > 1 else "")
+    if unexpected:
+        verdict += f"; {_plural(len(unexpected), 'unused checkpoint tensor', 'unused checkpoint tensors')}"
     return Summary(not problems, verdict, data)
 
 

@@ -47,9 +47,13 @@ def _ce_chunk_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, V, ignore_index, lab
     running_max = -float("inf")
     running_sum = 0.0
     logit_sum = 0.0
+    # each pass prefetches block i+1 before reducing block i: twice the bytes in flight per program
+    raw_next = tl.load(logits + cols, mask=cols < V, other=0.0)
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
-        z = _softcapped(tl.load(logits + start + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+        raw = raw_next
+        raw_next = tl.load(logits + start + BLOCK_V + cols, mask=start + BLOCK_V + cols < V, other=0.0)
+        z = _softcapped(raw.to(tl.float32), softcap, HAS_SOFTCAP)
         z = tl.where(mask, z, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
@@ -65,10 +69,13 @@ def _ce_chunk_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, V, ignore_index, lab
         else:
             scale = tl.load(SCALE)
         prob_scale = 1.0 + 2.0 * z_loss * lse  # d(z_loss * lse^2)/dz = 2 z_loss lse softmax
+        raw_next = tl.load(logits + cols, mask=cols < V, other=0.0)
         for start in range(0, V, BLOCK_V):
             idx = start + cols
             mask = idx < V
-            z = _softcapped(tl.load(logits + idx, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            raw = raw_next
+            raw_next = tl.load(logits + idx + BLOCK_V, mask=idx + BLOCK_V < V, other=0.0)
+            z = _softcapped(raw.to(tl.float32), softcap, HAS_SOFTCAP)
             grad = tl.exp(z - lse) * prob_scale - label_smoothing / V
             grad = tl.where(idx == label, grad - (1.0 - label_smoothing), grad)
             if HAS_SOFTCAP:
@@ -91,7 +98,8 @@ def _run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh
     buffer = torch.empty((min(chunk, tokens), vocab), dtype=logits_dtype, device=hidden.device)
     losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_dh else None
-    dw = torch.zeros_like(weight) if need_dw else None
+    dw = torch.empty_like(weight) if need_dw and tokens else (torch.zeros_like(weight) if need_dw else None)
+    # (the first chunk writes dw with a plain GEMM, later chunks accumulate into it)
     db = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_db else None
     block_v = min(8192, triton.next_power_of_2(vocab))
     weight_t = weight.t()
@@ -112,7 +120,9 @@ def _run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh
         )
         if need_dh:
             torch.mm(logits, weight, out=dh[start:stop])
-        if need_dw:
+        if need_dw and start == 0:
+            torch.mm(logits.t(), h, out=dw)
+        elif need_dw:
             dw.addmm_(logits.t(), h)  # fp32 accumulation inside the GEMM, one rounding per chunk
         if need_db:
             db += logits.sum(0, dtype=torch.float32)
@@ -182,5 +192,20 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
     opts = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
                 softcap=float(softcap) if softcap is not None else None, reduction=reduction, chunk_size=chunk_size)
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
-    loss = FusedLinearCrossEntropyFunction.apply(hidden2, weight, labels.reshape(-1).contiguous(), bias, opts)
+    flat_labels = labels.reshape(-1).contiguous()
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
+        return _loss_only(hidden2, weight, flat_labels, bias, opts).view(labels.shape if reduction == "none" else ())
+    loss = FusedLinearCrossEntropyFunction.apply(hidden2, weight, flat_labels, bias, opts)
     return loss.view(labels.shape) if reduction == "none" else loss
+
+
+def _loss_only(hidden, weight, labels, bias, opts):
+    """Evaluation path: one online-softmax pass per chunk, no gradient work and no autograd node."""
+    losses, *_ = _run_chunks(hidden, weight, bias, labels, torch.ones(1, device=hidden.device),
+                             dict(opts, per_row_scale=False), need_grad=False, need_dh=False, need_dw=False,
+                             need_db=False)
+    if opts["reduction"] == "none":
+        return losses
+    if opts["reduction"] == "sum":
+        return losses.sum()
+    return losses.sum() / (labels != opts["ignore_index"]).sum().clamp_min(1)

@@ -97,22 +97,35 @@ def _layout(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], int, int, list[
 
 
 def _block(width: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): 4096-element blocks, 8 warps. On H200 this ran SwiGLU and GeGLU at 100% of copy
+    bandwidth; 2048-element blocks were within 1% for SwiGLU but 11% slower for tanh-GeGLU (NOTES-kernels.md)."""
     block = min(4096, triton.next_power_of_2(max(width, 16)))
     return block, max(1, min(8, block // 512))
+
+
+def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    check_float("gate", gate)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)}/{gate.dtype} and up {tuple(up.shape)}/{up.dtype} must match")
+    (g, u), rows, width, (sg, su) = _layout(gate, up)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block, warps = _block(width)
+    if y.numel():
+        _glu_fwd[(rows * triton.cdiv(width, block),)](g, u, y, width, sg, su, ACT=ACTIVATIONS[activation],
+                                                       BLOCK=block, num_warps=warps)
+    return y
+
+
+def _apply(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return GLUFunction.apply(gate, up, activation)
+    return _glu_forward(gate, up, activation)  # inference: no autograd node
 
 
 class GLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, activation):
-        check_float("gate", gate)
-        if gate.shape != up.shape or gate.dtype != up.dtype:
-            raise ValueError(f"gate {tuple(gate.shape)}/{gate.dtype} and up {tuple(up.shape)}/{up.dtype} must match")
-        (g, u), rows, width, (sg, su) = _layout(gate, up)
-        y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        block, warps = _block(width)
-        if y.numel():
-            _glu_fwd[(rows * triton.cdiv(width, block),)](g, u, y, width, sg, su, ACT=ACTIVATIONS[activation],
-                                                           BLOCK=block, num_warps=warps)
+        y = _glu_forward(gate, up, activation)
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
         return y
@@ -133,11 +146,11 @@ class GLUFunction(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``."""
-    return GLUFunction.apply(gate, up, "silu")
+    return _apply(gate, up, "silu")
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """``gelu(gate, approximate) * up`` with ``approximate`` in {"none", "tanh"} as in ``F.gelu``."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    return GLUFunction.apply(gate, up, "gelu" if approximate == "none" else "gelu_tanh")
+    return _apply(gate, up, "gelu" if approximate == "none" else "gelu_tanh")

@@ -129,7 +129,8 @@ def _grouped_mm(x, w, group_offsets, transpose_w: bool, config: GemmConfig):
     _grouped_mm_kernel[grid](
         x, w, out, group_offsets, tile_expert, tile_first, n, k,
         x.stride(0), x.stride(1), w.stride(0), stride_bk, stride_bn, out.stride(0),
-        FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -156,7 +157,8 @@ class GroupedGemmFunction(torch.autograd.Function):
             grid = (experts, triton.cdiv(k, block_k) * triton.cdiv(n, config.block_n))
             _grouped_weight_grad_kernel[grid](
                 x, dy, dw, group_offsets, k, n, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
-                FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_k, BLOCK_N=config.block_n,
+                FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_k,
+                BLOCK_N=config.block_n,
                 BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
             )
         return dx, dw, None, None

@@ -1,10 +1,10 @@
 """RMSNorm, fused residual-add + RMSNorm and LayerNorm: Triton forward and backward.
 
-Every kernel runs a persistent grid: each program keeps the weight (and bias) in registers and walks
-tiles of ``BLOCK_M`` whole rows, so the weight is read once per program instead of once per row and
-each row of activations is read exactly once per pass. The backward accumulates the weight gradient
-per program in fp32 and writes one partial row per program; a single ``sum(0)`` finishes it, which
-keeps the reduction deterministic (no atomics).
+Forward kernels stream tiles of ``BLOCK_M`` whole rows, one program per tile, reading each row once
+and writing it once (plus fp32 row statistics when a backward will need them). Backward kernels run a
+persistent grid: each program keeps the weight in registers, walks its tiles with the next tile's loads
+already in flight, accumulates the weight gradient in fp32 and writes one partial row; a single
+``sum(0)`` finishes it, which keeps the reduction deterministic (no atomics).
 """
 
 from __future__ import annotations
@@ -28,23 +28,26 @@ class RowConfig:
     block_m: int | None = None
     num_warps: int | None = None
     programs_per_sm: int | None = None  # 0: one program per tile (no persistent loop)
+    prefetch: bool = True  # backward: issue the next tile's loads before reducing the current one
 
 
 @functools.lru_cache(maxsize=256)
-def _launch(width: int, rows: int, device: torch.device, config: RowConfig | None, backward: bool):
+def _launch(width: int, rows: int, device: torch.device, config: RowConfig | None, backward: bool,
+            forward_tile: int = 16384):
     """(BLOCK_N, BLOCK_M, num_warps, grid); cached because it runs on every call.
 
-    Forward: large tiles (~16k elements, 8 warps) and one program per tile measured fastest on H200
-    (the hardware scheduler overlaps tiles better than a persistent loop). Backward: a persistent grid
-    that fills the SM, so each program reduces its rows' weight gradient once in registers.
+    Forward: ~16k-element tiles, 8 warps, one program per tile: on H200 this beat a persistent loop
+    (the hardware scheduler overlaps tiles better); kernels that keep more values live per element
+    (residual add, LayerNorm) use ``forward_tile=8192``. Backward: a persistent grid of 32 resident warps
+    per SM; each program prefetches its next tile, so few programs keep enough bytes in flight.
     """
     config = config or RowConfig()
-    block_n, block_m = row_block(width, target_elems=4096 if backward else 16384)
+    block_n, block_m = row_block(width, target_elems=4096 if backward else forward_tile)
     block_m = config.block_m or block_m
     num_warps = config.num_warps or (warps_for(block_m * block_n) if backward else max(8, block_m * block_n // 2048))
     per_sm = config.programs_per_sm
     if per_sm is None:
-        per_sm = max(1, 64 // num_warps) if backward else 0
+        per_sm = max(1, 32 // num_warps) if backward else 0
     tiles = triton.cdiv(rows, block_m)
     grid = tiles if per_sm == 0 else min(tiles, num_programs(device, per_sm))
     return block_n, block_m, num_warps, max(grid, 1)
@@ -85,8 +88,19 @@ def _rms_norm_fwd(X, R, S, Y, W, RSTD, M, N, stride_x, stride_r, eps, offset,
 
 
 @triton.jit
+def _rms_bwd_loads(X, DY, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M: tl.constexpr):
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy, tl.load(RSTD + rows, mask=row_mask, other=0.0)
+
+
+@triton.jit
 def _rms_norm_bwd(DY, X, W, RSTD, DS, DX, DW_PARTIAL, M, N, stride_dy, stride_ds, offset,
-                  HAS_DS: tl.constexpr, COMPUTE_DW: tl.constexpr, CAST: tl.constexpr,
+                  HAS_DS: tl.constexpr, COMPUTE_DW: tl.constexpr, CAST: tl.constexpr, PREFETCH: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -95,14 +109,24 @@ def _rms_norm_bwd(DY, X, W, RSTD, DS, DX, DW_PARTIAL, M, N, stride_dy, stride_ds
     if CAST == 2:
         w = w.to(DX.dtype.element_ty).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+    step = tl.num_programs(0)
+    if PREFETCH:  # software pipelining: the next tile's loads are in flight while this one is reduced
+        x_next, dy_next, rstd_next = _rms_bwd_loads(X, DY, RSTD, pid, M, N, stride_dy, cols, col_mask, BLOCK_M)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), step):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            rstd = rstd_next
+            x_next, dy_next, rstd_next = _rms_bwd_loads(X, DY, RSTD, tile + step, M, N, stride_dy, cols, col_mask,
+                                                        BLOCK_M)
+        else:
+            x, dy, rstd = _rms_bwd_loads(X, DY, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
         normed = x * rstd[:, None]
         dnormed = dy * w[None, :]
         dx = rstd[:, None] * (dnormed - normed * (tl.sum(dnormed * normed, axis=1) / N)[:, None])
@@ -121,7 +145,7 @@ def _rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
     check_float("x", x)
     if cast not in CAST_MODES:
         raise ValueError(f"cast must be one of {sorted(CAST_MODES)}, got {cast!r}")
-    if weight.shape != (x.shape[-1],):
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match width {x.shape[-1]}")
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else None
@@ -129,7 +153,8 @@ def _rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
     y = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None else None
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if need_rstd else None
-    block_n, block_m, warps, grid = _launch(width, rows, x.device, config, False)
+    block_n, block_m, warps, grid = _launch(width, rows, x.device, config, False,
+                                            16384 if residual is None else 8192)
     _rms_norm_fwd[(grid,)](
         x2, r2 if r2 is not None else x2, s if s is not None else y, y, weight, rstd if need_rstd else y,
         rows, width, x2.stride(0), r2.stride(0) if r2 is not None else 0, eps, offset,
@@ -149,7 +174,7 @@ def _rms_backward(dy, ds, x_rows, weight, rstd, offset, cast, need_dw, config):
     _rms_norm_bwd[(grid,)](
         dy2, x_rows, weight, rstd, ds2 if ds2 is not None else dy2, dx, partial, rows, width,
         dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, offset,
-        HAS_DS=ds is not None, COMPUTE_DW=need_dw, CAST=CAST_MODES[cast],
+        HAS_DS=ds is not None, COMPUTE_DW=need_dw, CAST=CAST_MODES[cast], PREFETCH=(config or RowConfig()).prefetch,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     dw = partial.sum(0).to(weight.dtype) if need_dw else None
@@ -224,8 +249,19 @@ def _layer_norm_fwd(X, Y, W, B, MEAN, RSTD, M, N, stride_x, eps,
 
 
 @triton.jit
+def _layer_norm_bwd_loads(X, DY, MEAN, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M: tl.constexpr):
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy, tl.load(MEAN + rows, mask=row_mask, other=0.0), tl.load(RSTD + rows, mask=row_mask, other=0.0)
+
+
+@triton.jit
 def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, M, N, stride_dy,
-                    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+                    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, PREFETCH: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -233,15 +269,26 @@ def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, M, N, stri
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+    step = tl.num_programs(0)
+    if PREFETCH:  # the next tile's loads are in flight while this one is reduced
+        x_next, dy_next, mean_next, rstd_next = _layer_norm_bwd_loads(X, DY, MEAN, RSTD, pid, M, N, stride_dy, cols,
+                                                                      col_mask, BLOCK_M)
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), step):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
+        mask = (rows < M)[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            mean = mean_next
+            rstd = rstd_next
+            x_next, dy_next, mean_next, rstd_next = _layer_norm_bwd_loads(X, DY, MEAN, RSTD, tile + step, M, N,
+                                                                          stride_dy, cols, col_mask, BLOCK_M)
+        else:
+            x, dy, mean, rstd = _layer_norm_bwd_loads(X, DY, MEAN, RSTD, tile, M, N, stride_dy, cols, col_mask,
+                                                      BLOCK_M)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         wdy = dy * w[None, :]
         c1 = tl.sum(xhat * wdy, axis=1) / N
@@ -258,26 +305,29 @@ def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, M, N, stri
         tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_mask)
 
 
+def _layer_norm_forward(x, weight, bias, eps, config, need_stats):
+    check_float("x", x)
+    width = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != width or (bias is not None and tuple(bias.shape) != (width,)):
+        raise ValueError(f"weight/bias must have shape ({width},)")
+    x2 = as_rows(x)
+    rows = x2.shape[0]
+    y = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    block_n, block_m, warps, grid = _launch(width, rows, x.device, config, False, 8192)
+    _layer_norm_fwd[(grid,)](
+        x2, y, weight, bias if bias is not None else weight, mean, rstd, rows, width, x2.stride(0), eps,
+        HAS_BIAS=bias is not None, STORE_STATS=need_stats, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    return x2, y, mean, rstd
+
+
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, config):
-        check_float("x", x)
-        width = x.shape[-1]
-        if weight.shape != (width,) or (bias is not None and bias.shape != (width,)):
-            raise ValueError(f"weight/bias must have shape ({width},)")
-        x2 = as_rows(x)
-        rows = x2.shape[0]
-        y = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-        need_grad = any(ctx.needs_input_grad[:3])
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        block_n, block_m, warps, grid = _launch(width, rows, x.device, config, False)
-        _layer_norm_fwd[(grid,)](
-            x2, y, weight, bias if bias is not None else weight, mean, rstd, rows, width, x2.stride(0), eps,
-            HAS_BIAS=bias is not None, STORE_STATS=need_grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )
-        if need_grad:
-            ctx.save_for_backward(x2.contiguous(), weight, mean, rstd)
+        x2, y, mean, rstd = _layer_norm_forward(x, weight, bias, eps, config, need_stats=True)
+        ctx.save_for_backward(x2.contiguous(), weight, mean, rstd)
         ctx.meta = (config, x.shape, bias is not None, bias.dtype if bias is not None else None)
         return y.view(x.shape)
 
@@ -294,23 +344,37 @@ class LayerNormFunction(torch.autograd.Function):
         db_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_db else dx
         _layer_norm_bwd[(grid,)](
             dy2, x_rows, weight, mean, rstd, dx, dw_partial, db_partial, rows, width, dy2.stride(0),
-            COMPUTE_DW=need_dw, COMPUTE_DB=need_db, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            COMPUTE_DW=need_dw, COMPUTE_DB=need_db, PREFETCH=(config or RowConfig()).prefetch, BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=warps,
         )
         dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
         db = db_partial.sum(0).to(bias_dtype) if need_db else None
         return dx.view(shape), dw, db, None, None
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
     """RMSNorm over the last dim: ``x / rms(x) * (offset + weight)`` with the model's casting order."""
+    if not _needs_grad(x, weight):  # inference: no autograd node, no saved tensors
+        return _rms_forward(x, None, weight, float(eps), float(offset), cast, config, need_rstd=False)[1].view(x.shape)
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), cast, config)
 
 
 def add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
     """``s = x + residual`` (rounded to the input dtype) and ``rms_norm(s)`` in one pass: returns (s, normed)."""
+    if not _needs_grad(x, residual, weight):
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("residual must match x in shape and dtype")
+        s, y, _ = _rms_forward(x, residual, weight, float(eps), float(offset), cast, config, need_rstd=False)
+        return s.view(x.shape), y.view(x.shape)
     return AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), cast, config)
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5, config: RowConfig | None = None):
     """LayerNorm over the last dim, statistics in fp32, optional bias."""
+    if not _needs_grad(x, weight, bias):
+        return _layer_norm_forward(x, weight, bias, float(eps), config, need_stats=False)[1].view(x.shape)
     return LayerNormFunction.apply(x, weight, bias, float(eps), config)

@@ -3,8 +3,8 @@
 ``cos``/``sin`` come from the model's own rotary module in Hugging Face's layout
 (``[b or 1, s, rotary_dim]``, frequencies repeated as ``cat(f, f)``), so position ids and every
 scaling variant of the config (linear, dynamic, YaRN, llama3, ...) are already folded in. The kernel
-reads only the first half of each (one value per rotated pair) and writes contiguous
-``[b, h, s, d]`` outputs; dims past ``rotary_dim`` are copied through. The backward is the inverse
+reads only the first half of each (one value per rotated pair) and writes outputs in the inputs'
+memory layout; dims past ``rotary_dim`` are copied through. The backward is the inverse
 rotation, i.e. the same kernel with ``sin`` negated.
 """
 
@@ -18,7 +18,7 @@ from ._utils import check_float
 
 
 @triton.jit
-def _rotate_heads(X, OUT, x_base, stride_h, stride_d, out_base, out_stride_h, H, D, half, c, s,
+def _rotate_heads(X, OUT, x_base, stride_h, stride_d, out_base, out_stride_h, out_stride_d, H, D, half, c, s,
                   INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_P: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)
@@ -34,18 +34,21 @@ def _rotate_heads(X, OUT, x_base, stride_h, stride_d, out_base, out_stride_h, H,
     out_rows = OUT + out_base + heads[:, None].to(tl.int64) * out_stride_h
     x1 = tl.load(x_rows + first[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + second[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_rows + first[None, :], (x1 * c[None, :] - x2 * s[None, :]).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(out_rows + second[None, :], (x2 * c[None, :] + x1 * s[None, :]).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out_rows + first[None, :] * out_stride_d, (x1 * c[None, :] - x2 * s[None, :]).to(OUT.dtype.element_ty),
+             mask=mask)
+    tl.store(out_rows + second[None, :] * out_stride_d, (x2 * c[None, :] + x1 * s[None, :]).to(OUT.dtype.element_ty),
+             mask=mask)
     if BLOCK_P > 0:  # partial rotary: the dims past rotary_dim pass through unchanged
         rest = 2 * half + tl.arange(0, BLOCK_P)
         rest_mask = (heads < H)[:, None] & (rest < D)[None, :]
         tail = tl.load(x_rows + rest[None, :] * stride_d, mask=rest_mask, other=0.0)
-        tl.store(out_rows + rest[None, :], tail, mask=rest_mask)
+        tl.store(out_rows + rest[None, :] * out_stride_d, tail, mask=rest_mask)
 
 
 @triton.jit
 def _rope_kernel(Q, K, COS, SIN, QO, KO, S, HQ, HK, D, half,
                  q_sb, q_sh, q_ss, q_sd, k_sb, k_sh, k_ss, k_sd, c_sb, c_ss, c_sd,
+                 qo_sb, qo_sh, qo_ss, qo_sd, ko_sb, ko_sh, ko_ss, ko_sd,
                  INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, BLOCK_HQ: tl.constexpr,
                  BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
@@ -57,17 +60,21 @@ def _rope_kernel(Q, K, COS, SIN, QO, KO, S, HQ, HK, D, half,
     s = tl.load(SIN + cs_offset, mask=pairs < half, other=0.0).to(tl.float32)
     if INVERSE:
         s = -s
-    _rotate_heads(Q, QO, b * q_sb + pos * q_ss, q_sh, q_sd, (b * HQ * S + pos) * D, S * D, HQ, D, half, c, s,
-                  INTERLEAVED, BLOCK_HQ, BLOCK_R, BLOCK_P)
-    _rotate_heads(K, KO, b * k_sb + pos * k_ss, k_sh, k_sd, (b * HK * S + pos) * D, S * D, HK, D, half, c, s,
-                  INTERLEAVED, BLOCK_HK, BLOCK_R, BLOCK_P)
+    _rotate_heads(Q, QO, b * q_sb + pos * q_ss, q_sh, q_sd, b * qo_sb + pos * qo_ss, qo_sh, qo_sd, HQ, D, half,
+                  c, s, INTERLEAVED, BLOCK_HQ, BLOCK_R, BLOCK_P)
+    _rotate_heads(K, KO, b * k_sb + pos * k_ss, k_sh, k_sd, b * ko_sb + pos * ko_ss, ko_sh, ko_sd, HK, D, half,
+                  c, s, INTERLEAVED, BLOCK_HK, BLOCK_R, BLOCK_P)
 
 
-def _launch(q, k, cos, sin, interleaved, rotary_dim, inverse):
+def _launch(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, k_out_stride=None):
+    """Outputs take the inputs' memory layout (``empty_like``) unless strides are given: HF's
+    ``[b, s, h, d]``-backed q/k stay that way, so neither output nor gradient needs a relayout copy."""
     bsz, hq, seq, dim = q.shape
     hk = k.shape[1]
-    qo = torch.empty((bsz, hq, seq, dim), dtype=q.dtype, device=q.device)
-    ko = torch.empty((bsz, hk, seq, dim), dtype=k.dtype, device=k.device)
+    qo = torch.empty_strided(q.shape, q_out_stride, dtype=q.dtype, device=q.device) if q_out_stride else \
+        torch.empty_like(q)
+    ko = torch.empty_strided(k.shape, k_out_stride, dtype=k.dtype, device=k.device) if k_out_stride else \
+        torch.empty_like(k)
     half = rotary_dim // 2
     block_r = triton.next_power_of_2(half)
     block_p = triton.next_power_of_2(dim - rotary_dim) if dim > rotary_dim else 0
@@ -75,7 +82,7 @@ def _launch(q, k, cos, sin, interleaved, rotary_dim, inverse):
     tile = max(triton.next_power_of_2(hq), triton.next_power_of_2(hk)) * block_r
     _rope_kernel[(bsz * seq,)](
         q, k, cos, sin, qo, ko, seq, hq, hk, dim, half,
-        *q.stride(), *k.stride(), c_sb, cos.stride(1), cos.stride(2),
+        *q.stride(), *k.stride(), c_sb, cos.stride(1), cos.stride(2), *qo.stride(), *ko.stride(),
         INTERLEAVED=interleaved, INVERSE=inverse, BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=block_r, BLOCK_P=block_p,
         num_warps=int(min(16, max(1, tile // 256))),
@@ -86,15 +93,17 @@ def _launch(q, k, cos, sin, interleaved, rotary_dim, inverse):
 class RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, interleaved, rotary_dim):
+        qo, ko = _launch(q, k, cos, sin, interleaved, rotary_dim, inverse=False)
         ctx.save_for_backward(cos, sin)
-        ctx.meta = (interleaved, rotary_dim)
-        return _launch(q, k, cos, sin, interleaved, rotary_dim, inverse=False)
+        ctx.meta = (interleaved, rotary_dim, qo.stride(), ko.stride())  # dense layouts of q and k
+        return qo, ko
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        interleaved, rotary_dim = ctx.meta
-        dq_in, dk_in = _launch(dq, dk, cos, sin, interleaved, rotary_dim, inverse=True)
+        interleaved, rotary_dim, q_stride, k_stride = ctx.meta
+        dq_in, dk_in = _launch(dq, dk, cos, sin, interleaved, rotary_dim, inverse=True, q_out_stride=q_stride,
+                               k_out_stride=k_stride)
         return dq_in, dk_in, None, None, None, None
 
 

@@ -46,6 +46,9 @@ _STRUCTURAL_OPS = {
 }
 
 
+# Components whose children stay separately recognisable (q/k norms, MLA latent norms, shared experts).
+_OPEN_KINDS = ("attention", "moe")
+
 _ACTIVATION_OPS = {
     "aten.gelu.default", "aten.silu.default", "aten.relu.default", "aten.tanh.default", "aten.sigmoid.default",
     "aten.hardtanh.default", "aten.elu.default", "aten.leaky_relu.default", "aten.mish.default",
@@ -91,7 +94,8 @@ def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe:
 
     def accept(comp: Component) -> None:
         found.append(comp)
-        claimed.add(comp.module)
+        if comp.kind not in _OPEN_KINDS:
+            claimed.add(comp.module)
 
     def reject(path: str, candidate: str, reason: str) -> None:
         rejected.append({"module": path, "candidate": candidate, "reason": reason})
@@ -125,8 +129,6 @@ def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe:
             comp = None
         if comp is not None:
             accept(comp)
-            if comp.kind in ("moe", "attention"):
-                continue  # children (router, projections, q/k norms) stay separately recognisable below
     found.extend(_residual_norms(inventory, found))
     head = _lm_head(inventory)
     if head is not None:
@@ -310,7 +312,7 @@ def _residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]
     for comp in found:
         if comp.kind in ("rms_norm", "layer_norm") and comp.confirmed:
             rec = inv.modules[comp.module]
-            if rec.fed_by_add is not None and comp.module.startswith(rec.fed_by_add + ".") or rec.fed_by_add == "":
+            if rec.fed_by_add is not None and (rec.fed_by_add == "" or comp.module.startswith(rec.fed_by_add + ".")):
                 out.append(Component(comp.module, "residual_add_norm", {"norm": comp.kind, "add_in": rec.fed_by_add}, True, "norm input is the tensor the parent's aten.add produced"))
     return out
 

@@ -35,8 +35,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def float64_copy(module: nn.Module, generator: torch.Generator, scale: float = 0.5) -> nn.Module:
-    """Independent float64 copy of ``module`` with every parameter redrawn from N(0, scale^2)."""
-    clone = copy.deepcopy(module).to(torch.float64)
+    """Independent CPU float64 copy of ``module`` with every parameter redrawn from N(0, scale^2).
+
+    Probes always run on CPU: float64 everywhere, no TF32, and the model's device stays untouched."""
+    clone = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
     with torch.no_grad():
         for param in clone.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * scale)
@@ -128,7 +130,7 @@ def _rms_cast(module: nn.Module, w_name: str | None, eps: float, offset: float, 
     or ``gemma`` (scale in fp32, cast last).  Decided by which emulation reproduces the module bit for bit."""
     if w_name is None:
         return {"cast": "llama", "cast_evidence": "no weight"}
-    m = copy.deepcopy(module).to(torch.bfloat16)
+    m = copy.deepcopy(module).to(device="cpu", dtype=torch.bfloat16)
     weight = getattr(m, w_name)
     with torch.no_grad():
         weight.copy_(torch.randn(weight.shape, generator=generator) * 0.5)
@@ -199,7 +201,7 @@ def probe_mlp(module: nn.Module, path: str, width: int, projections: list, gener
 def probe_rotary_tables(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     """Layout of the (cos, sin) tables a rotary generator emits: half-split or interleaved frequencies."""
     with torch.no_grad():
-        out = module(*args, **kwargs)
+        out = copy.deepcopy(module).cpu()(*to_float64(tuple(args)), **to_float64(dict(kwargs)))
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         return None
     cos, sin = (t.double() for t in out)
@@ -223,8 +225,9 @@ def probe_rotary_tables(module: nn.Module, args: tuple, kwargs: dict) -> dict[st
 
 
 def to_float64(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(torch.float64)
+    """Captured call arguments moved to CPU, floating tensors in float64."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device="cpu", dtype=torch.float64) if value.is_floating_point() else value.cpu()
     if isinstance(value, tuple):
         return tuple(to_float64(v) for v in value)
     if isinstance(value, list):

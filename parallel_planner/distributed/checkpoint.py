@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,7 +39,11 @@ def _expert_storages(pmodel: ParallelModel) -> set[int]:
 def _expert_names(pmodel: ParallelModel) -> set[str]:
     if pmodel.experts is None:
         return set()
-    return {f"{shard.path}.{name}" for shard in pmodel.experts.shards for name in shard.param_names}
+    return {
+        f"{shard.path}.{name}"
+        for shard in pmodel.experts.shards
+        for name in shard.param_names
+    }
 
 
 def _param_of(key: str) -> str:
@@ -50,19 +53,29 @@ def _param_of(key: str) -> str:
     return key
 
 
-def _wrap_experts(state: dict[str, Any], pmodel: ParallelModel) -> tuple[dict[str, Any], set[str]]:
+def _wrap_experts(
+    state: dict[str, Any], pmodel: ParallelModel
+) -> tuple[dict[str, Any], set[str]]:
     """Present local expert shards (weights and optimizer moments) as global DTensors sharing storage."""
     names = _expert_names(pmodel)
     wrapped, keys = {}, set()
     for key, value in state.items():
-        if _param_of(key) in names and isinstance(value, torch.Tensor) and value.ndim > 0:
-            value = DTensor.from_local(value, pmodel.experts.ep_mesh, [Shard(0)], run_check=False)
+        if (
+            _param_of(key) in names
+            and isinstance(value, torch.Tensor)
+            and value.ndim > 0
+        ):
+            value = DTensor.from_local(
+                value, pmodel.experts.ep_mesh, [Shard(0)], run_check=False
+            )
             keys.add(key)
         wrapped[key] = value
     return wrapped, keys
 
 
-def _chunk_states(pmodel: ParallelModel, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict, set[str]]:
+def _chunk_states(
+    pmodel: ParallelModel, optimizers: list[torch.optim.Optimizer]
+) -> tuple[dict, dict, set[str]]:
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     for chunk, optimizer in zip(pmodel.chunks, optimizers):
@@ -73,16 +86,30 @@ def _chunk_states(pmodel: ParallelModel, optimizers: list[torch.optim.Optimizer]
     return model_state, optim_state, model_keys | optim_keys
 
 
-def save(directory: str | Path, pmodel: ParallelModel, optimizers: list[torch.optim.Optimizer], step: int) -> None:
+def save(
+    directory: str | Path,
+    pmodel: ParallelModel,
+    optimizers: list[torch.optim.Optimizer],
+    step: int,
+) -> None:
     """Write model + optimizer state and the step counter with DCP (every rank calls this)."""
     model_state, optim_state, _ = _chunk_states(pmodel, optimizers)
-    dcp.save({"model": model_state, "optim": optim_state, "step": torch.tensor(step)}, checkpoint_id=str(directory))
+    dcp.save(
+        {"model": model_state, "optim": optim_state, "step": torch.tensor(step)},
+        checkpoint_id=str(directory),
+    )
 
 
-def load(directory: str | Path, pmodel: ParallelModel, optimizers: list[torch.optim.Optimizer]) -> int:
+def load(
+    directory: str | Path,
+    pmodel: ParallelModel,
+    optimizers: list[torch.optim.Optimizer],
+) -> int:
     """Load a DCP checkpoint written under any layout into this one; returns the saved step."""
     if not (Path(directory) / ".metadata").is_file():
-        raise BadInput(f"{directory}: not a torch.distributed.checkpoint directory (no .metadata)")
+        raise BadInput(
+            f"{directory}: not a torch.distributed.checkpoint directory (no .metadata)"
+        )
     model_state, optim_state, expert_keys = _chunk_states(pmodel, optimizers)
     state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
     dcp.load(state, checkpoint_id=str(directory))
@@ -93,7 +120,11 @@ def load(directory: str | Path, pmodel: ParallelModel, optimizers: list[torch.op
     model_values, optim_values = local(state["model"]), local(state["optim"])
     for chunk, optimizer in zip(pmodel.chunks, optimizers):
         mine = set(get_model_state_dict(chunk, options=_OPTIONS))
-        set_model_state_dict(chunk, {k: v for k, v in model_values.items() if k in mine}, options=_OPTIONS)
+        set_model_state_dict(
+            chunk,
+            {k: v for k, v in model_values.items() if k in mine},
+            options=_OPTIONS,
+        )
         chunk_optim = {k: v for k, v in optim_values.items() if _param_of(k) in mine}
         set_optimizer_state_dict(chunk, optimizer, chunk_optim, options=_OPTIONS)
     return int(state["step"])
@@ -108,11 +139,18 @@ def gather_full_state_dict(pmodel: ParallelModel) -> dict[str, torch.Tensor] | N
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             elif value.data_ptr() in storages:
-                parts = [torch.empty_like(value) for _ in range(pmodel.experts.ep_mesh.size())]
-                dist.all_gather(parts, value.contiguous(), group=pmodel.experts.ep_mesh.get_group())
+                parts = [
+                    torch.empty_like(value)
+                    for _ in range(pmodel.experts.ep_mesh.size())
+                ]
+                dist.all_gather(
+                    parts, value.contiguous(), group=pmodel.experts.ep_mesh.get_group()
+                )
                 value = torch.cat(parts)
             mine[key] = value.detach().cpu()
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] = (
+        [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    )
     dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
@@ -132,8 +170,16 @@ def export_hf(directory: str | Path, pmodel: ParallelModel, config: Any) -> Path
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     if pmodel.parts.tied and pmodel.parts.head:
-        full.pop(f"{pmodel.parts.head}.weight", None)  # HF re-ties it from the embedding on load
-    save_file({k: v.contiguous() for k, v in full.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        full.pop(
+            f"{pmodel.parts.head}.weight", None
+        )  # HF re-ties it from the embedding on load
+    save_file(
+        {k: v.contiguous() for k, v in full.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config.save_pretrained(out)
-    (out / "adapt_export.json").write_text(json.dumps({"tensors": len(full), "plan": pmodel.dims.plan.to_dict()}, indent=2))
+    (out / "adapt_export.json").write_text(
+        json.dumps({"tensors": len(full), "plan": pmodel.dims.plan.to_dict()}, indent=2)
+    )
     return out

@@ -25,12 +25,20 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     return MixedPrecisionPolicy()
 
 
@@ -46,11 +54,11 @@ def apply_fully_shard(
 ) -> None:
     """Wrap each block, then the root (embedding, final norm, head) with FSDP2."""
     reshard = zero >= 3
-    kwargs = dict(
-        mesh=dp_mesh,
-        mp_policy=mixed_precision_policy(precision),
-        offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
-    )
+    kwargs = {
+        "mesh": dp_mesh,
+        "mp_policy": mixed_precision_policy(precision),
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+    }
     if ignored_params:
         kwargs["ignored_params"] = ignored_params
     for block in blocks:
@@ -59,7 +67,9 @@ def apply_fully_shard(
     fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
-def set_micro_batch_sync(modules: Iterable[nn.Module], zero: int, last_micro_batch: bool) -> None:
+def set_micro_batch_sync(
+    modules: Iterable[nn.Module], zero: int, last_micro_batch: bool
+) -> None:
     """ZeRO-1/ZeRO-0 accumulation: skip reduce-scatter and keep parameters gathered until the last micro-batch."""
     if zero > 1:
         return

@@ -7,17 +7,36 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from adapt.errors import BadInput
-from parallel_planner.distributed.activation_checkpoint import apply_activation_checkpointing
+from parallel_planner.distributed.activation_checkpoint import (
+    apply_activation_checkpointing,
+)
 from parallel_planner.distributed.context_parallel import check_context_parallel
 from parallel_planner.distributed.data_parallel import apply_fully_shard
-from parallel_planner.distributed.expert_parallel import ExpertParallelState, apply_expert_parallel
+from parallel_planner.distributed.expert_parallel import (
+    ExpertParallelState,
+    apply_expert_parallel,
+)
 from parallel_planner.distributed.mesh import ParallelDims
-from parallel_planner.distributed.model_parts import ModelParts, find_parts, head_geometry
-from parallel_planner.distributed.pipeline import build_schedule, capture_block_context, check_decomposition, split_stages
-from parallel_planner.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, find_head_count_attributes
+from parallel_planner.distributed.model_parts import (
+    ModelParts,
+    find_parts,
+    head_geometry,
+)
+from parallel_planner.distributed.pipeline import (
+    build_schedule,
+    capture_block_context,
+    check_decomposition,
+    split_stages,
+)
+from parallel_planner.distributed.tensor_parallel import (
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    find_head_count_attributes,
+)
 
 
 @dataclass
@@ -71,19 +90,47 @@ def parts_in(module: nn.Module, parts: ModelParts) -> ModelParts:
     )
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, micro_batch_shape: tuple[int, int], loss_fn=None, spec: Any = None) -> ParallelModel:
+def broadcast_model_state(model: nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers.  Random (config-only) initialisation
+    and non-persistent buffers (rotary tables, absent from checkpoints) can differ per process;
+    left alone, ranks would silently train different models."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    micro_batch_shape: tuple[int, int],
+    loss_fn=None,
+    spec: Any = None,
+) -> ParallelModel:
     """Realise ``dims.plan`` on ``model`` (already on ``dims.device``, identical on every rank)."""
     plan = dims.plan
     if plan.precision == "fp8":
-        raise BadInput("fp8 training is not realised by the torch.distributed backend; use bf16 or fp32")
+        raise BadInput(
+            "fp8 training is not realised by the torch.distributed backend; use bf16 or fp32"
+        )
+    broadcast_model_state(model)
     parts = find_parts(model, heads=head_geometry(model, spec))
     if plan.tp > 1:
         check_tensor_parallel(parts, plan.tp, plan.vocab_parallel)
         parts.head_count_attrs = find_head_count_attributes(model, parts, plan.tp)
+    if plan.offload_optimizer and dims.device.type != "cuda":
+        raise BadInput(
+            "offload_optimizer moves FSDP state from the GPU to host memory: it needs CUDA"
+        )
     if plan.cp > 1:
-        check_context_parallel(dims.device, getattr(getattr(model, "config", None), "_attn_implementation", None))
+        check_context_parallel(
+            dims.device,
+            getattr(getattr(model, "config", None), "_attn_implementation", None),
+        )
     if plan.pp > 1:
-        probe = torch.randint(0, parts.vocab_size, micro_batch_shape, device=dims.device)
+        probe = torch.randint(
+            0, parts.vocab_size, micro_batch_shape, device=dims.device
+        )
         context = capture_block_context(model, parts, probe)
         check_decomposition(model, parts, probe, context)
         stage_modules = split_stages(model, parts, plan, dims.pp_rank, context)
@@ -92,13 +139,21 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, micro_batch_shape: tupl
     experts = None
     if plan.ep > 1:
         if plan.tp > 1 or plan.cp > 1:
-            raise BadInput("expert parallelism together with tp or cp is not realised; combine ep with FSDP or PP")
-        experts = ExpertParallelState(dims.ep_mesh, dims.expert_dp_mesh, dp_degree=plan.dp * plan.cp)
+            raise BadInput(
+                "expert parallelism together with tp or cp is not realised; combine ep with FSDP or PP"
+            )
+        experts = ExpertParallelState(
+            dims.ep_mesh, dims.expert_dp_mesh, dp_degree=plan.dp * plan.cp
+        )
     for _, chunk in stage_modules:
         chunk_parts = parts_in(chunk, parts)
         if plan.tp > 1:
             apply_tensor_parallel(
-                chunk, chunk_parts, dims.mesh("tp"), sequence_parallel=plan.sequence_parallel, vocab_parallel=plan.vocab_parallel
+                chunk,
+                chunk_parts,
+                dims.mesh("tp"),
+                sequence_parallel=plan.sequence_parallel,
+                vocab_parallel=plan.vocab_parallel,
             )
         ignored: set[nn.Parameter] = set()
         if experts is not None:
@@ -116,8 +171,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, micro_batch_shape: tupl
                 ignored_params=ignored or None,
             )
     result = ParallelModel(
-        dims=dims, parts=parts, chunks=[m for _, m in stage_modules], stage_indices=tuple(s for s, _ in stage_modules), experts=experts
+        dims=dims,
+        parts=parts,
+        chunks=[m for _, m in stage_modules],
+        stage_indices=tuple(s for s, _ in stage_modules),
+        experts=experts,
     )
     if plan.pp > 1:
-        result.schedule, _ = build_schedule(stage_modules, plan, dims.mesh("pp"), dims.device, loss_fn)
+        result.schedule, _ = build_schedule(
+            stage_modules, plan, dims.mesh("pp"), dims.device, loss_fn
+        )
     return result

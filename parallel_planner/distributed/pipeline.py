@@ -51,7 +51,9 @@ def _detach(value: Any) -> Any:
     return value
 
 
-def capture_block_context(model: nn.Module, parts: ModelParts, input_ids: torch.Tensor) -> BlockContext:
+def capture_block_context(
+    model: nn.Module, parts: ModelParts, input_ids: torch.Tensor
+) -> BlockContext:
     blocks = model.get_submodule(parts.blocks_path)
     context = BlockContext()
     handles = []
@@ -101,24 +103,44 @@ def _stage_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def check_decomposition(model: nn.Module, parts: ModelParts, input_ids: torch.Tensor, context: BlockContext) -> None:
+def check_decomposition(
+    model: nn.Module, parts: ModelParts, input_ids: torch.Tensor, context: BlockContext
+) -> None:
     """Refuse to split a model whose forward is not embed -> blocks -> norm -> head."""
     if parts.head is None:
-        raise BadInput("pipeline parallelism needs an output head on the last stage; none was found")
-    layout = StageLayout(parts.embedding, parts.blocks_path, [str(i) for i in range(len(parts.blocks))], parts.final_norm, parts.head)
-    probe = types.SimpleNamespace(_adapt_stage_layout=layout, _adapt_block_context=context, get_submodule=model.get_submodule)
+        raise BadInput(
+            "pipeline parallelism needs an output head on the last stage; none was found"
+        )
+    layout = StageLayout(
+        parts.embedding,
+        parts.blocks_path,
+        [str(i) for i in range(len(parts.blocks))],
+        parts.final_norm,
+        parts.head,
+    )
+    probe = types.SimpleNamespace(
+        _adapt_stage_layout=layout,
+        _adapt_block_context=context,
+        get_submodule=model.get_submodule,
+    )
     with torch.no_grad():
         expected = logits_of(model(input_ids=input_ids, use_cache=False))
         got = _stage_forward(probe, input_ids)  # type: ignore[arg-type]
-    if got.shape != expected.shape or not torch.allclose(got.float(), expected.float(), rtol=1e-4, atol=1e-4):
-        raise BadInput("pipeline split refused: the model's forward does more than embed -> blocks -> norm -> head")
+    if got.shape != expected.shape or not torch.allclose(
+        got.float(), expected.float(), rtol=1e-4, atol=1e-4
+    ):
+        raise BadInput(
+            "pipeline split refused: the model's forward does more than embed -> blocks -> norm -> head"
+        )
 
 
 def stage_block_counts(plan: ParallelPlan, num_blocks: int) -> list[int]:
     stages = plan.pp * plan.vpp
     if plan.stage_layers:
         if sum(plan.stage_layers) != num_blocks:
-            raise BadInput(f"plan.stage_layers sums to {sum(plan.stage_layers)} but the model has {num_blocks} blocks")
+            raise BadInput(
+                f"plan.stage_layers sums to {sum(plan.stage_layers)} but the model has {num_blocks} blocks"
+            )
         return list(plan.stage_layers)
     if num_blocks < stages:
         raise BadInput(f"{num_blocks} blocks cannot fill pp*vpp={stages} stages")
@@ -131,12 +153,20 @@ def _set_child(model: nn.Module, path: str, value: nn.Module | None) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, value)
 
 
-def split_stages(model: nn.Module, parts: ModelParts, plan: ParallelPlan, pp_rank: int, context: BlockContext) -> list[tuple[int, nn.Module]]:
+def split_stages(
+    model: nn.Module,
+    parts: ModelParts,
+    plan: ParallelPlan,
+    pp_rank: int,
+    context: BlockContext,
+) -> list[tuple[int, nn.Module]]:
     """This rank's ``(stage_index, module)`` pairs; stage s lives on rank ``s % pp`` (looped for interleaving)."""
     counts = stage_block_counts(plan, len(parts.blocks))
     num_stages = len(counts)
     if parts.tied and num_stages > 1:
-        raise BadInput("tied embedding and head would sit on different pipeline stages; untie them or use pp=1")
+        raise BadInput(
+            "tied embedding and head would sit on different pipeline stages; untie them or use pp=1"
+        )
     starts = [sum(counts[:s]) for s in range(num_stages)]
     mine = [s for s in range(num_stages) if s % plan.pp == pp_rank]
     stages = []
@@ -144,7 +174,9 @@ def split_stages(model: nn.Module, parts: ModelParts, plan: ParallelPlan, pp_ran
         module = copy.deepcopy(model) if len(mine) > 1 else model
         blocks = module.get_submodule(parts.blocks_path)
         keep = range(starts[s], starts[s] + counts[s])
-        _set_child(module, parts.blocks_path, nn.ModuleDict({str(i): blocks[i] for i in keep}))
+        _set_child(
+            module, parts.blocks_path, nn.ModuleDict({str(i): blocks[i] for i in keep})
+        )
         first, last = s == 0, s == num_stages - 1
         if not first:
             _set_child(module, parts.embedding, None)
@@ -166,19 +198,37 @@ def split_stages(model: nn.Module, parts: ModelParts, plan: ParallelPlan, pp_ran
 
 
 def build_schedule(
-    stage_modules: list[tuple[int, nn.Module]], plan: ParallelPlan, pp_mesh: DeviceMesh, device: torch.device, loss_fn
+    stage_modules: list[tuple[int, nn.Module]],
+    plan: ParallelPlan,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    loss_fn,
 ) -> tuple[Any, list[PipelineStage]]:
     num_stages = plan.pp * plan.vpp
-    stages = [PipelineStage(m, s, num_stages, device, group=pp_mesh.get_group()) for s, m in stage_modules]
+    stages = [
+        PipelineStage(m, s, num_stages, device, group=pp_mesh.get_group())
+        for s, m in stage_modules
+    ]
     n_micro = plan.grad_accum
     if plan.vpp > 1:
-        multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble}
+        multi = {
+            "interleaved_1f1b": ScheduleInterleaved1F1B,
+            "zero_bubble": ScheduleInterleavedZeroBubble,
+        }
         if plan.pp_schedule not in multi:
-            raise BadInput(f"vpp={plan.vpp} needs an interleaved schedule (interleaved_1f1b, zero_bubble), not {plan.pp_schedule}")
-        schedule: PipelineScheduleMulti = multi[plan.pp_schedule](stages, n_microbatches=n_micro, loss_fn=loss_fn)
+            raise BadInput(
+                f"vpp={plan.vpp} needs an interleaved schedule (interleaved_1f1b, zero_bubble), not {plan.pp_schedule}"
+            )
+        schedule: PipelineScheduleMulti = multi[plan.pp_schedule](
+            stages, n_microbatches=n_micro, loss_fn=loss_fn
+        )
         return schedule, stages
     single = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
     if plan.pp_schedule not in single:
-        raise BadInput(f"schedule {plan.pp_schedule} needs vpp > 1 (several stages per rank)")
-    one: PipelineScheduleSingle = single[plan.pp_schedule](stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
+        raise BadInput(
+            f"schedule {plan.pp_schedule} needs vpp > 1 (several stages per rank)"
+        )
+    one: PipelineScheduleSingle = single[plan.pp_schedule](
+        stages[0], n_microbatches=n_micro, loss_fn=loss_fn
+    )
     return one, stages

@@ -12,9 +12,19 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_planner.distributed import checkpoint
-from parallel_planner.distributed.mesh import ParallelDims, build_parallel_dims, default_device
+from parallel_planner.distributed.mesh import (
+    ParallelDims,
+    build_parallel_dims,
+    default_device,
+)
 from parallel_planner.distributed.parallelize import ParallelModel, parallelize
-from parallel_planner.distributed.trainer import TrainConfig, Trainer, TrainResult, cross_entropy, set_determinism
+from parallel_planner.distributed.trainer import (
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    cross_entropy,
+    set_determinism,
+)
 from parallel_planner.plan import ParallelPlan
 
 
@@ -23,7 +33,9 @@ def init_distributed() -> torch.device:
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        dist.init_process_group("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(
+            "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+        )
     return default_device()
 
 
@@ -35,7 +47,9 @@ class TrainingRun:
     model_config: Any
 
 
-def prepare(model: nn.Module, plan: ParallelPlan, config: TrainConfig, spec: Any = None) -> TrainingRun:
+def prepare(
+    model: nn.Module, plan: ParallelPlan, config: TrainConfig, spec: Any = None
+) -> TrainingRun:
     """Parallelise an already-loaded model (same weights on every rank) and build its trainer."""
     set_determinism(config.seed, config.deterministic)
     dims = build_parallel_dims(plan)
@@ -43,14 +57,20 @@ def prepare(model: nn.Module, plan: ParallelPlan, config: TrainConfig, spec: Any
     local_batch = plan.global_batch // plan.dp
     micro_shape = (max(1, local_batch // plan.grad_accum), plan.seq_len)
     vocab = model.get_input_embeddings().num_embeddings
-    pmodel = parallelize(model, dims, micro_batch_shape=micro_shape, loss_fn=cross_entropy, spec=spec)
+    pmodel = parallelize(
+        model, dims, micro_batch_shape=micro_shape, loss_fn=cross_entropy, spec=spec
+    )
     return TrainingRun(dims, pmodel, Trainer(pmodel, config, vocab), model.config)
 
 
-def load_for_training(source: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_for_training(
+    source: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     from adapt.intake import load_model, resolve_source
 
-    return load_model(resolve_source(source, trust_remote_code=trust_remote_code), dtype=dtype)
+    return load_model(
+        resolve_source(source, trust_remote_code=trust_remote_code), dtype=dtype
+    )
 
 
 def run_training(
@@ -65,9 +85,14 @@ def run_training(
 ) -> TrainResult:
     """Train ``source`` under ``plan``; resume from ``ckpt_dir`` when it holds a checkpoint, save there at the end."""
     init_distributed()
+    set_determinism(
+        config.seed, config.deterministic
+    )  # before loading: config-only models init randomly
     run = prepare(load_for_training(source, trust_remote_code), plan, config)
     if ckpt_dir and (Path(ckpt_dir) / ".metadata").is_file():
-        run.trainer.restore(checkpoint.load(ckpt_dir, run.pmodel, run.trainer.optimizers))
+        run.trainer.restore(
+            checkpoint.load(ckpt_dir, run.pmodel, run.trainer.optimizers)
+        )
     result = run.trainer.fit(on_step=on_step)
     if ckpt_dir:
         checkpoint.save(ckpt_dir, run.pmodel, run.trainer.optimizers, run.trainer.step)

@@ -38,7 +38,9 @@ def _first_tensor_position(args: tuple, kwargs: dict) -> int | str | None:
     for index, value in enumerate(args):
         if isinstance(value, torch.Tensor):
             return index
-    return next((key for key, value in kwargs.items() if isinstance(value, torch.Tensor)), None)
+    return next(
+        (key for key, value in kwargs.items() if isinstance(value, torch.Tensor)), None
+    )
 
 
 def _replace_stream(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
@@ -85,7 +87,9 @@ def _attention_branch(parts: ModelParts) -> tuple[str, BranchParts] | None:
     return None
 
 
-def find_head_count_attributes(model: nn.Module, parts: ModelParts, tp: int) -> list[str]:
+def find_head_count_attributes(
+    model: nn.Module, parts: ModelParts, tp: int
+) -> list[str]:
     """Which integer attributes of the attention module count heads, found by probing on one block.
 
     Modelling code that reshapes with ``-1`` heads needs nothing; code that reshapes with a stored
@@ -100,7 +104,11 @@ def find_head_count_attributes(model: nn.Module, parts: ModelParts, tp: int) -> 
     block_path, branch = found
     module = model.get_submodule(f"{block_path}.{branch.path}")
     heads = parts.heads
-    candidates = [n for n, v in vars(module).items() if type(v) is int and v in (heads.num_heads, heads.num_kv_heads)]
+    candidates = [
+        n
+        for n, v in vars(module).items()
+        if type(v) is int and v in (heads.num_heads, heads.num_kv_heads)
+    ]
     if not candidates:
         return []
     rel = len(branch.path) + 1
@@ -113,8 +121,13 @@ def find_head_count_attributes(model: nn.Module, parts: ModelParts, tp: int) -> 
     def grab_fan_in(mod, args):
         seen["fan_in"] = args[0]
 
-    handles = [module.register_forward_pre_hook(grab_call, with_kwargs=True), fan_in.register_forward_pre_hook(grab_fan_in)]
-    probe = torch.randint(0, parts.vocab_size, (1, 8), device=next(model.parameters()).device)
+    handles = [
+        module.register_forward_pre_hook(grab_call, with_kwargs=True),
+        fan_in.register_forward_pre_hook(grab_fan_in),
+    ]
+    probe = torch.randint(
+        0, parts.vocab_size, (1, 8), device=next(model.parameters()).device
+    )
     try:
         with torch.no_grad():
             model(input_ids=probe, use_cache=False)
@@ -125,18 +138,27 @@ def find_head_count_attributes(model: nn.Module, parts: ModelParts, tp: int) -> 
             handle.remove()
 
 
-def _probe_subsets(module: nn.Module, branch: BranchParts, candidates: list[str], seen: dict, tp: int) -> list[str]:
+def _probe_subsets(
+    module: nn.Module, branch: BranchParts, candidates: list[str], seen: dict, tp: int
+) -> list[str]:
     """Smallest subset of ``candidates`` that, divided by ``tp``, reproduces rank 0's heads on rank 0's weights."""
-    args, kwargs = seen["call"]
+    # Fresh random weights and hidden states: the probe must not depend on the model's values.
+    args, kwargs = _replace_stream(*seen["call"], torch.randn_like)
+    full = {
+        name: torch.randn_like(param) / param.shape[-1] ** 0.5
+        for name, param in module.named_parameters()
+    }
+    with torch.no_grad():
+        torch.func.functional_call(module, full, args, kwargs)
     width = seen["fan_in"].shape[-1]
     expected = seen["fan_in"][..., : width // tp]
-    shard = {}
-    for name, param in module.named_parameters():
-        owner = name.rpartition(".")[0]
-        if f"{branch.path}.{owner}" in branch.colwise:
-            shard[name] = param[: param.shape[0] // tp]
-        elif f"{branch.path}.{owner}" == branch.rowwise[0] and name.endswith("weight"):
-            shard[name] = param[:, : param.shape[1] // tp]
+    shard = dict(full)
+    for name, value in full.items():
+        owner = f"{branch.path}.{name.rpartition('.')[0]}"
+        if owner in branch.colwise:
+            shard[name] = value[: value.shape[0] // tp]
+        elif owner == branch.rowwise[0] and name.endswith("weight"):
+            shard[name] = value[:, : value.shape[1] // tp]
     original = {n: getattr(module, n) for n in candidates}
     for size in range(len(candidates) + 1):
         for subset in itertools.combinations(candidates, size):
@@ -152,9 +174,15 @@ def _probe_subsets(module: nn.Module, branch: BranchParts, candidates: list[str]
                 for n, v in original.items():
                     setattr(module, n, v)
             got = seen.get("fan_in")
-            if got is not None and got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+            if (
+                got is not None
+                and got.shape == expected.shape
+                and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+            ):
                 return list(subset)
-    raise BadInput("tensor parallelism: could not find how the attention module counts its heads (probe failed)")
+    raise BadInput(
+        "tensor parallelism: could not find how the attention module counts its heads (probe failed)"
+    )
 
 
 def _localise_head_counts(model: nn.Module, parts: ModelParts, tp: int) -> None:
@@ -171,23 +199,35 @@ def check_tensor_parallel(parts: ModelParts, tp: int, vocab_parallel: bool) -> N
     for block in parts.blocks:
         for branch in block.branches:
             if branch.experts:
-                raise BadInput(f"{block.path}.{branch.path}: tensor parallelism over MoE experts is not realised; use ep")
+                raise BadInput(
+                    f"{block.path}.{branch.path}: tensor parallelism over MoE experts is not realised; use ep"
+                )
             if branch.unplaced:
-                raise BadInput(f"tensor parallelism cannot place {block.path}.{branch.unplaced[0]} (not fed by the branch input)")
+                raise BadInput(
+                    f"tensor parallelism cannot place {block.path}.{branch.unplaced[0]} (not fed by the branch input)"
+                )
             if len(branch.rowwise) != 1:
-                raise BadInput(f"{block.path}.{branch.path}: no single fan-in projection found for tensor parallelism")
+                raise BadInput(
+                    f"{block.path}.{branch.path}: no single fan-in projection found for tensor parallelism"
+                )
     heads = parts.heads
     if heads is None:
-        raise BadInput("tensor parallelism needs the attention head geometry (num heads, kv heads, head dim)")
+        raise BadInput(
+            "tensor parallelism needs the attention head geometry (num heads, kv heads, head dim)"
+        )
     if heads.num_heads % tp or heads.num_kv_heads % tp:
         raise BadInput(
             f"tp={tp} must divide both query heads ({heads.num_heads}) and kv heads ({heads.num_kv_heads}) for GQA-aware splitting"
         )
     if vocab_parallel and parts.vocab_size % tp:
-        raise BadInput(f"vocab-parallel embedding needs tp={tp} to divide the vocabulary ({parts.vocab_size})")
+        raise BadInput(
+            f"vocab-parallel embedding needs tp={tp} to divide the vocabulary ({parts.vocab_size})"
+        )
 
 
-def block_plan(parts: ModelParts, index: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def block_plan(
+    parts: ModelParts, index: int, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan of one block, keyed by paths relative to the block."""
     block = parts.blocks[index]
     out_layout = Shard(1) if sequence_parallel else Replicate()
@@ -206,7 +246,12 @@ def block_plan(parts: ModelParts, index: int, sequence_parallel: bool) -> dict[s
 
 
 def apply_tensor_parallel(
-    model: nn.Module, parts: ModelParts, tp_mesh: DeviceMesh, *, sequence_parallel: bool, vocab_parallel: bool
+    model: nn.Module,
+    parts: ModelParts,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    vocab_parallel: bool,
 ) -> None:
     """Shard ``model`` in place over ``tp_mesh`` (the same on every tp rank)."""
     check_tensor_parallel(parts, tp_mesh.size(), vocab_parallel)
@@ -216,23 +261,35 @@ def apply_tensor_parallel(
         parallelize_module(module, tp_mesh, block_plan(parts, index, sequence_parallel))
         if sequence_parallel:
             for branch in block.branches:
-                module.get_submodule(branch.path).register_forward_pre_hook(_gather_inputs_hook(tp_mesh), with_kwargs=True)
+                module.get_submodule(branch.path).register_forward_pre_hook(
+                    _gather_inputs_hook(tp_mesh), with_kwargs=True
+                )
     if sequence_parallel:
         first = model.get_submodule(parts.blocks[0].path)
         first.register_forward_pre_hook(_shard_sequence_hook(tp_mesh), with_kwargs=True)
         if parts.final_norm:
-            parallelize_module(model.get_submodule(parts.final_norm), tp_mesh, SequenceParallel(use_local_output=True))
+            parallelize_module(
+                model.get_submodule(parts.final_norm),
+                tp_mesh,
+                SequenceParallel(use_local_output=True),
+            )
     if vocab_parallel:
         # Row-sharded table: each rank looks up its vocabulary range, partial sums are all-reduced.
         parallelize_module(
-            model.get_submodule(parts.embedding), tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            model.get_submodule(parts.embedding),
+            tp_mesh,
+            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         )
     if parts.head is None:
         return
     head = model.get_submodule(parts.head)
     if vocab_parallel:
         in_layout = Shard(1) if sequence_parallel else Replicate()
-        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=in_layout, output_layouts=Replicate()))
+        parallelize_module(
+            head,
+            tp_mesh,
+            ColwiseParallel(input_layouts=in_layout, output_layouts=Replicate()),
+        )
         if parts.tied:  # one parameter, two users: keep a single DTensor shared by both
             head.weight = model.get_submodule(parts.embedding).weight
     elif sequence_parallel:

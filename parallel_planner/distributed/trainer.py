@@ -19,7 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from parallel_planner.distributed.context_parallel import context_parallel_batch, position_ids_for
+from parallel_planner.distributed.context_parallel import (
+    context_parallel_batch,
+    position_ids_for,
+)
 from parallel_planner.distributed.data import make_data
 from parallel_planner.distributed.data_parallel import set_micro_batch_sync
 from parallel_planner.distributed.parallelize import ParallelModel
@@ -80,7 +83,9 @@ def lr_lambda(config: TrainConfig):
             return (step + 1) / config.warmup_steps
         span = max(1, config.steps - config.warmup_steps)
         progress = min(1.0, (step - config.warmup_steps) / span)
-        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
 
     return factor
 
@@ -88,7 +93,9 @@ def lr_lambda(config: TrainConfig):
 def _peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+    return (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )  # ru_maxrss is KiB on Linux
 
 
 def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
@@ -99,7 +106,11 @@ def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
         if param.grad is None:
             continue
         grad = param.grad
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else ("expert" if id(param) in expert_ids else "local")
+        key = (
+            (grad.device_mesh, grad.placements)
+            if isinstance(grad, DTensor)
+            else ("expert" if id(param) in expert_ids else "local")
+        )
         groups.setdefault(key, []).append(grad)
     device = pmodel.dims.device
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
@@ -116,7 +127,12 @@ def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
     total = total_sq.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in groups.values():
-        torch._foreach_mul_(grads, scale.to(grads[0].device) if not isinstance(grads[0], DTensor) else scale.item())
+        torch._foreach_mul_(
+            grads,
+            scale.to(grads[0].device)
+            if not isinstance(grads[0], DTensor)
+            else scale.item(),
+        )
     return float(total)
 
 
@@ -126,18 +142,30 @@ class Trainer:
         plan = pmodel.dims.plan
         self.plan = plan
         self.data = make_data(config.data, vocab_size, plan.seq_len, config.seed)
-        if plan.global_batch % plan.dp or (plan.global_batch // plan.dp) % plan.grad_accum:
+        if (
+            plan.global_batch % plan.dp
+            or (plan.global_batch // plan.dp) % plan.grad_accum
+        ):
             from adapt.errors import BadInput
 
-            raise BadInput(f"global_batch={plan.global_batch} must split into dp={plan.dp} x grad_accum={plan.grad_accum}")
+            raise BadInput(
+                f"global_batch={plan.global_batch} must split into dp={plan.dp} x grad_accum={plan.grad_accum}"
+            )
         fused = pmodel.dims.device.type == "cuda"
         self.optimizers = [
             torch.optim.AdamW(
-                chunk.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=fused or None
+                chunk.parameters(),
+                lr=config.lr,
+                betas=config.betas,
+                weight_decay=config.weight_decay,
+                fused=fused or None,
             )
             for chunk in pmodel.chunks
         ]
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config)) for opt in self.optimizers]
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config))
+            for opt in self.optimizers
+        ]
         self.step = 0
 
     def restore(self, step: int) -> None:
@@ -152,28 +180,61 @@ class Trainer:
         batch = self.data.global_batch(step, plan.global_batch)
         per_rank = plan.global_batch // plan.dp
         rank = self.pmodel.dims.dp_rank
-        local = batch[rank * per_rank : (rank + 1) * per_rank].to(self.pmodel.dims.device)
+        local = batch[rank * per_rank : (rank + 1) * per_rank].to(
+            self.pmodel.dims.device
+        )
         return local[:, :-1].contiguous(), local[:, 1:].contiguous()
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
         pm, plan = self.pmodel, self.plan
         if pm.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (inputs,) if pm.has_first_stage else ()
-            pm.schedule.step(*args, target=labels if pm.has_last_stage else None, losses=losses if pm.has_last_stage else None)
-            return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=inputs.device)
+            pm.schedule.step(
+                *args,
+                target=labels if pm.has_last_stage else None,
+                losses=losses if pm.has_last_stage else None,
+            )
+            return (
+                torch.stack(losses).mean().detach()
+                if losses
+                else torch.zeros((), device=inputs.device)
+            )
         model = pm.chunks[0]
         total = torch.zeros((), device=inputs.device)
-        for index, (micro_in, micro_labels) in enumerate(zip(inputs.chunk(plan.grad_accum), labels.chunk(plan.grad_accum))):
-            set_micro_batch_sync(model.modules(), plan.zero, last_micro_batch=index == plan.grad_accum - 1)
+        for index, (micro_in, micro_labels) in enumerate(
+            zip(inputs.chunk(plan.grad_accum), labels.chunk(plan.grad_accum))
+        ):
+            set_micro_batch_sync(
+                model.modules(),
+                plan.zero,
+                last_micro_batch=index == plan.grad_accum - 1,
+            )
             if plan.cp > 1:
                 positions = position_ids_for(micro_in)
-                with context_parallel_batch(pm.dims.mesh("cp"), [micro_in, micro_labels, positions]):
-                    logits = logits_of(model(input_ids=micro_in, position_ids=positions, use_cache=False))
+                with context_parallel_batch(
+                    pm.dims.mesh("cp"), [micro_in, micro_labels, positions]
+                ):
+                    logits = logits_of(
+                        model(
+                            input_ids=micro_in,
+                            position_ids=positions,
+                            attention_mask=torch.ones_like(micro_in),
+                            use_cache=False,
+                        )
+                    )
                     loss = cross_entropy(logits, micro_labels) / plan.grad_accum
                     loss.backward()
             else:
-                loss = cross_entropy(logits_of(model(input_ids=micro_in, use_cache=False)), micro_labels) / plan.grad_accum
+                loss = (
+                    cross_entropy(
+                        logits_of(model(input_ids=micro_in, use_cache=False)),
+                        micro_labels,
+                    )
+                    / plan.grad_accum
+                )
                 loss.backward()
             total += loss.detach()
         return total
@@ -182,7 +243,12 @@ class Trainer:
         """Mean over data/context-parallel ranks; tp ranks repeat it and only the last pp stage has it."""
         dims = self.pmodel.dims
         owns = self.pmodel.has_last_stage and dims.world["tp"].get_local_rank() == 0
-        pair = torch.stack([local_loss.float() * owns, torch.tensor(float(owns), device=local_loss.device)])
+        pair = torch.stack(
+            [
+                local_loss.float() * owns,
+                torch.tensor(float(owns), device=local_loss.device),
+            ]
+        )
         dist.all_reduce(pair)
         return float(pair[0] / pair[1])
 
@@ -203,7 +269,15 @@ class Trainer:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         tokens = self.plan.global_batch * self.plan.seq_len
-        metrics = StepMetrics(self.step, loss, grad_norm, lr, tokens / elapsed, elapsed, _peak_memory_gib(self.pmodel.dims.device))
+        metrics = StepMetrics(
+            self.step,
+            loss,
+            grad_norm,
+            lr,
+            tokens / elapsed,
+            elapsed,
+            _peak_memory_gib(self.pmodel.dims.device),
+        )
         self.step += 1
         return metrics
 
@@ -220,4 +294,3 @@ class Trainer:
 
 def is_main_process() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-

@@ -20,7 +20,7 @@ from parallel_planner.distributed.trainer import TrainConfig
 from parallel_planner.plan import ParallelPlan
 
 STEPS = 5
-BASE = dict(precision="fp32", seq_len=16, global_batch=4)
+BASE = {"precision": "fp32", "seq_len": 16, "global_batch": 4}
 TRAIN = TrainConfig(steps=STEPS, lr=2e-3, warmup_steps=2, max_grad_norm=1.0, seed=0)
 
 # case -> (model, plan overrides)
@@ -32,28 +32,66 @@ CASES: dict[str, tuple[str, dict]] = {
     "ref_qwen3_moe": ("qwen3_moe", {}),
     "ref_mixtral": ("mixtral", {}),
     "ref_custom": ("custom", {}),
-    "zero3": ("llama", dict(dp_shard=2, zero=3)),
-    "zero2": ("llama", dict(dp_shard=2, zero=2, recompute="selective")),
-    "zero1": ("llama", dict(dp_shard=2, zero=1, grad_accum=2, recompute="full")),
-    "tp_sp_gqa": ("llama", dict(tp=2, sequence_parallel=True)),
-    "tp_sp_mha": ("llama_mha", dict(tp=2, sequence_parallel=True)),
-    "tp_gqa_no_sp": ("llama", dict(tp=2, sequence_parallel=False)),
-    "tp_sp_vocab_qknorm_tied": ("qwen3", dict(tp=2, sequence_parallel=True, vocab_parallel=True)),
-    "tp_sp_remote_code": ("custom", dict(tp=2, sequence_parallel=True)),
-    "pp_1f1b": ("llama", dict(pp=2, grad_accum=2, pp_schedule="1f1b")),
-    "pp_interleaved": ("llama4", dict(pp=2, vpp=2, grad_accum=2, pp_schedule="interleaved_1f1b")),
-    "ep_qwen3_moe": ("qwen3_moe", dict(dp_shard=2, ep=2)),
-    "ep_mixtral": ("mixtral", dict(dp_shard=2, ep=2)),
-    "fsdp_tp": ("llama", dict(dp_shard=2, tp=2)),
-    "pp_fsdp": ("llama", dict(pp=2, dp_shard=2, grad_accum=2)),
-    "ep_fsdp": ("qwen3_moe", dict(dp_shard=4, ep=2)),
+    "ref_llama_random": ("llama_random", {}),
+    "zero3": ("llama", {"dp_shard": 2, "zero": 3}),
+    "zero2": ("llama", {"dp_shard": 2, "zero": 2, "recompute": "selective"}),
+    "zero1": (
+        "llama",
+        {"dp_shard": 2, "zero": 1, "grad_accum": 2, "recompute": "full"},
+    ),
+    "tp_sp_gqa": ("llama", {"tp": 2, "sequence_parallel": True}),
+    "tp_sp_mha": ("llama_mha", {"tp": 2, "sequence_parallel": True}),
+    "tp_gqa_no_sp": ("llama", {"tp": 2, "sequence_parallel": False}),
+    "tp_sp_vocab_qknorm_tied": (
+        "qwen3",
+        {"tp": 2, "sequence_parallel": True, "vocab_parallel": True},
+    ),
+    "tp_sp_remote_code": ("custom", {"tp": 2, "sequence_parallel": True}),
+    "tp_random_init_synced": ("llama_random", {"tp": 2, "dp_shard": 1}),
+    "pp_1f1b": ("llama", {"pp": 2, "grad_accum": 2, "pp_schedule": "1f1b"}),
+    "pp_gpipe": ("llama", {"pp": 2, "grad_accum": 2, "pp_schedule": "gpipe"}),
+    "pp_zero_bubble": (
+        "llama4",
+        {"pp": 2, "vpp": 2, "grad_accum": 2, "pp_schedule": "zero_bubble"},
+    ),
+    "zero0_replicate": ("llama", {"dp_replicate": 2, "dp_shard": 1, "zero": 0}),
+    "hsdp": ("llama", {"dp_replicate": 2, "dp_shard": 2}),
+    "pp_interleaved": (
+        "llama4",
+        {"pp": 2, "vpp": 2, "grad_accum": 2, "pp_schedule": "interleaved_1f1b"},
+    ),
+    "ep_qwen3_moe": ("qwen3_moe", {"dp_shard": 2, "ep": 2}),
+    "ep_mixtral": ("mixtral", {"dp_shard": 2, "ep": 2}),
+    "fsdp_tp": ("llama", {"dp_shard": 2, "tp": 2}),
+    "pp_fsdp": ("llama", {"pp": 2, "dp_shard": 2, "grad_accum": 2}),
+    "ep_fsdp": ("qwen3_moe", {"dp_shard": 4, "ep": 2}),
 }
 
 
 def load(models: dict[str, str], name: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    """HF's loader, plus non-persistent buffers taken from a really constructed twin: ``from_pretrained``'s
+    meta-device init leaves the remote-code model's rotary buffer uninitialised (garbage per process)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32, trust_remote_code=True)
+    if (
+        name == "llama_random"
+    ):  # config-only, seeded by rank: ranks start from different weights
+        torch.manual_seed(dist.get_rank() if dist.get_world_size() > 1 else 0)
+        return AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(models["llama"]), dtype=torch.float32
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        models[name], dtype=torch.float32, trust_remote_code=True
+    )
+    twin = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(models[name], trust_remote_code=True),
+        trust_remote_code=True,
+    )
+    twin_buffers = dict(twin.named_buffers())
+    with torch.no_grad():
+        for buffer_name, buffer in model.named_buffers():
+            buffer.copy_(twin_buffers[buffer_name])
+    return model
 
 
 def spec_of(models: dict[str, str], name: str, model: torch.nn.Module):
@@ -66,21 +104,38 @@ def spec_of(models: dict[str, str], name: str, model: torch.nn.Module):
 def train_case(models: dict[str, str], case: str) -> dict:
     model_name, overrides = CASES[case]
     model = load(models, model_name)
-    spec = spec_of(models, model_name, model) if overrides.get("tp", 1) > 1 else None
+    spec = (
+        spec_of(models, model_name, model)
+        if overrides.get("tp", 1) > 1 and model_name in models
+        else None
+    )
     run = prepare(model, ParallelPlan(**BASE, **overrides), TRAIN, spec=spec)
+    initial = checkpoint.gather_full_state_dict(run.pmodel)
     steps = [run.trainer.train_step() for _ in range(STEPS)]
     params = checkpoint.gather_full_state_dict(run.pmodel)
-    return {"losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps], "params": params}
+    losses, norms = [s.loss for s in steps], [s.grad_norm for s in steps]
+    return {"losses": losses, "grad_norms": norms, "initial": initial, "params": params}
 
 
 def probe_logits(run, vocab: int) -> torch.Tensor | None:
     """Logits of a fixed batch (non-pipelined layouts), as seen by rank 0."""
     probe = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        return run.pmodel.chunks[0](input_ids=probe, use_cache=False).logits.detach().clone()
+        return (
+            run.pmodel.chunks[0](input_ids=probe, use_cache=False)
+            .logits.detach()
+            .clone()
+        )
 
 
-def checkpoint_case(models: dict[str, str], out: Path, model_name: str, save_plan: dict, load_plan: dict, tag: str) -> dict:
+def checkpoint_case(
+    models: dict[str, str],
+    out: Path,
+    model_name: str,
+    save_plan: dict,
+    load_plan: dict,
+    tag: str,
+) -> dict:
     """Train 2 steps under ``save_plan`` and save; load into ``load_plan`` (poisoned first); both continue 2 steps."""
     ckpt = out / f"dcp_{tag}"
     first = prepare(load(models, model_name), ParallelPlan(**BASE, **save_plan), TRAIN)
@@ -97,7 +152,9 @@ def checkpoint_case(models: dict[str, str], out: Path, model_name: str, save_pla
         for param in fresh.parameters():
             param.fill_(float("nan"))  # everything must come from the checkpoint
     second = prepare(fresh, ParallelPlan(**BASE, **load_plan), TRAIN)
-    second.trainer.restore(checkpoint.load(ckpt, second.pmodel, second.trainer.optimizers))
+    second.trainer.restore(
+        checkpoint.load(ckpt, second.pmodel, second.trainer.optimizers)
+    )
     loaded_step = second.trainer.step
     loaded_logits = probe_logits(second, vocab)
     second_losses = [second.trainer.train_step().loss for _ in range(2)]
@@ -115,9 +172,41 @@ def checkpoint_case(models: dict[str, str], out: Path, model_name: str, save_pla
     }
 
 
+def cp_plumbing_case(models: dict[str, str]) -> dict:
+    """Context parallelism on CPU: the guard refuses; the sequence sharding the trainer uses is checked."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from adapt.errors import BadInput
+    from parallel_planner.distributed.context_parallel import (
+        context_parallel_batch,
+        position_ids_for,
+    )
+
+    try:
+        prepare(load(models, "llama"), ParallelPlan(**BASE, cp=2), TRAIN)
+        refused = ""
+    except BadInput as err:
+        refused = str(err)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(3))
+    inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    positions = position_ids_for(inputs)
+    with context_parallel_batch(
+        init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)),
+        [inputs, labels, positions],
+    ):
+        shards = {
+            "inputs": inputs.clone(),
+            "labels": labels.clone(),
+            "positions": positions.clone(),
+        }
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, shards)
+    return {"refused": refused, "tokens": tokens, "shards": gathered}
+
+
 CHECKPOINT_CASES = {
-    "dcp_fsdp_to_tp": ("llama", dict(dp_shard=2), dict(tp=2)),
-    "dcp_ep_to_fsdp": ("qwen3_moe", dict(dp_shard=2, ep=2), dict(dp_shard=2)),
+    "dcp_fsdp_to_tp": ("llama", {"dp_shard": 2}, {"tp": 2}),
+    "dcp_ep_to_fsdp": ("qwen3_moe", {"dp_shard": 2, "ep": 2}, {"dp_shard": 2}),
 }
 
 
@@ -126,9 +215,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     for case in sys.argv[3:]:
-        if case in CHECKPOINT_CASES:
+        if case == "cp_plumbing":
+            result = cp_plumbing_case(models)
+        elif case in CHECKPOINT_CASES:
             model_name, save_plan, load_plan = CHECKPOINT_CASES[case]
-            result = checkpoint_case(models, out, model_name, save_plan, load_plan, case)
+            result = checkpoint_case(
+                models, out, model_name, save_plan, load_plan, case
+            )
         else:
             result = train_case(models, case)
         if dist.get_rank() == 0:

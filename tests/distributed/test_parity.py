@@ -8,25 +8,26 @@ tolerance.  Worker groups run once per module: a 1-rank group for the references
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from dist_workers import CASES, STEPS
-from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
 
 TWO_RANK = [
-    "zero3", "zero2", "zero1", "tp_sp_gqa", "tp_sp_mha", "tp_gqa_no_sp", "tp_sp_vocab_qknorm_tied", "tp_sp_remote_code",
-    "pp_1f1b", "pp_interleaved", "ep_qwen3_moe", "ep_mixtral",
+    "zero3", "zero2", "zero1", "zero0_replicate",
+    "tp_sp_gqa", "tp_sp_mha", "tp_gqa_no_sp", "tp_sp_vocab_qknorm_tied", "tp_sp_remote_code", "tp_random_init_synced",
+    "pp_1f1b", "pp_gpipe", "pp_interleaved", "pp_zero_bubble",
+    "ep_qwen3_moe", "ep_mixtral",
 ]  # fmt: skip
-FOUR_RANK = ["fsdp_tp", "pp_fsdp", "ep_fsdp"]
+FOUR_RANK = ["fsdp_tp", "pp_fsdp", "ep_fsdp", "hsdp"]
 REFERENCES = sorted({f"ref_{CASES[c][0]}" for c in TWO_RANK + FOUR_RANK})
 
-LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
-PARAM_TOL = dict(rtol=1e-4, atol=5e-5)
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
+PARAM_TOL = {
+    "rtol": 1e-4,
+    "atol": 2e-5,
+}  # measured worst case 1e-5 (remote-code TP); 2x grad error gives 1.7e-4
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +39,32 @@ def results(dist_models, run_group, tmp_path_factory) -> dict[str, dict]:
     return found
 
 
-def _initial_weights(dist_models: Path, model: str) -> dict[str, torch.Tensor]:
-    root = Path(json.loads(dist_models.read_text())[model])
-    return load_file(str(root / "model.safetensors"))
-
-
 @pytest.mark.parametrize("case", TWO_RANK + FOUR_RANK)
-def test_layout_matches_single_process(case, results, dist_models):
+def test_layout_matches_single_process(case, results):
     model = CASES[case][0]
     got, ref = results[case], results[f"ref_{model}"]
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
-    torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **LOSS_TOL)
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL
+    )
+    torch.testing.assert_close(
+        torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **LOSS_TOL
+    )
     assert got["params"].keys() == ref["params"].keys()
     for name, value in ref["params"].items():
-        torch.testing.assert_close(got["params"][name], value, **PARAM_TOL, msg=lambda m, n=name: f"{case} {n}: {m}")
-    # The comparison means something only if training moved the weights away from the checkpoint.
-    initial = _initial_weights(dist_models, model)
-    moved = max((ref["params"][k] - v).abs().max().item() for k, v in initial.items() if k in ref["params"])
-    assert moved > 1e-3, f"reference weights barely moved ({moved:.2e}): the run did not train"
+        torch.testing.assert_close(
+            got["params"][name],
+            value,
+            **PARAM_TOL,
+            msg=lambda m, n=name: f"{case} {n}: {m}",
+        )
+    # Same starting point (ranks synchronised to rank 0), and the comparison means something only if
+    # training moved the weights.
+    for name, value in ref["initial"].items():
+        torch.testing.assert_close(got["initial"][name], value, rtol=0, atol=0)
+    moved = max(
+        (ref["params"][k] - v).abs().max().item() for k, v in ref["initial"].items()
+    )
+    assert moved > 1e-3, (
+        f"reference weights barely moved ({moved:.2e}): the run did not train"
+    )

@@ -92,3 +92,17 @@ def test_flce_rejects_bad_arguments():
         fused_linear_cross_entropy(h, w, torch.zeros(5, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError):
         fused_linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long, device=DEVICE), reduction="max")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_flce_without_grad_is_loss_only(reduction):
+    h = torch.randn(2, 7, 24, device=DEVICE)
+    w = torch.randn(333, 24, device=DEVICE) / 5
+    labels = torch.randint(0, 333, (2, 7), device=DEVICE)
+    labels[0, 0] = -100
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(h, w, labels, label_smoothing=0.05, z_loss=1e-3, softcap=4.0,
+                                          reduction=reduction, chunk_size=3)
+    ref = reference_loss(h.double(), w.double(), labels, None, -100, 0.05, 1e-3, 4.0, reduction)
+    assert loss.grad_fn is None
+    assert_close(loss, ref, torch.float32)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_checks import DEVICE, assert_close, leaf, ref_leaf, round_to
 
-from operators.kernels import add_rms_norm, layer_norm, rms_norm
+from operators.kernels import RowConfig, add_rms_norm, layer_norm, rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -21,10 +21,10 @@ def reference_rms_norm(x, w, eps, offset, cast, dtype):
     return round_to(x * round_to(rstd, dtype), dtype) * round_to(offset + w, dtype)
 
 
-def _check_rms(x_in, w_in, offset, cast, dtype, eps=1e-6):
+def _check_rms(x_in, w_in, offset, cast, dtype, eps=1e-6, config=None):
     x, w = leaf(x_in), leaf(w_in)
     x64, w64 = ref_leaf(x_in), ref_leaf(w_in)
-    y = rms_norm(x, w, eps=eps, offset=offset, cast=cast)
+    y = rms_norm(x, w, eps=eps, offset=offset, cast=cast, config=config)
     ref = reference_rms_norm(x64, w64, eps, offset, cast, dtype)
     assert y.dtype == x_in.dtype and y.shape == x_in.shape
     assert_close(y, ref, dtype, what="y")
@@ -52,6 +52,25 @@ def test_rms_norm_non_contiguous_rows_and_fp32_weight():
     _check_rms(x, w, 0.0, "llama", torch.bfloat16)
     transposed = torch.randn(123, 6, device=DEVICE, dtype=torch.float16).t()  # inner dim strided
     _check_rms(transposed, torch.randn(123, device=DEVICE, dtype=torch.float16), 0.5, "gemma", torch.float16)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_persistent_loops_cover_every_tile(prefetch):
+    """More tiles than programs: each program loops (and prefetches past the last tile, masked)."""
+    config = RowConfig(block_m=2, num_warps=4, programs_per_sm=1, prefetch=prefetch)
+    x = torch.randn(4, 9, 40, device=DEVICE, dtype=torch.float16)  # 36 rows -> 18 tiles
+    _check_rms(x, torch.randn(40, device=DEVICE, dtype=torch.float16), 0.0, "llama", torch.float16, config=config)
+    x_in, w_in, b_in = torch.randn(37, 40, device=DEVICE), torch.randn(40, device=DEVICE), torch.randn(40,
+                                                                                                   device=DEVICE)
+    x, w, b = leaf(x_in), leaf(w_in), leaf(b_in)
+    x64, w64, b64 = ref_leaf(x_in), ref_leaf(w_in), ref_leaf(b_in)
+    y = layer_norm(x, w, b, config=config)
+    ref = reference_layer_norm(x64, w64, b64, 1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref.backward(dy.double())
+    for ours, theirs in ((y, ref), (x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        assert_close(ours, theirs, torch.float32, scale=2)
 
 
 def test_rms_norm_real_width():

@@ -35,6 +35,7 @@ def _check(q_in, k_in, cos, sin, interleaved, rotary_dim, dtype):
     q, k = leaf(q_in), leaf(k_in)
     q64, k64 = ref_leaf(q_in), ref_leaf(k_in)
     qo, ko = apply_rotary(q, k, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()  # outputs keep the inputs' layout
     r = rotary_dim or cos.shape[-1]
     ref_q = reference_rotary(q64, cos.double(), sin.double(), interleaved, r)
     ref_k = reference_rotary(k64, cos.double(), sin.double(), interleaved, r)
@@ -43,6 +44,7 @@ def _check(q_in, k_in, cos, sin, interleaved, rotary_dim, dtype):
     dq, dk = torch.randn_like(qo), torch.randn_like(ko)
     torch.autograd.backward([qo, ko], [dq, dk])
     torch.autograd.backward([ref_q, ref_k], [dq.double(), dk.double()])
+    assert q.grad.stride() == q.stride()  # no relayout copy when autograd accumulates the gradient
     assert_close(q.grad, q64.grad, dtype, scale=2, what="dq")
     assert_close(k.grad, k64.grad, dtype, scale=2, what="dk")
 

@@ -21,7 +21,7 @@ P16, P32, PI64, I32, F32 = "*bf16", "*fp32", "*i64", "i32", "fp32"
 
 def _sig(names: str, types: list[str], constexprs: dict) -> dict:
     params = names.split()
-    sig = dict(zip(params, types))
+    sig = dict(zip(params, types, strict=True))
     sig.update({k: "constexpr" for k in constexprs})
     return sig
 
@@ -32,18 +32,20 @@ CASES = {
                             dict(HAS_RESIDUAL=True, STORE_RSTD=True, CAST=0, BLOCK_M=2, BLOCK_N=4096)),
     "norms._rms_norm_bwd": ("DY X W RSTD DS DX DW_PARTIAL M N stride_dy stride_ds offset",
                             [P16, P16, P16, P32, P16, P16, P32, I32, I32, I32, I32, F32],
-                            dict(HAS_DS=True, COMPUTE_DW=True, CAST=2, BLOCK_M=1, BLOCK_N=8192)),
+                            dict(HAS_DS=True, COMPUTE_DW=True, CAST=2, PREFETCH=True, BLOCK_M=1, BLOCK_N=8192)),
     "norms._layer_norm_fwd": ("X Y W B MEAN RSTD M N stride_x eps", [P16, P16, P16, P16, P32, P32, I32, I32, I32, F32],
                               dict(HAS_BIAS=True, STORE_STATS=True, BLOCK_M=4, BLOCK_N=2048)),
     "norms._layer_norm_bwd": ("DY X W MEAN RSTD DX DW_PARTIAL DB_PARTIAL M N stride_dy",
                               [P16, P16, P16, P32, P32, P16, P32, P32, I32, I32, I32],
-                              dict(COMPUTE_DW=True, COMPUTE_DB=True, BLOCK_M=2, BLOCK_N=4096)),
+                              dict(COMPUTE_DW=True, COMPUTE_DB=True, PREFETCH=True, BLOCK_M=2, BLOCK_N=4096)),
     "glu._glu_fwd": ("G U Y N stride_g stride_u", [P16, P16, P16, I32, I32, I32], dict(ACT=2, BLOCK=2048)),
     "glu._glu_bwd": ("DY G U DG DU N stride_dy stride_g stride_u", [P16] * 5 + [I32] * 4, dict(ACT=1, BLOCK=2048)),
-    "rope._rope_kernel": ("Q K COS SIN QO KO S HQ HK D half q_sb q_sh q_ss q_sd k_sb k_sh k_ss k_sd c_sb c_ss c_sd",
-                          [P16] * 6 + [I32] * 16,
+    "rope._rope_kernel": ("Q K COS SIN QO KO S HQ HK D half q_sb q_sh q_ss q_sd k_sb k_sh k_ss k_sd c_sb c_ss c_sd "
+                          "qo_sb qo_sh qo_ss qo_sd ko_sb ko_sh ko_ss ko_sd",
+                          [P16] * 6 + [I32] * 24,
                           dict(INTERLEAVED=True, INVERSE=True, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=32, BLOCK_P=64)),
-    "cross_entropy._ce_chunk_kernel": ("LOGITS stride_l LABELS LOSS SCALE V ignore_index label_smoothing z_loss softcap",
+    "cross_entropy._ce_chunk_kernel": ("LOGITS stride_l LABELS LOSS SCALE V ignore_index label_smoothing z_loss "
+                                       "softcap",
                                        [P16, I32, PI64, P32, P32, I32, I32, F32, F32, F32],
                                        dict(HAS_SOFTCAP=True, PER_ROW_SCALE=True, COMPUTE_GRAD=True, BLOCK_V=8192)),
     "moe._route_fwd": ("LOGITS BIAS WEIGHTS IDS E stride_l scale", [P16, P32, P32, PI64, I32, I32, F32],

@@ -6,11 +6,11 @@ import json
 import resource
 import time
 
-import pytest
 import torch
-
-from operators.inventory import ROOT, trace_meta_model
 from ops_testlib import load, recognised
+
+from operators.inventory import ROOT
+from operators.meta_trace import trace_meta_model
 
 # DeepSeek-V3's published config.json (671B parameters), as a config-only source.
 DEEPSEEK_V3_CONFIG = {

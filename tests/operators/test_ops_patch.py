@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ops_testlib import planned
 
 from adapt.errors import BadInput
 from adapt.zoo import ZOO_NAMES
 from operators import apply_kernel_plan, check_kernel_plan, load_profile
 from operators.mapping import STATUSES
-from ops_testlib import load, planned
 
 HERE = Path(__file__).parent
 
@@ -81,13 +81,25 @@ def test_attention_hook_kernel_is_on_the_path(zoo):
     model, plan = planned(str(zoo("deepseek_v3")))
     attn = [c for c in plan.components if c.kind == "attention"]
     assert {(c.provider, c.kernel, c.status, c.patch) for c in attn} == {("torch-native", "SDPA", "fused", True)}
-    config_before = model.config._attn_implementation
+    shared = model.config
     handle = apply_kernel_plan(model, plan)
+    assert model.model.layers[0].self_attn.config._attn_implementation == "adapt"
+    assert shared._attn_implementation != "adapt"  # model-level code keeps its own implementation
     model(input_ids=torch.randint(0, 256, (1, 9)))
     assert handle.attention_calls() == 3
     handle.revert()
-    assert model.config._attn_implementation == config_before
+    assert all(layer.self_attn.config is shared for layer in model.model.layers)
     assert "forward" not in model.model.layers[0].input_layernorm.__dict__
+
+
+def test_gemma2_inference_plan_serves_softcapped_attention_with_flex(zoo):
+    from operators.registry import Target
+
+    model, plan = planned(str(zoo("gemma2")), target=Target("cpu", "float32", training=False, compute_capability=None), attn="eager")
+    attn = [c for c in plan.components if c.kind == "attention"]
+    assert {(c.kernel, c.status, c.patch) for c in attn} == {("FlexAttention", "fused", True)}
+    check = check_kernel_plan(model, plan)
+    assert check.passed and check.attention_kernel_calls == 2, check
 
 
 def test_restricted_profile_decomposes_or_generates_every_missing_op(zoo):
@@ -95,11 +107,14 @@ def test_restricted_profile_decomposes_or_generates_every_missing_op(zoo):
     statuses = {o.overload: o for o in plan.ops}
     assert statuses["aten._log_softmax.default"].status == "decomposed"  # loss, via torch._decomp
     assert "aten.exp.default" in statuses["aten._log_softmax.default"].replacement
-    assert statuses["aten.gelu.default"].status == "decomposed" and "aten.tanh.default" in statuses["aten.gelu.default"].replacement
     rsqrt = statuses["aten.rsqrt.default"]  # no decomposition exists: the owning norms are compiled
     assert rsqrt.status == "generated"
     assert all(c.status == "generated" for c in plan.components if c.kind == "rms_norm")
-    assert statuses["aten.cumsum.default"].status == "unsupported" and statuses["aten.cumsum.default"].replacement
+    unsupported = [o for o in plan.ops if o.status == "unsupported"]
+    # only model-level glue (mask building, loss) outside every component stays unsupported, with a reason
+    assert all(o.replacement for o in unsupported)
+    component_paths = {c.module for c in plan.components}
+    assert not any(m in component_paths for o in unsupported for m in o.modules)
     assert plan.coverage()["unmapped"] == 0
     hopper = planned(str(zoo("gemma2")))[1]
     assert {o.status for o in hopper.ops} <= {"fused", "native"}
@@ -122,6 +137,11 @@ TRITON_SCRIPT = textwrap.dedent(
     from operators import check_kernel_plan, plan_kernels, recognise, load_profile, Target
     from operators.inventory import trace_model
     from ops_testlib import load
+    from operators.providers.adapt_triton import AdaptTritonProvider
+    ok, why = AdaptTritonProvider().available(Target("cpu", "float32", True, None))
+    if not ok:
+        print("UNAVAILABLE", why)
+        sys.exit(0)
     model = load({path!r})
     inv = trace_model(model)
     plan = plan_kernels(inv, recognise(model, inv), load_profile("cuda-hopper"),
@@ -141,13 +161,14 @@ def test_adapt_triton_provider_under_the_interpreter(zoo):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    if result.stdout.startswith("UNAVAILABLE"):  # this Triton's interpreter cannot run the kernel library
+        pytest.skip(result.stdout.strip())
 
 
-def test_triton_provider_declares_itself_unavailable_without_interpreter():
+def test_triton_provider_declares_itself_unavailable_without_interpreter(monkeypatch):
     from operators.providers.adapt_triton import AdaptTritonProvider
     from operators.registry import Target
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("interpreter enabled in this process")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ok, why = AdaptTritonProvider().available(Target("cpu", "float32", True, None))
     assert not ok and "TRITON_INTERPRET" in why

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_testlib import kinds, recognised
 from torch import nn
 
 from operators.inventory import trace_callable
 from operators.recognition import recognise
-from ops_testlib import kinds, recognised
 
 
 def by_module(recognition, kind):
@@ -32,7 +32,7 @@ def test_llama_kinds(zoo):
 
 
 def test_gemma2_offset_norm_softcap_and_alternating_windows(zoo):
-    _, _, rec = recognised(str(zoo("gemma2")))
+    _, _, rec = recognised(str(zoo("gemma2")), "eager")
     norms = kinds(rec, "rms_norm")
     assert len(norms) == 9 and all(n.variant["offset"] == 1.0 and n.variant["cast"] == "gemma" for n in norms)
     assert {c.variant["activation"] for c in kinds(rec, "gated_mlp")} == {"gelu_tanh"}

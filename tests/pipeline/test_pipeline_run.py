@@ -7,7 +7,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from broken_kernel import BROKEN_MODULE, broken_apply_kernel_plan
+from pipeline_broken_kernel import BROKEN_MODULE, broken_apply_kernel_plan
 from pipeline_helpers import EXAMPLE, adapt_run, cli, load, statuses
 
 from adapt.pipeline import STAGE_NAMES, source_fingerprint
@@ -75,6 +75,8 @@ def test_skip_and_stages_select(tmp_path):
         ["run", str(EXAMPLE), "--stages", "intake,typo"],
         ["run", str(EXAMPLE), "--seq-len", "0"],
         ["run", str(EXAMPLE), "--dtype", "fp64"],
+        ["run", str(EXAMPLE), "--stages", "intake", "--skip", "intake"],
+        ["run", str(EXAMPLE), "--trust-remote-code", "--allow-pickle", "--batch-size", "-1"],
     ],
 )
 def test_bad_input_exits_2(argv, tmp_path, capsys):
@@ -154,7 +156,6 @@ def test_broken_kernel_fails_and_junit_names_the_block(tmp_path, monkeypatch):
 
 def test_require_returns_the_function_not_a_same_named_submodule():
     import validators.align  # noqa: F401 - makes ``validators.align`` the submodule attribute
-
     from adapt.pipeline.stages import StageUnavailable, require
 
     assert callable(require("validators", "align", "validators.align"))

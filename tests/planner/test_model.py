@@ -13,7 +13,7 @@ from parallel_planner.catalog import GIB
 from parallel_planner.cluster import make_cluster
 from parallel_planner.search import plan_parallel
 from parallel_planner.workload import Workload
-from tests.planner.conftest import decoder_spec
+from tests.planner.specs import decoder_spec
 
 
 def evaluate(spec, gpus=8, gpu="h100", seq=2048, batch=64, **knobs):

@@ -10,11 +10,16 @@ import pytest
 
 from adapt.cli import main
 from adapt.errors import BadInput
-from parallel_planner.cluster import load_cluster_file, local_cluster, make_cluster
+from parallel_planner.cluster import (
+    cluster_from_environment,
+    load_cluster_file,
+    local_cluster,
+    make_cluster,
+)
 from parallel_planner.plan import ParallelPlan
 from parallel_planner.search import plan_parallel
 from parallel_planner.workload import Workload
-from tests.planner.conftest import decoder_spec
+from tests.planner.specs import decoder_spec
 
 
 def test_search_beats_every_brute_forced_layout():
@@ -122,6 +127,13 @@ def test_cluster_files_and_local_machine(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(BadInput, match="no GPU"):
             local_cluster()
+    # What the environment stage reported on one H200 (anchors: 4,274 GB/s copy, ~684 TFLOP/s bf16 matmul).
+    env = {"device_type": "cuda", "devices": [{"name": "NVIDIA H200", "memory_bytes": 150_000_000_000}],
+           "copy_gbps": 4274.0, "matmul_tflops": 684.0, "matmul_dtype": "bfloat16", "allreduce_gbps": None}
+    measured = cluster_from_environment(env)
+    assert measured.gpu.name == "h200" and measured.num_gpus == 1
+    assert measured.gpu.gemm_ceiling == pytest.approx(684 / 989) and measured.gpu.hbm_gbps == 4274.0
+    assert measured.gpu.memory_bytes == 150_000_000_000
 
 
 def test_cli_json_contract(spec_json, capsys):
@@ -156,3 +168,25 @@ def test_cli_rejects_unknown_gpu_and_too_many_gpus(spec_json, capsys):
     assert "not in the catalogue" in capsys.readouterr().err
     assert main(["plan", str(spec_json), "--gpus", "16384", "--gpu", "h100", "--seq", "2048", "--global-batch", "8"]) == 2
     assert "no valid layout" in capsys.readouterr().err
+
+
+def test_cli_config_source_is_cached_and_tokens_batch_accepted(zoo, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["plan", str(zoo("qwen3_moe")), "--gpus", "8", "--gpu", "h200", "--seq", "256",
+            "--global-batch-tokens", str(64 * 256), "--top", "1", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len(list((tmp_path / "cache" / "specs").glob("*.json"))) == 1
+    assert main(argv) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["plans"][0]["step_time_s"] == first["plans"][0]["step_time_s"]
+    assert first["workload"]["global_batch"] == 64
+
+
+def test_fp8_speeds_up_gemms_but_mfu_stays_over_bf16_peak():
+    spec = decoder_spec(layers=16, hidden=4096, ffn=14336, heads=32, kv_heads=8)
+    fixed = "tp=1,pp=1,dp=8,cp=1,zero=1,recompute=none,mbs=1"
+    bf16 = plan_parallel(spec, make_cluster("h100", 8), Workload(4096, 64), fixed=fixed, top_k=1).best
+    fp8 = plan_parallel(spec, make_cluster("h100", 8), Workload(4096, 64, precision="fp8"), fixed=fixed, top_k=1).best
+    assert fp8.step_time_s < bf16.step_time_s
+    assert fp8.mfu / bf16.mfu == pytest.approx(bf16.step_time_s / fp8.step_time_s, rel=1e-9)

@@ -24,7 +24,7 @@ def _cmd(src, ckpt) -> list[str]:
 
 
 def _run(cmd) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 

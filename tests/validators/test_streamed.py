@@ -22,7 +22,7 @@ FAST = AlignOptions(batch=2, seq_len=16, backward=False)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "gpt2", "custom"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "gpt2", "bert", "custom"])
 def test_streamed_alignment_passes(zoo, name, dtype):
     src = resolve_source(str(zoo(name)), trust_remote_code=name == "custom")
     report = align(src, dtype=dtype, streamed=True, options=FAST)

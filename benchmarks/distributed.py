@@ -1,0 +1,218 @@
+"""Distributed realisation on 2 GPUs: bf16 loss parity, tokens/s against the planner, FSDP scaling.
+
+Run on a machine with >= 2 CUDA GPUs, in one call:
+
+    python benchmarks/distributed.py --out benchmarks/results/distributed.json
+
+1. Loss parity at bf16: a 8-block Llama-style model (hidden 512) trains 10 steps on one GPU and
+   under FSDP, TP+SP, PP (1F1B) and CP on two; per-step losses are compared (bf16 tolerance).
+2. Throughput: the Llama-3.2-1B shape of shared/anchors.md (batch 4 x 2048 per GPU) under each
+   2-GPU plan; median tokens/s of the timed steps next to the planner's prediction for that plan.
+3. FSDP scaling 1 -> 2 GPUs from the same runs.
+Every case runs in its own ``torchrun`` group through ``adapt``'s own trainer (``--worker`` mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LLAMA_1B = {
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+}  # fmt: skip
+PARITY_MODEL = {
+    "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 4096,
+}  # fmt: skip
+
+PARITY_CASES = {
+    "parity_1gpu": (1, {}),
+    "parity_fsdp": (2, {"dp_shard": 2}),
+    "parity_tp_sp": (2, {"tp": 2}),
+    "parity_pp_1f1b": (2, {"pp": 2, "grad_accum": 4}),
+    "parity_cp": (2, {"cp": 2}),
+}
+THROUGHPUT_CASES = {
+    "tput_1gpu": (1, {"global_batch": 4}),
+    "tput_fsdp": (2, {"dp_shard": 2, "global_batch": 8}),
+    "tput_tp_sp": (2, {"tp": 2, "global_batch": 8, "grad_accum": 2}),
+    "tput_pp_1f1b": (2, {"pp": 2, "global_batch": 8, "grad_accum": 8}),
+    "tput_cp": (2, {"cp": 2, "global_batch": 8, "grad_accum": 2}),
+}
+PARITY_RTOL = 2e-2  # bf16 compute, fp32 reduction and master weights
+
+
+def write_config(fields: dict, directory: Path) -> Path:
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(directory)
+    return directory
+
+
+def worker(case: str, source: str, out: str, steps: int, seq_len: int) -> None:
+    """Inside torchrun: train ``steps`` steps of one case with adapt's trainer and save its metrics."""
+    import torch.distributed as dist
+
+    from parallel_planner.distributed.runner import (
+        init_distributed,
+        load_for_training,
+        prepare,
+    )
+    from parallel_planner.distributed.trainer import TrainConfig, set_determinism
+    from parallel_planner.plan import ParallelPlan
+
+    _, overrides = {**PARITY_CASES, **THROUGHPUT_CASES}[case]
+    init_distributed()
+    set_determinism(
+        0, deterministic=False
+    )  # same random init in the 1-GPU reference and every layout
+    plan = ParallelPlan(
+        **{
+            "precision": os.environ.get("ADAPT_BENCH_PRECISION", "bf16"),
+            "seq_len": seq_len,
+            "global_batch": 8,
+            **overrides,
+        }
+    )
+    run = prepare(
+        load_for_training(source),
+        plan,
+        TrainConfig(steps=steps, lr=3e-4, warmup_steps=2, seed=0),
+    )
+    metrics = [run.trainer.train_step().to_dict() for _ in range(steps)]
+    if dist.get_rank() == 0:
+        Path(out).write_text(
+            json.dumps({"case": case, "plan": plan.to_dict(), "steps": metrics})
+        )
+    dist.destroy_process_group()
+
+
+def launch(case: str, source: Path, steps: int, seq_len: int, scratch: Path) -> dict:
+    nproc, _ = {**PARITY_CASES, **THROUGHPUT_CASES}[case]
+    out = scratch / f"{case}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
+           "--worker", case, "--source", str(source), "--result", str(out), "--steps", str(steps), "--seq-len", str(seq_len)]  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    if proc.returncode:
+        return {"case": case, "error": proc.stderr[-3000:]}
+    return json.loads(out.read_text())
+
+
+def planner_prediction(source: Path, overrides: dict, seq_len: int) -> float | None:
+    from adapt.errors import BadInput
+    from adapt.intake import inspect
+    from parallel_planner.cluster import make_cluster
+    from parallel_planner.search import plan_parallel
+    from parallel_planner.workload import Workload
+
+    fixed = {
+        k: v
+        for k, v in dict(overrides, dp=overrides.get("dp_shard", 1)).items()
+        if k in ("tp", "pp", "cp", "dp")
+    }
+    world = 1
+    for v in fixed.values():
+        world *= v
+    try:
+        result = plan_parallel(
+            inspect(str(source)),
+            make_cluster("h200", world),
+            Workload(seq_len, overrides["global_batch"]),
+            fixed=fixed,
+            top_k=1,
+        )
+        return result.plans[0].tokens_per_s
+    except (
+        BadInput
+    ) as err:  # the prediction is reported next to the measurement, never instead of it
+        print(f"planner prediction unavailable for {overrides}: {err}", file=sys.stderr)
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", default=str(REPO / "benchmarks/results/distributed.json")
+    )
+    parser.add_argument("--only", choices=("parity", "throughput"), help="run one part")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=12,
+        help="throughput steps (the first 4 are warm-up)",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--source", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--seq-len", type=int, default=2048, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.source, args.result, args.steps, args.seq_len)
+        return 0
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        print(
+            "benchmarks/distributed.py needs 2 CUDA GPUs (NCCL); found",
+            torch.cuda.device_count(),
+            file=sys.stderr,
+        )
+        return 2
+    report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        if args.only in (None, "parity"):
+            source = write_config(PARITY_MODEL, scratch / "parity_model")
+            runs = {c: launch(c, source, 10, 1024, scratch) for c in PARITY_CASES}
+            ref = [s["loss"] for s in runs["parity_1gpu"].get("steps", [])]
+            report["parity"] = {}
+            for case, run in runs.items():
+                losses = [s["loss"] for s in run.get("steps", [])]
+                worst = max(
+                    (abs(a - b) / abs(b) for a, b in zip(losses, ref)),
+                    default=float("nan"),
+                )
+                report["parity"][case] = {"losses": losses, "max_rel_diff": worst, "ok": bool(ref) and worst <= PARITY_RTOL,
+                                          "error": run.get("error")}  # fmt: skip
+        if args.only in (None, "throughput"):
+            source = write_config(LLAMA_1B, scratch / "llama_1b")
+            report["throughput"] = {}
+            for case, (nproc, overrides) in THROUGHPUT_CASES.items():
+                run = launch(case, source, args.steps, 2048, scratch)
+                timed = [s["tokens_per_s"] for s in run.get("steps", [])[4:]]
+                measured = statistics.median(timed) if timed else None
+                report["throughput"][case] = {
+                    "gpus": nproc, "plan": overrides, "tokens_per_s": measured,
+                    "peak_memory_gib": max((s["peak_memory_gib"] for s in run.get("steps", [])), default=None),
+                    "predicted_tokens_per_s": planner_prediction(source, overrides, 2048), "error": run.get("error"),
+                }  # fmt: skip
+            one, two = (
+                report["throughput"]["tput_1gpu"]["tokens_per_s"],
+                report["throughput"]["tput_fsdp"]["tokens_per_s"],
+            )
+            report["fsdp_scaling_1_to_2"] = (two / one) if one and two else None
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
