@@ -61,8 +61,13 @@ class OpsReport:
         for c in self.plan.components:
             if c.kind == "new":
                 out.append({"module": c.module, "ops": c.variant.get("ops", []), "status": c.status, "kernel": c.kernel})
-        for r in self.recognition.rejected:
-            out.append({"module": r["module"], "rejected_candidate": r["candidate"], "reason": r["reason"], "status": "native"})
+        listed = {item["module"] for item in out}
+        for r in self.recognition.rejected:  # look-alikes: each one's entry says why no kind claimed it
+            entry = {"rejected_candidate": r["candidate"], "reason": r["reason"]}
+            if r["module"] in listed:
+                next(item for item in out if item["module"] == r["module"]).update(entry)
+            else:
+                out.append({"module": r["module"], **entry, "status": "native"})
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,7 +134,8 @@ def run_ops(
     from adapt.intake import build_meta_model, load_model, resolve_source
 
     start = time.perf_counter()
-    source = resolve_source(src, config_only=config_only, trust_remote_code=trust_remote_code) if isinstance(src, (str, Path)) else src
+    source = resolve_source(str(src), config_only=config_only, trust_remote_code=trust_remote_code) if isinstance(src, (str, Path)) else src
+    label = getattr(source, "text", str(src))
     prof = profile if isinstance(profile, BackendProfile) else load_profile(profile)
     tgt = target or Target.here()
     out = Path(out_dir) if out_dir else None
@@ -140,7 +146,7 @@ def run_ops(
         inventory = trace_meta_model(model)
         recognition = recognise(model, inventory, probe=False)
         plan = plan_kernels(inventory, recognition, prof, tgt)
-        report = OpsReport(str(src), prof, tgt, inventory, recognition, plan, None, patch_check=PatchCheck(False, note="config-only: no weights"))
+        report = OpsReport(label, prof, tgt, inventory, recognition, plan, None, patch_check=PatchCheck(False, note="config-only: no weights"))
     else:
         model = load_model(source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu")
         inventory = trace_model(model)
@@ -148,7 +154,7 @@ def run_ops(
         plan = plan_kernels(inventory, recognition, prof, tgt, model)
         generated = _capture_generated(model, inventory, plan, out)
         onnx_report = _onnx(model, out) if onnx else None
-        report = OpsReport(str(src), prof, tgt, inventory, recognition, plan, onnx_report, generated)
+        report = OpsReport(label, prof, tgt, inventory, recognition, plan, onnx_report, generated)
         report.patch_check = check_kernel_plan(model, plan) if check_patch else PatchCheck(False, note="skipped")
     report.seconds = time.perf_counter() - start
     if out:

@@ -324,6 +324,12 @@ def _finish(report: AlignmentReport, started: float) -> None:
         report.first_divergent = first.name
         report.first_divergent_block = first.block
         report.first_divergent_component = first.component
+    dtype_limited = [r.name for r in report.layers if r.baseline_rel_err > report.thresholds["max_rel_err"]]
+    if dtype_limited:
+        report.notes.append(
+            f"{len(dtype_limited)} tensors exceed the {report.dtype} rel_err limit in the unadapted model too "
+            f"(a cost of the dtype, judged by err_ratio only), first: {dtype_limited[0]}"
+        )
     parity_ok = report.parity is None or report.parity.passed
     report.passed = first is None and parity_ok and report.nonfinite_module is None and bool(report.layers)
     report.seconds = time.perf_counter() - started

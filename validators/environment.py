@@ -56,7 +56,8 @@ def versions() -> dict[str, str | None]:
     nccl = None
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
         try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+            found = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, found)) if isinstance(found, tuple) else str(found)
         except (RuntimeError, AttributeError):
             nccl = None
     return {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import math
 import statistics
 import time
@@ -199,6 +200,7 @@ def _finite(x: float) -> bool:
 
 
 def _reset_peak(device: str) -> None:
+    gc.collect()  # the previous variant's model and optimizer must not count towards this one's peak
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -29,6 +29,7 @@ def register(sub) -> None:
     align.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     align.add_argument("--no-backward", action="store_true", help="skip gradients and the loss-parity run")
     align.add_argument("--parity-steps", type=int, default=4, help="loss-curve parity steps (default 4)")
+    align.add_argument("--reference", choices=("fp64", "fp32"), default=None, help="reference dtype (default fp64; fp32 from width 4096)")
     align.set_defaults(func=run_align)
 
     bench = sub.add_parser("bench", help="training step, prefill and decode throughput, MFU, memory; eager vs adapted")
@@ -115,7 +116,12 @@ def run_align(args: argparse.Namespace) -> int:
     src, notes = _source(args), []
     plan = _kernel_plan(src, args, notes)
     options = AlignOptions(
-        batch=args.batch, seq_len=args.seq, seed=args.seed, backward=not args.no_backward, parity_steps=args.parity_steps
+        batch=args.batch,
+        seq_len=args.seq,
+        seed=args.seed,
+        backward=not args.no_backward,
+        parity_steps=args.parity_steps,
+        reference_dtype=args.reference,
     )
     report = align(src, plan, dtype=args.dtype, device=args.device, streamed=args.streamed, options=options)
     return _emit(report, args, notes, _print_align)

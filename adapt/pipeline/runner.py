@@ -61,15 +61,17 @@ def resolve(options: RunOptions) -> SourceInfo:
                 f"{options.source}: no such file or directory (and adapt.intake is unavailable to resolve it)"
             )
         handle = path
-    return SourceInfo(options.source, str(path), source_fingerprint(path), handle)
+    return SourceInfo(options.source, str(path), source_fingerprint(path, exclude=options.out_dir), handle)
 
 
 def _local_path(handle: Any) -> str:
-    for attr in ("path", "local_dir", "root", "directory"):
-        value = getattr(handle, attr, None)
-        if value:
-            return str(value)
-    raise BadInput(f"intake resolved {handle!r} to no local directory")
+    """What to fingerprint: the checkpoint directory, or only the file for a bare config.json source."""
+    if getattr(handle, "kind", None) == "config":
+        return str(handle.config_path)  # its directory may hold anything at all
+    root = getattr(handle, "root", None)  # ModelSource.root: the directory holding config.json
+    if not root:
+        raise BadInput(f"intake resolved {handle!r} to no local directory")
+    return str(root)
 
 
 class PipelineRun:
@@ -144,6 +146,7 @@ class PipelineRun:
         self.store.clear_log(stage.name)
         self.rebuilt.clear()
         _reset_compile_caches()
+        saved = TorchGlobals.capture()
         try:
             with self.progress.stage(stage.name, stage.description) as callback:
                 ctx = self._context(stage, callback)
@@ -172,6 +175,7 @@ class PipelineRun:
                 record.error_kind = "BadInput"
             self.store.save_log(stage.name, traceback.format_exc())
         finally:
+            saved.restore()  # e.g. the soak's deterministic mode must not leak into the next stage or run
             record.duration_s = round(time.perf_counter() - start, 3)
         return record
 
@@ -217,6 +221,48 @@ def run_pipeline(options: RunOptions, progress: RunProgress | None = None) -> Ru
     progress = progress or RunProgress(quiet=True)
     with progress:
         return PipelineRun(options, progress).run()
+
+
+@dataclass
+class TorchGlobals:
+    """Process-wide torch settings a stage may change; restored after it so stages stay independent."""
+
+    values: dict[str, Any]
+
+    @classmethod
+    def capture(cls) -> TorchGlobals:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return cls({})
+        return cls(
+            {
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+                "default_dtype": torch.get_default_dtype(),
+                "grad_enabled": torch.is_grad_enabled(),
+                "num_threads": torch.get_num_threads(),
+                "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                "process_group": torch.distributed.is_available() and torch.distributed.is_initialized(),
+            }
+        )
+
+    def restore(self) -> None:
+        if not self.values:
+            return
+        import torch
+
+        v = self.values
+        torch.use_deterministic_algorithms(v["deterministic"], warn_only=v["deterministic_warn_only"])
+        torch.set_default_dtype(v["default_dtype"])
+        torch.set_grad_enabled(v["grad_enabled"])
+        torch.set_num_threads(v["num_threads"])
+        torch.set_float32_matmul_precision(v["float32_matmul_precision"])
+        torch.backends.cudnn.deterministic = v["cudnn_deterministic"]
+        torch.backends.cudnn.benchmark = v["cudnn_benchmark"]
+        if not v["process_group"] and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # the one-rank group bench/soak made for themselves
 
 
 def _reset_compile_caches() -> None:

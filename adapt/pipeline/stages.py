@@ -114,39 +114,58 @@ def _operators(ctx: StageContext) -> Any:
 
 
 def kernel_plan_of(ops_report: Any) -> Any:
-    """The KernelPlan inside the operators stage's result (the stage returns an OpsReport)."""
-    for attr in ("kernel_plan", "plan"):
-        plan = getattr(ops_report, attr, None)
-        if plan is not None:
-            return plan
-    raise StageBlocked("the operators result carries no kernel plan")
+    """The KernelPlan inside the operators stage's result (``OpsReport.plan``)."""
+    plan = getattr(ops_report, "plan", None)
+    if plan is None:
+        raise StageBlocked("the operators result carries no kernel plan")
+    return plan
 
 
-def adapted_transform(kernel_plan: Any, block_progress: tuple[list[str], ProgressCallback] | None = None) -> Callable:
+class AdaptedTransform:
     """The candidate transform the validators apply to a fresh model: the kernel plan, patched in place.
 
-    ``operators.apply_kernel_plan`` returns a PatchHandle, not the model; the transform returns
-    the patched model itself and keeps the handles alive for as long as the stage runs.  With
-    ``block_progress`` (block module paths from intake, a callback), each block's forward moves the
-    live progress bar; the hooks return None, so outputs are untouched.
+    ``operators.apply_kernel_plan`` returns a PatchHandle, not the model; the transform returns the
+    patched model itself and keeps the handles, which ``revert`` undoes when the stage ends (patches
+    register state outside the model, which must not outlive it).  With ``block_progress`` (block
+    module paths from intake, a callback), each block's forward moves the live progress bar; those
+    hooks return None, so outputs are untouched.
     """
-    apply_kernel_plan = require("operators", "apply_kernel_plan")
-    handles: list[Any] = []
 
-    def transform(model: Any) -> Any:
-        handles.append(apply_kernel_plan(model, kernel_plan))
-        if block_progress is not None:
-            paths, callback = block_progress
+    def __init__(self, kernel_plan: Any, block_progress: tuple[list[str], ProgressCallback] | None = None):
+        self.apply_kernel_plan = require("operators", "apply_kernel_plan")
+        self.kernel_plan = kernel_plan
+        self.block_progress = block_progress
+        self.handles: list[Any] = []
+        self.hooks: list[Any] = []
+
+    def __call__(self, model: Any) -> Any:
+        self.handles.append(self.apply_kernel_plan(model, self.kernel_plan))
+        if self.block_progress is not None:
+            paths, callback = self.block_progress
             for index, path in enumerate(paths):
                 try:
                     block = model.get_submodule(path)
                 except AttributeError:  # display only: a path the loaded class lays out differently shows no bar
                     continue
                 hook = functools.partial(_block_done, callback, index + 1, len(paths), f"candidate {path}")
-                handles.append(block.register_forward_hook(hook))
+                self.hooks.append(block.register_forward_hook(hook))
         return model
 
-    return transform
+    def revert(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        for handle in reversed(self.handles):
+            handle.revert()
+        self.hooks.clear()
+        self.handles.clear()
+
+
+def call_with_candidate(fn: Callable[..., Any], ctx: StageContext, transform: AdaptedTransform, *args, **kwargs) -> Any:
+    """``call_stage_function`` with ``transform=``, reverting every patch it made once the stage returns."""
+    try:
+        return call_stage_function(fn, ctx, *args, transform=transform, **kwargs)
+    finally:
+        transform.revert()
 
 
 def _block_done(callback: ProgressCallback, done: int, total: int, label: str, *hook_args: Any) -> None:
@@ -214,16 +233,16 @@ def _alignment(ctx: StageContext) -> Any:
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     opts = ctx.options
     align_options = require("validators.align", "AlignOptions")(batch=opts.batch_size, seq_len=opts.seq_len)
-    return call_stage_function(
+    return call_with_candidate(
         align,
         ctx,
+        AdaptedTransform(kernel_plan, _block_progress(ctx)),
         ctx.source,
         kernel_plan,
         dtype=opts.candidate_dtype,
         device=opts.device,
         thresholds=alignment_thresholds(opts),
         options=align_options,
-        transform=adapted_transform(kernel_plan, _block_progress(ctx)),
         progress=ctx.progress,
     )
 
@@ -250,14 +269,14 @@ def _throughput(ctx: StageContext) -> Any:
     bench_options = require("validators.throughput", "BenchOptions")(
         dtype=opts.candidate_dtype, seq_len=opts.seq_len, batch=opts.batch_size, steps=opts.bench_steps
     )
-    return call_stage_function(
+    return call_with_candidate(
         bench,
         ctx,
+        AdaptedTransform(kernel_plan),
         ctx.source,
         kernel_plan,
         device=opts.device,
         options=bench_options,
-        transform=adapted_transform(kernel_plan),
         progress=ctx.progress,
     )
 
@@ -271,9 +290,10 @@ def _soak(ctx: StageContext) -> Any:
     for stale in ctx.artifacts.glob("checkpoints-*"):
         if stale != ckpt_dir or opts.force:
             shutil.rmtree(stale)
-    return call_stage_function(
+    return call_with_candidate(
         soak,
         ctx,
+        AdaptedTransform(kernel_plan),
         ctx.source,
         kernel_plan,
         steps=opts.soak_steps,
@@ -283,7 +303,6 @@ def _soak(ctx: StageContext) -> Any:
         seq_len=opts.seq_len,
         batch_size=opts.batch_size,
         ckpt_dir=str(ckpt_dir),
-        transform=adapted_transform(kernel_plan),
         progress=ctx.progress,
     )
 

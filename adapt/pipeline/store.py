@@ -76,12 +76,18 @@ def to_jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=_json_default))
 
 
-def source_fingerprint(root: str | os.PathLike) -> str:
-    """Content hash of a checkpoint directory (or single file): what a cached stage depends on."""
+def source_fingerprint(root: str | os.PathLike, exclude: str | os.PathLike | None = None) -> str:
+    """Content hash of a checkpoint directory (or single file): what a cached stage depends on.
+
+    ``exclude`` is the run's output directory, in case it lies inside the checkpoint directory.
+    """
     root = Path(root)
+    skip = Path(exclude).resolve() if exclude is not None else None
     digest = hashlib.sha256()
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     for path in files:
+        if skip is not None and path.resolve().is_relative_to(skip):
+            continue
         rel = path.name if root.is_file() else path.relative_to(root).as_posix()
         if any(part.startswith(".") for part in Path(rel).parts):
             continue  # .cache/, .git/, editor temp files

@@ -111,15 +111,17 @@ class ZephyrineTrunk(ZephyrinePreTrainedModel):
         self.lexicon = nn.Embedding(cfg.vocab_size, cfg.width)
         self.strata = nn.ModuleList([Stratum(cfg) for _ in range(cfg.depth)])
         self.level_out = Leveller(cfg.width, cfg.epsilon)
-        span = cfg.width // cfg.n_heads
-        inv = 1.0 / (10000.0 ** (torch.arange(0, span, 2, dtype=torch.float32) / span))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.span = cfg.width // cfg.n_heads
         self.post_init()
 
     def forward(self, input_ids):
         h = self.lexicon(input_ids)
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.to(input_ids.device))
+        # Rotary frequencies are computed here rather than kept in a non-persistent buffer, which
+        # transformers' meta-device loading would leave uninitialised.
+        device = input_ids.device
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, self.span, 2, dtype=torch.float32, device=device) / self.span))
+        pos = torch.arange(input_ids.shape[1], device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
         for stratum in self.strata:

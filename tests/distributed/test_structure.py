@@ -129,3 +129,29 @@ def test_learning_rate_warms_up_then_decays_to_floor():
     assert [factor(0), factor(1)] == [0.5, 1.0]
     assert factor(2) == pytest.approx(1.0) and factor(10) == pytest.approx(0.1)
     assert all(factor(s) >= factor(s + 1) for s in range(2, 10))
+
+
+def test_pipeline_split_refuses_a_forward_with_extra_work(zoo):
+    """Gemma-2 soft-caps its logits after the head: splitting would silently drop that."""
+    from parallel_planner.distributed.pipeline import (
+        capture_block_context,
+        check_decomposition,
+    )
+
+    for name, splittable in (("llama", True), ("gemma2", False)):
+        model = _model(zoo, name).eval()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        parts = find_parts(model)
+        ids = torch.randint(0, parts.vocab_size, (2, 16))
+        if splittable:
+            check_decomposition(
+                model, parts, ids, capture_block_context(model, parts, ids)
+            )
+        else:
+            with pytest.raises(BadInput, match="pipeline split refused"):
+                check_decomposition(
+                    model, parts, ids, capture_block_context(model, parts, ids)
+                )
+        assert all(
+            torch.equal(before[k], v) for k, v in model.state_dict().items()
+        )  # the probe restores weights

@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from pipeline_helpers import EXAMPLE
+from pipeline_helpers import EXAMPLE, adapt_run, load
 
 from adapt.pipeline.store import atomic_write_text, source_fingerprint, stage_key
 
@@ -65,3 +65,28 @@ def test_stage_key_depends_on_every_input():
     assert key == stage_key(*args)
     for i, changed in enumerate(("soak", {"dtype": "fp32"}, "fp2", ["up2"], "0.2.0")):
         assert stage_key(*args[:i], changed, *args[i + 1 :]) != key
+
+
+def test_torch_globals_a_stage_changes_are_restored():
+    """What the soak leaves behind (deterministic mode, a one-rank process group) must not reach the next stage."""
+    import torch
+    import torch.distributed as dist
+
+    from adapt.pipeline.runner import TorchGlobals
+
+    assert not dist.is_initialized()
+    before = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+    saved = TorchGlobals.capture()
+    torch.use_deterministic_algorithms(not before[0])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    saved.restore()
+    assert (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == before
+    assert not dist.is_initialized()
+
+
+def test_a_run_directory_inside_the_checkpoint_is_not_part_of_its_fingerprint(tmp_path):
+    src = shutil.copytree(EXAMPLE, tmp_path / "m")
+    assert adapt_run(src, src / "adapt-runs" / "m", "--stages", "intake") == 0
+    assert adapt_run(src, src / "adapt-runs" / "m", "--stages", "intake") == 0
+    assert load(src / "adapt-runs" / "m")["stages"][0]["cached"] is True
