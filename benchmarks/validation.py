@@ -79,14 +79,14 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal at tiny width")
     parser.add_argument("--soak-steps", type=int, default=500)
     parser.add_argument("--skip", nargs="*", default=[], help="stages to skip: env ops align bench soak")
-    parser.add_argument("--ops-limit", type=int, default=150, help="seconds allowed for the operators stage")
+    parser.add_argument("--ops-limit", type=int, default=60, help="seconds allowed for the operators stage")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.tiny else "cuda"
     shape = TINY if args.tiny else LLAMA_1B
     bench_seq, bench_batch = (64, 2) if args.tiny else (2048, 4)
-    soak_seq, soak_batch = (32, 2) if args.tiny else (1024, 4)
+    soak_seq, soak_batch = (32, 2) if args.tiny else (256, 4)
 
     from adapt.intake import resolve_source
     from validators.align import AlignOptions, align
@@ -113,10 +113,10 @@ def main() -> int:
 
         stage(results, "operators", ops, out, limit_s=args.ops_limit)
     if "align" not in args.skip:
-        options = AlignOptions(batch=2, seq_len=128, parity_steps=4, reference_dtype="fp32")
+        options = AlignOptions(batch=2, seq_len=64, parity_steps=3, reference_dtype="fp32")
         stage(results, "alignment", lambda: align(src, plan, dtype="bf16", device=device, options=options).to_dict(), out)
     if "bench" not in args.skip:
-        options = BenchOptions(dtype="bf16", seq_len=bench_seq, batch=bench_batch, steps=6, warmup=2, decode_tokens=32)
+        options = BenchOptions(dtype="bf16", seq_len=bench_seq, batch=bench_batch, steps=5, warmup=2, decode_tokens=16)
         stage(results, "bench", lambda: bench(src, plan, device=device, options=options).to_dict(), out)
     if "soak" not in args.skip:
         stage(results, "soak", lambda: _soak(soak, src, plan, device, args.soak_steps, soak_seq, soak_batch), out)

@@ -29,9 +29,13 @@ class GeneratedKernel:
 
 
 def compile_module(module: nn.Module) -> Callable[..., Any]:
-    """Inductor-compiled version of ``module``'s *original* forward (bound to the module)."""
+    """Inductor-compiled version of ``module``'s *original* forward (bound to the module).
+
+    ``dynamic=None`` lets dynamo mark a dimension dynamic after its first change, so decoding (a new
+    sequence length every step) costs one recompile rather than one per length.
+    """
     original = type(module).forward.__get__(module)
-    return torch.compile(original, backend="inductor", fullgraph=True, dynamic=False)
+    return torch.compile(original, backend="inductor", fullgraph=True, dynamic=None)
 
 
 def generate(module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: str | Path | None) -> tuple[Callable[..., Any], GeneratedKernel]:

@@ -12,6 +12,7 @@ loss trajectory bit for bit (the data for step s is a pure function of the seed 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -78,6 +79,12 @@ class SoakReport:
         data = dataclasses.asdict(self)
         data["losses"] = [x if math.isfinite(x) else None for x in self.losses]
         return data
+
+
+def _release_unreachable(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def _memory(device: torch.device) -> tuple[int, int | None]:
@@ -171,6 +178,7 @@ def soak(
     torch_dtype = parse_dtype(options.dtype)
     notes: list[str] = []
     transform = transform or kernel_plan_transform(kernel_plan, notes)
+    _release_unreachable(device)  # earlier stages' garbage must not show up as this run's memory trend
     model = load_model(src, torch_dtype, device, notes)
     if transform is not None:
         model = transform(model) or model
@@ -210,7 +218,7 @@ def soak(
 def _verdict(src, device, options, resumed_from, history, records, checkpoints, notes, device_type) -> SoakReport:
     losses = [r["loss"] for r in history] + [r.loss for r in records]
     finite = bool(losses) and all(math.isfinite(x) for x in losses)
-    warm = max(2, len(records) // 10)
+    warm = max(2, len(records) // 3)  # allocator and cache warm-up settles within the first third
     window = records[warm:]
     cv = drift = slope = None
     if len(window) >= 4:

@@ -265,15 +265,16 @@ def apply_tensor_parallel(
                     _gather_inputs_hook(tp_mesh), with_kwargs=True
                 )
     if sequence_parallel:
-        first = model.get_submodule(parts.blocks[0].path)
-        first.register_forward_pre_hook(_shard_sequence_hook(tp_mesh), with_kwargs=True)
+        if parts.embedding:  # where the stream enters; later pipeline stages receive it already sharded
+            first = model.get_submodule(parts.blocks[0].path)
+            first.register_forward_pre_hook(_shard_sequence_hook(tp_mesh), with_kwargs=True)
         if parts.final_norm:
             parallelize_module(
                 model.get_submodule(parts.final_norm),
                 tp_mesh,
                 SequenceParallel(use_local_output=True),
             )
-    if vocab_parallel:
+    if vocab_parallel and parts.embedding:  # a later pipeline stage holds no embedding
         # Row-sharded table: each rank looks up its vocabulary range, partial sums are all-reduced.
         parallelize_module(
             model.get_submodule(parts.embedding),

@@ -64,13 +64,13 @@ CASES: dict[str, tuple[str, dict]] = {
     "ep_mixtral": ("mixtral", {"dp_shard": 2, "ep": 2}),
     "fsdp_tp": ("llama", {"dp_shard": 2, "tp": 2}),
     "pp_fsdp": ("llama", {"pp": 2, "dp_shard": 2, "grad_accum": 2}),
+    "pp_tp": ("llama", {"pp": 2, "tp": 2, "grad_accum": 2}),
     "ep_fsdp": ("qwen3_moe", {"dp_shard": 4, "ep": 2}),
 }
 
 
 def load(models: dict[str, str], name: str) -> torch.nn.Module:
-    """HF's loader, plus non-persistent buffers taken from a really constructed twin: ``from_pretrained``'s
-    meta-device init leaves the remote-code model's rotary buffer uninitialised (garbage per process)."""
+    """The zoo checkpoint through HF's loader (or a config-only random init for ``llama_random``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if (
@@ -80,18 +80,9 @@ def load(models: dict[str, str], name: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(models["llama"]), dtype=torch.float32
         )
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         models[name], dtype=torch.float32, trust_remote_code=True
     )
-    twin = AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(models[name], trust_remote_code=True),
-        trust_remote_code=True,
-    )
-    twin_buffers = dict(twin.named_buffers())
-    with torch.no_grad():
-        for buffer_name, buffer in model.named_buffers():
-            buffer.copy_(twin_buffers[buffer_name])
-    return model
 
 
 def spec_of(models: dict[str, str], name: str, model: torch.nn.Module):

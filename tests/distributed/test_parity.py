@@ -20,7 +20,7 @@ TWO_RANK = [
     "pp_1f1b", "pp_gpipe", "pp_interleaved", "pp_zero_bubble",
     "ep_qwen3_moe", "ep_mixtral",
 ]  # fmt: skip
-FOUR_RANK = ["fsdp_tp", "pp_fsdp", "ep_fsdp", "hsdp"]
+FOUR_RANK = ["fsdp_tp", "pp_fsdp", "pp_tp", "ep_fsdp", "hsdp"]
 REFERENCES = sorted({f"ref_{CASES[c][0]}" for c in TWO_RANK + FOUR_RANK})
 
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
