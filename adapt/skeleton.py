@@ -11,8 +11,10 @@ import contextlib
 import io
 import logging
 import warnings
+from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from adapt.errors import BadInput
 from adapt.source import ModelSource
@@ -111,11 +113,77 @@ def _config_dtype(config) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_skeleton(src: ModelSource) -> nn.Module:
+    """The model class transformers would load, parameters on meta, buffers computed for real."""
+    config = load_config(src)
+    cls = model_class(src, config)
+    try:
+        with _quiet(), parameters_on_meta():
+            model = cls.from_config(config, trust_remote_code=src.trust_remote_code, dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - remote model code can raise anything
+        raise BadInput(f"{src.text}: transformers could not build the model skeleton: {err}") from None
+    return model.eval()
+
+
+def restore_computed_buffers(model: nn.Module, src: ModelSource) -> list[str]:
+    """Copy the buffers that ``__init__`` computes into a loaded model where the loader left them unset.
+
+    transformers 5's loader materialises a remote-code model's non-persistent buffers (e.g. a
+    hand-written rotary ``inv_freq``) without computing them: their contents are whatever memory
+    held.  Returns the names it repaired, so callers can report it.
+    """
+    fresh = _computed_buffers(src, f"{src.content_hash()}:{src.trust_remote_code}")
+    repaired = []
+    for name, buf in model.named_buffers():
+        module_path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(module_path)
+        if leaf not in owner._non_persistent_buffers_set:
+            continue  # persistent buffers come from the checkpoint and are right as loaded
+        want = fresh.get(name)
+        if want is None or want.device.type == "meta" or want.shape != buf.shape:
+            continue
+        if not torch.equal(buf.detach().cpu(), want.to(buf.dtype)):
+            owner._buffers[leaf] = want.to(device=buf.device, dtype=buf.dtype)
+            repaired.append(name)
+    return repaired
+
+
+_BUFFER_CACHE: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _computed_buffers(src: ModelSource, content_hash: str) -> dict[str, torch.Tensor]:
+    """The buffers ``__init__`` computes, once per checkpoint content (building a skeleton costs seconds)."""
+    if content_hash not in _BUFFER_CACHE:
+        _BUFFER_CACHE.clear()
+        _BUFFER_CACHE[content_hash] = dict(build_skeleton(src).named_buffers())
+    return _BUFFER_CACHE[content_hash]
+
+
+def load_model(
+    src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu", notes: list[str] | None = None
+) -> torch.nn.Module:
     """The model with its real weights, through transformers' own loader (random init when config-only).
 
     Safetensors load by default; pickled ``.bin`` weights only with ``allow_pickle`` (transformers
     loads them with ``weights_only=True``).  Non-finite weights are refused, naming the tensors.
+    Buffers that ``__init__`` computes but the loader left unset are recomputed; what was repaired
+    is appended to ``notes``.
     """
     config = load_config(src)
     cls = model_class(src, config)
@@ -138,4 +206,9 @@ def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise BadInput(f"{src.text}: non-finite (NaN/Inf) values in weights: {', '.join(bad[:3])}")
+    if any(True for _ in model.buffers()):
+        repaired = restore_computed_buffers(model, src)
+        note = f"loader left computed buffers uninitialised, recomputed: {', '.join(repaired)}"
+        if repaired and notes is not None and note not in notes:
+            notes.append(note)
     return model.to(device).eval()

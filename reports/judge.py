@@ -27,7 +27,7 @@ from adapt.errors import BadInput
 from reports.schema import summary
 
 _SECTIONS = {
-    "alignment": {"min_cosine", "max_rel_err", "max_err_ratio", "rel_err_floor"},
+    "alignment": {"min_cosine", "max_rel_err", "max_err_ratio", "rel_err_floor", "allow_dtype_cost"},
     "operators": {"max_unmapped", "max_unsupported", "min_fast_flop_share"},
     "throughput": {"min_speedup"},
     "soak": {"max_step_time_cv", "allow_leak"},
@@ -169,7 +169,7 @@ def _alignment(report: dict[str, Any], section: dict[str, Any]) -> tuple[list[Ch
     align = summary(report, "alignment")
     dtype = align.get("dtype")
     limits = {**(align.get("thresholds") or {}), **alignment_limits(section, dtype)}
-    missing = _SECTIONS["alignment"] - set(limits)
+    missing = _SECTIONS["alignment"] - {"allow_dtype_cost"} - set(limits)
     if missing:
         raise BadInput(
             f"alignment thresholds for {dtype} lack {', '.join(sorted(missing))} and the report does not state them"
@@ -192,15 +192,15 @@ def _alignment(report: dict[str, Any], section: dict[str, Any]) -> tuple[list[Ch
 
 
 def _tensor_check(stage: str, tensor: dict[str, Any], limits: dict[str, float]) -> Check:
-    """The validators' rule on one captured tensor; NaN/Inf fails whatever the limits."""
+    """The validators' own rule (``validators.compare.verdict``) on one captured tensor; NaN/Inf fails."""
+    from validators.compare import Thresholds, verdict
+
     cosine, rel, base = _num(tensor.get("cosine")), _num(tensor.get("rel_err")), _num(tensor.get("baseline_rel_err"))
-    ok = (
-        math.isfinite(cosine)
-        and math.isfinite(rel)
-        and cosine >= limits["min_cosine"]
-        and rel <= limits["max_rel_err"]
-        and rel <= limits["max_err_ratio"] * base + limits["rel_err_floor"]
+    rule = Thresholds(
+        **{k: float(limits[k]) for k in ("min_cosine", "max_rel_err", "max_err_ratio", "rel_err_floor")},
+        allow_dtype_cost=bool(limits.get("allow_dtype_cost", True)),
     )
+    ok = verdict(cosine, rel, base, rule, bool(tensor.get("negligible", False)))
     return Check(stage, str(tensor.get("name")), ok, f"cosine={cosine:.6g} rel_err={rel:.3e} baseline={base:.3e}")
 
 

@@ -7,15 +7,30 @@ Each stage takes the previous stages' results and returns a dataclass with ``pas
 - ``align(src, kernel_plan, dtype, device, streamed=False, thresholds=None) -> AlignmentReport``
 - ``bench(src, kernel_plan, device, options=BenchOptions()) -> ThroughputReport`` (with planner calibration)
 - ``soak(src, kernel_plan, steps, ckpt_every, ...) -> SoakReport``
+
+Names are imported on first use: the ``pytest11`` plugin in ``validators.pytest_plugin`` loads this
+package in every pytest run, which must not pay for torch unless ``--adapt-model`` is given.
 """
 
-from validators.align import AlignmentReport, AlignOptions, align
-from validators.compare import LayerResult, Thresholds
-from validators.environment import EnvReport, check_environment
-from validators.soak import SoakReport, soak
-from validators.throughput import BenchOptions, ThroughputReport, bench
+from __future__ import annotations
 
-__all__ = [
-    "AlignOptions", "AlignmentReport", "BenchOptions", "EnvReport", "LayerResult", "SoakReport", "Thresholds",
-    "ThroughputReport", "align", "bench", "check_environment", "soak",
-]  # fmt: skip
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AlignOptions": "validators.align", "AlignmentReport": "validators.align", "align": "validators.align",
+    "LayerResult": "validators.compare", "Thresholds": "validators.compare",
+    "EnvReport": "validators.environment", "check_environment": "validators.environment",
+    "SoakReport": "validators.soak", "soak": "validators.soak",
+    "BenchOptions": "validators.throughput", "ThroughputReport": "validators.throughput", "bench": "validators.throughput",
+}  # fmt: skip
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'validators' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

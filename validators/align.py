@@ -179,7 +179,7 @@ def align(
 
 
 def _full_align(src, dtype_name, device, limits, transform, options, seed) -> AlignmentReport:
-    from validators.skeleton import build_skeleton, load_model
+    from adapt.skeleton import build_skeleton, load_model
 
     started = time.perf_counter()
     dtype = parse_dtype(dtype_name)

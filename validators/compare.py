@@ -26,6 +26,7 @@ class Thresholds:
     max_rel_err: float
     max_err_ratio: float = 2.0
     rel_err_floor: float = 1e-5  # absorbs the case where the unadapted error is ~0 (same kernels)
+    allow_dtype_cost: bool = True  # waive the absolute limits where the unadapted model is as wrong
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -109,6 +110,7 @@ class LayerResult:
     err_ratio: float  # rel_err(candidate) / rel_err(unadapted, same dtype)
     baseline_rel_err: float
     passed: bool
+    negligible: bool = False  # reference norm under the floor: cosine not judged
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}
@@ -133,15 +135,7 @@ def judge(
     cand = tensor_error(reference, candidate, norm_floor)
     base = tensor_error(reference, baseline, norm_floor)
     ratio = cand.rel_err / max(base.rel_err, 1e-12) if cand.finite else float("inf")
-    within_limits = (cand.negligible or cand.cosine >= limits.min_cosine) and cand.rel_err <= limits.max_rel_err
-    # A tensor the unadapted model gets just as wrong in this dtype (an MoE routing flip on a
-    # near-tie, say) is a cost of the dtype, not of the adaptation: the ratio still applies.
-    no_worse_than_dtype = cand.rel_err <= base.rel_err
-    passed = (
-        cand.finite
-        and (within_limits or no_worse_than_dtype)
-        and cand.rel_err <= limits.max_err_ratio * base.rel_err + limits.rel_err_floor
-    )
+    passed = cand.finite and verdict(cand.cosine, cand.rel_err, base.rel_err, limits, cand.negligible)
     return LayerResult(
         name=name,
         block=block,
@@ -152,4 +146,18 @@ def judge(
         err_ratio=ratio,
         baseline_rel_err=base.rel_err,
         passed=bool(passed),
+        negligible=cand.negligible,
     )
+
+
+def verdict(cosine: float, rel_err: float, baseline_rel_err: float, limits: Thresholds, negligible: bool = False) -> bool:
+    """The one pass rule, shared by the alignment stage and ``adapt gate``.
+
+    A tensor the unadapted model gets just as wrong in this dtype (an MoE routing flip on a near-tie,
+    say) is a cost of the dtype, not of the adaptation: the ratio still applies to it.
+    """
+    if not (math.isfinite(rel_err) and (negligible or math.isfinite(cosine))):
+        return False
+    within_limits = (negligible or cosine >= limits.min_cosine) and rel_err <= limits.max_rel_err
+    no_worse_than_dtype = limits.allow_dtype_cost and rel_err <= baseline_rel_err
+    return (within_limits or no_worse_than_dtype) and rel_err <= limits.max_err_ratio * baseline_rel_err + limits.rel_err_floor

@@ -107,8 +107,8 @@ class Recording:
 
 
 @contextlib.contextmanager
-def record_outputs(points: list[tuple[Probe, nn.Module]], keep_graph: bool = False) -> Iterator[Recording]:
-    """Record each probe's output (detached unless ``keep_graph``), in execution order."""
+def record_outputs(points: list[tuple[Probe, nn.Module]]) -> Iterator[Recording]:
+    """Record a detached copy of each probe's output, in execution order."""
     rec = Recording()
     handles = []
 
@@ -121,7 +121,7 @@ def record_outputs(points: list[tuple[Probe, nn.Module]], keep_graph: bool = Fal
             while key in rec.outputs:
                 n += 1
                 key = f"{probe.name}#{n}"
-            rec.outputs[key] = tensor if keep_graph else tensor.detach().clone()
+            rec.outputs[key] = tensor.detach().clone()
             rec.where[key] = probe
 
         return hook

@@ -167,7 +167,7 @@ def soak(
     original run (it shapes the learning-rate schedule).
     """
     from validators.session import prepare_run
-    from validators.skeleton import load_model
+    from adapt.skeleton import load_model
 
     options = SoakOptions(steps, minutes, ckpt_every, ckpt_dir, dtype, seq_len, batch_size, seed, deterministic)
     check_device(device)

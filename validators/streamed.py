@@ -32,7 +32,7 @@ from validators.modules import (
     first_tensor,
     stop_on_nonfinite,
 )
-from validators.skeleton import build_skeleton
+from adapt.skeleton import build_skeleton
 from validators.training import batch_for_step, vocab_size
 
 

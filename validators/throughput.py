@@ -123,7 +123,7 @@ def train_flops_per_token(spec, layers: int, seq_len: int) -> float:
 
 def load_for_bench(src, dtype: torch.dtype, device: str, max_layers: int | None, notes: list[str]) -> nn.Module:
     """The model, or its first ``max_layers`` blocks at real width loaded straight from the shards."""
-    from validators.skeleton import build_skeleton, load_model
+    from adapt.skeleton import build_skeleton, load_model
 
     if max_layers is None:
         return load_model(src, dtype, device, notes)

@@ -46,10 +46,9 @@ def loss_from_output(output: torch.Tensor, input_ids: torch.Tensor, vocab: int) 
     return ((output.to(compute) - target) ** 2).mean()
 
 
-def make_optimizer(model: nn.Module, lr: float, fused: bool | None = None) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    extra = {"fused": True} if fused else {}
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, **extra)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 def train_step(

@@ -73,8 +73,21 @@ def capture_block_context(
     return context
 
 
-def logits_of(output: Any) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output
+def logits_of(output: Any, model: nn.Module | None = None) -> torch.Tensor:
+    """Logits from a model output.  Encoders carry no LM head: their last hidden states are read out
+    through the input embedding (a tied readout), so training still exercises every parameter with a
+    token-level objective."""
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, torch.Tensor):
+        return output
+    hidden = getattr(output, "last_hidden_state", None)
+    if hidden is None or model is None:
+        raise TypeError(f"{type(output).__name__} holds neither logits nor last hidden states")
+    weight = model.get_input_embeddings().weight
+    if hasattr(weight, "full_tensor"):  # sharded (DTensor) embedding: gather it, differentiably
+        weight = weight.full_tensor()
+    return torch.nn.functional.linear(hidden, weight)
 
 
 @dataclass

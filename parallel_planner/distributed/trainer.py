@@ -223,14 +223,15 @@ class Trainer:
                             position_ids=positions,
                             attention_mask=torch.ones_like(micro_in),
                             use_cache=False,
-                        )
+                        ),
+                        model,
                     )
                     loss = cross_entropy(logits, micro_labels) / plan.grad_accum
                     loss.backward()
             else:
                 loss = (
                     cross_entropy(
-                        logits_of(model(input_ids=micro_in, use_cache=False)),
+                        logits_of(model(input_ids=micro_in, use_cache=False), model),
                         micro_labels,
                     )
                     / plan.grad_accum

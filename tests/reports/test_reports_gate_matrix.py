@@ -34,7 +34,8 @@ def test_gate_stricter_thresholds_fail_and_name_the_first_layer(tmp_path, report
     layers = summary(report, "alignment")["layers"]
     worst = max(layers, key=lambda layer: layer["rel_err"])
     strict = tmp_path / "strict.yaml"
-    strict.write_text(f"alignment:\n  max_rel_err: {worst['rel_err'] / 2!r}\n")
+    # Stricter: half the worst error, and no waiver for tensors the unadapted model gets as wrong.
+    strict.write_text(f"alignment:\n  max_rel_err: {worst['rel_err'] / 2!r}\n  allow_dtype_cost: false\n")
     run = _write(tmp_path, report)
     junit = tmp_path / "gate.xml"
     assert _cli("gate", str(run), "--thresholds", str(strict), "--junit", str(junit)) == 1

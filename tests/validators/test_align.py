@@ -9,7 +9,7 @@ from adapt.intake import resolve_source
 from adapt.zoo import ZOO_NAMES
 from validators.align import AlignOptions, align
 from validators.modules import find_blocks
-from validators.skeleton import build_skeleton
+from adapt.skeleton import build_skeleton
 
 FAST = AlignOptions(batch=2, seq_len=16, parity_steps=2)
 

@@ -16,7 +16,7 @@ from adapt.errors import BadInput
 from adapt.intake import resolve_source
 from validators.align import AlignOptions, align
 from validators.modules import find_blocks
-from validators.skeleton import build_skeleton
+from adapt.skeleton import build_skeleton
 
 FAST = AlignOptions(batch=2, seq_len=16, backward=False)
 
