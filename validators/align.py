@@ -85,12 +85,13 @@ class AlignmentReport:
     streamed: bool
     seed: int
     thresholds: dict[str, float]
-    passed: bool
-    first_divergent: str | None
-    first_divergent_block: int | None
-    first_divergent_component: str | None
-    nonfinite_module: str | None
-    layers: list[LayerResult]
+    # The verdict starts as "not passed, nothing compared" and is filled in as tensors are judged.
+    passed: bool = False
+    first_divergent: str | None = None
+    first_divergent_block: int | None = None
+    first_divergent_component: str | None = None
+    nonfinite_module: str | None = None
+    layers: list[LayerResult] = field(default_factory=list)
     gradients: list[LayerResult] = field(default_factory=list)
     parity: ParityResult | None = None
     peak_rss_bytes: int = 0
@@ -213,12 +214,6 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
         streamed=False,
         seed=seed,
         thresholds=limits.to_dict(),
-        passed=False,
-        first_divergent=None,
-        first_divergent_block=None,
-        first_divergent_component=None,
-        nonfinite_module=None,
-        layers=[],
         notes=notes,
     )
     try:

@@ -213,12 +213,6 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
         streamed=True,
         seed=seed,
         thresholds=limits.to_dict(),
-        passed=False,
-        first_divergent=None,
-        first_divergent_block=None,
-        first_divergent_component=None,
-        nonfinite_module=None,
-        layers=[],
     )
     block_prefixes = [f"{reference.blocks.block_path(i)}." for i in range(len(reference.blocks.blocks))]
     units = _outside_units(skeleton, reference.blocks.path)
