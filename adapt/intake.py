@@ -14,7 +14,7 @@ from torch import nn
 
 from adapt.checkpoint import cross_check, read_checkpoint
 from adapt.errors import BadInput
-from adapt.skeleton import _quiet, build_meta_model, load_config, load_model
+from adapt.skeleton import quiet_transformers, build_meta_model, load_config, load_model
 from adapt.source import ModelSource, resolve_source
 from adapt.spec import (
     SCHEMA_VERSION,
@@ -85,7 +85,7 @@ def build_spec(src: ModelSource, seq_len: int | None = None, model: nn.Module | 
     if model is None:
         model = build_meta_model(src, config)
     checkpoint = check_checkpoint(src, model)
-    with _quiet():
+    with quiet_transformers():
         return describe_model(model, config, src, seq_len=seq_len, checkpoint=checkpoint)
 
 

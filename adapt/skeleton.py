@@ -21,7 +21,7 @@ from adapt.source import ModelSource
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_transformers():
     """transformers logs advice about configs and generation on stdout/stderr; keep our output clean."""
     from transformers.utils import logging as hf_logging
 
@@ -43,7 +43,7 @@ def load_config(src: ModelSource):
 
     model_type = src.config_dict.get("model_type")
     try:
-        with _quiet():
+        with quiet_transformers():
             return AutoConfig.from_pretrained(src.root, trust_remote_code=src.trust_remote_code)
     except (ValueError, KeyError) as err:
         import transformers
@@ -98,7 +98,7 @@ def build_meta_model(src: ModelSource, config=None) -> torch.nn.Module:
     cls = model_class(src, config)
     dtype = _config_dtype(config)
     try:
-        with _quiet(), torch.device("meta"):
+        with quiet_transformers(), torch.device("meta"):
             return cls.from_config(config, trust_remote_code=src.trust_remote_code, dtype=dtype)
     except BadInput:
         raise
@@ -134,7 +134,7 @@ def build_skeleton(src: ModelSource) -> nn.Module:
     config = load_config(src)
     cls = model_class(src, config)
     try:
-        with _quiet(), parameters_on_meta():
+        with quiet_transformers(), parameters_on_meta():
             model = cls.from_config(config, trust_remote_code=src.trust_remote_code, dtype=torch.float32)
     except Exception as err:  # noqa: BLE001 - remote model code can raise anything
         raise BadInput(f"{src.text}: transformers could not build the model skeleton: {err}") from None
@@ -188,7 +188,7 @@ def load_model(
     config = load_config(src)
     cls = model_class(src, config)
     try:
-        with _quiet():
+        with quiet_transformers():
             if src.has_weights:
                 model = cls.from_pretrained(
                     src.root,

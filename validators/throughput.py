@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from adapt.errors import BadInput
+from adapt.skeleton import quiet_transformers
 from validators.align import check_device, kernel_plan_transform
 from validators.compare import parse_dtype
 from validators.modules import find_blocks, first_tensor
@@ -224,7 +225,8 @@ def _measure(name: str, model: nn.Module, options: BenchOptions, device: str, fl
     peak_mem = _peak_bytes(device)
     model = run.pmodel.chunks[0]
     model.eval()
-    prefill, decode, cached = _inference_rates(model, options, device)
+    with quiet_transformers():  # transformers >= 5.2x logs a rename notice for past_key_values
+        prefill, decode, cached = _inference_rates(model, options, device)
     return VariantResult(
         name=name,
         train_step_s=step_s,
