@@ -129,10 +129,40 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def available_memory(device: str) -> int:
+    """Bytes that a new allocation can still get on ``device`` (host RAM for the CPU)."""
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_fits(src: ModelSource, need_bytes: int, device: str, what: str, hint: str) -> None:
+    """Refuse early, with the figures, what would otherwise die in the allocator or the OOM killer."""
+    have = available_memory(device)
+    if need_bytes > 0.9 * have:
+        raise BadInput(
+            f"{src.text}: {what} needs {need_bytes / 2**30:.1f} GiB but {device} has {have / 2**30:.1f} GiB available; {hint}"
+        )
+
+
+def parameter_bytes(src: ModelSource, dtype: torch.dtype) -> tuple[int, int]:
+    """(all parameters, the largest single parameter) in bytes at ``dtype``, from the meta skeleton."""
+    sizes = [p.numel() for p in build_meta_model(src).parameters()]
+    return sum(sizes) * dtype.itemsize, max(sizes, default=0) * 4  # construction initialises in float32
+
+
 def build_skeleton(src: ModelSource) -> nn.Module:
-    """The model class transformers would load, parameters on meta, buffers computed for real."""
+    """The model class transformers would load, parameters on meta, buffers computed for real.
+
+    Parameters are created one at a time before moving to meta, so the largest one must fit.
+    """
     config = load_config(src)
     cls = model_class(src, config)
+    _, largest = parameter_bytes(src, torch.float32)
+    check_fits(src, largest, "cpu", "building the skeleton (its largest parameter)", "this model is too large to align here")
     try:
         with quiet_transformers(), parameters_on_meta():
             model = cls.from_config(config, trust_remote_code=src.trust_remote_code, dtype=torch.float32)
@@ -187,6 +217,11 @@ def load_model(
     """
     config = load_config(src)
     cls = model_class(src, config)
+    total, _ = parameter_bytes(src, dtype)
+    check_fits(
+        src, total, device, f"loading the weights in {str(dtype).removeprefix('torch.')}",
+        "align it with --streamed, or bench a depth-truncated copy with --max-layers",
+    )
     try:
         with quiet_transformers():
             if src.has_weights:

@@ -43,3 +43,19 @@ def test_persistent_buffers_keep_their_checkpoint_values(zoo, tmp_path):
     save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
     model = load_model(resolve_source(str(ckpt)))
     assert torch.equal(dict(model.named_buffers())[key], state[key])
+
+
+def test_a_model_larger_than_memory_is_refused_before_allocation(zoo, monkeypatch):
+    import pytest
+
+    import adapt.skeleton as skeleton
+    from adapt.errors import BadInput
+
+    src = resolve_source(str(zoo("llama")))
+    need, _ = skeleton.parameter_bytes(src, torch.float32)
+    assert need == 106816 * 4
+    monkeypatch.setattr(skeleton, "available_memory", lambda device: need)  # 90% of this is not enough
+    with pytest.raises(BadInput, match=r"needs 0\.0 GiB .* --streamed"):
+        load_model(src)
+    monkeypatch.setattr(skeleton, "available_memory", lambda device: 2 * need)
+    assert sum(p.numel() for p in load_model(src).parameters()) == 106816
