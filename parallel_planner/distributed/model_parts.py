@@ -123,13 +123,18 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> dict[str, _Call]:
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post(name), with_kwargs=True))
+    forward_with_hooks(model, input_ids, handles)
+    return calls
+
+
+def forward_with_hooks(model: nn.Module, input_ids: torch.Tensor, handles: list) -> None:
+    """One gradient-free forward that exists only to fire ``handles``' hooks, which it then removes."""
     try:
         with torch.no_grad():
             model(input_ids=input_ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    return calls
 
 
 def _own_params(module: nn.Module) -> list[nn.Parameter]:

@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from adapt.errors import BadInput
-from parallel_planner.distributed.model_parts import ModelParts
+from parallel_planner.distributed.model_parts import ModelParts, forward_with_hooks
 from parallel_planner.plan import ParallelPlan
 
 
@@ -64,12 +64,7 @@ def capture_block_context(
             context.kwargs[index] = {k: _detach(v) for k, v in kwargs.items()}
 
         handles.append(block.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_hooks(model, input_ids, handles)
     return context
 
 
