@@ -81,6 +81,17 @@ class Recognition:
         return {"components": [c.to_dict() for c in self.components], "rejected": self.rejected}
 
 
+def _structure_key(module: nn.Module, rec: ModuleRecord, width: int) -> tuple:
+    """Modules with equal keys compute the same function of their parameters: same class object,
+    same parameter names and shapes, same plain attributes, same traced ops and constants."""
+    attributes = tuple(
+        sorted((f"{name}.{k}", repr(v)) for name, m in module.named_modules() for k, v in vars(m).items()
+               if not k.startswith("_") and isinstance(v, (bool, int, float, str)))
+    )  # fmt: skip
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
+    return (type(module), params, attributes, tuple(sorted(rec.ops.items())), tuple(rec.scalars), width)
+
+
 def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe: bool = True) -> Recognition:
     """Recognise every component of ``model`` from ``inventory`` (traced with ``capture=True``).
 
@@ -100,6 +111,7 @@ def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe:
     def reject(path: str, candidate: str, reason: str) -> None:
         rejected.append({"module": path, "candidate": candidate, "reason": reason})
 
+    mlp_verdicts: dict[tuple, tuple[str, dict[str, Any] | None]] = {}
     records = sorted(inventory.modules.values(), key=lambda r: r.path.count("."))  # outermost first
     for rec in records:
         if not rec.path or _inside(rec.path, claimed, strict=True):
@@ -111,8 +123,17 @@ def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe:
         elif pat.is_attention_candidate(inventory, rec):
             comp = _attention(module, rec, inventory, generator, can_probe)
         elif pat.is_mlp_candidate(inventory, rec):
-            variant = probe_mlp(module, rec.path, width, pat.projections_under(inventory, rec.path), generator) if can_probe else None
-            comp = Component(rec.path, variant.pop("kind"), {**variant, "width": width}, True, "float64 output+grad match") if variant else None
+            variant, evidence = None, "float64 output+grad match"
+            if can_probe:
+                key = _structure_key(module, rec, width)
+                if key not in mlp_verdicts:  # one probe per distinct MLP structure, not one per layer
+                    probed = probe_mlp(module, rec.path, width, pat.projections_under(inventory, rec.path), generator)
+                    mlp_verdicts[key] = (rec.path, probed)
+                first, found_variant = mlp_verdicts[key]
+                variant = dict(found_variant) if found_variant else None
+                if first != rec.path:
+                    evidence += f" (probed on {first}: same class, parameter shapes, attributes and traced ops)"
+            comp = Component(rec.path, variant.pop("kind"), {**variant, "width": width}, True, evidence) if variant else None
             if comp is None and can_probe:
                 reject(rec.path, "mlp", "no gated/plain MLP composition of its projections matched")
             elif comp is None:

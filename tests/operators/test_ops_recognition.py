@@ -31,6 +31,20 @@ def test_llama_kinds(zoo):
     assert not kinds(rec, "new", confirmed_only=False)
 
 
+def test_identical_mlps_are_probed_once_and_a_different_one_again(zoo):
+    _, _, rec = recognised(str(zoo("llama")))
+    mlps = by_module(rec, "gated_mlp")
+    assert "probed on" not in mlps["model.layers.0.mlp"].evidence
+    assert "probed on model.layers.0.mlp" in mlps["model.layers.1.mlp"].evidence
+    assert mlps["model.layers.1.mlp"].variant == mlps["model.layers.0.mlp"].variant
+    # DeepSeek-V3's dense MLP (layer 0) and its shared expert differ in width: each gets its own probe.
+    _, _, ds = recognised(str(zoo("deepseek_v3")))
+    evidence = {c.module: c.evidence for c in ds.components if c.kind == "gated_mlp"}
+    assert "probed on" not in evidence["model.layers.0.mlp"]
+    assert "probed on" not in evidence["model.layers.1.mlp.shared_experts"]
+    assert "probed on model.layers.1.mlp.shared_experts" in evidence["model.layers.2.mlp.shared_experts"]
+
+
 def test_gemma2_offset_norm_softcap_and_alternating_windows(zoo):
     _, _, rec = recognised(str(zoo("gemma2")), "eager")
     norms = kinds(rec, "rms_norm")
