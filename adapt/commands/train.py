@@ -42,6 +42,10 @@ def _leave_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        # Every rank reaches this point before any tears down: no collective is left in flight
+        # when gloo/NCCL threads are destroyed.
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
