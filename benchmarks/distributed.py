@@ -91,6 +91,16 @@ def worker(case: str, source: str, out: str, steps: int, seq_len: int) -> None:
         TrainConfig(steps=steps, lr=3e-4, warmup_steps=2, seed=0),
     )
     metrics = [run.trainer.train_step().to_dict() for _ in range(steps)]
+    if os.environ.get("ADAPT_BENCH_PROFILE"):  # two more steps under the profiler: where the time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                run.trainer.train_step()
+        if dist.get_rank() == 0:
+            table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60)
+            gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+            Path(out).with_suffix(".profile.txt").write_text(table + "\n\n" + gpu)
     if dist.get_rank() == 0:
         Path(out).write_text(
             json.dumps({"case": case, "plan": plan.to_dict(), "steps": metrics})
@@ -146,6 +156,36 @@ def planner_prediction(source: Path, overrides: dict, seq_len: int) -> float | N
         return None
 
 
+def markdown(report: dict) -> str:
+    """The committed table: parity per layout, then measured tokens/s next to the planner's figure."""
+    lines = [f"# Distributed realisation on 2 x {report['device']} (torch {report['torch']})", "",
+             f"Loss parity: the {PARITY_MODEL['num_hidden_layers']}-block, hidden-{PARITY_MODEL['hidden_size']} Llama-style "
+             "model, 10 bf16 steps, each layout against the same model on one GPU (tolerance "
+             f"{PARITY_RTOL:g} relative).", "", "| layout | max relative loss difference | ok | error |", "| --- | --- | --- | --- |"]
+    for case, row in report.get("parity", {}).items():
+        lines.append(f"| {case} | {row['max_rel_diff']:.2e} | {row['ok']} | {_last_line(row.get('error'))} |")
+    lines += ["", "Throughput: Llama-3.2-1B shape (anchors.md), seq 2048, median of steps 5-12, adapt's trainer (eager).", "",
+              "| layout | GPUs | measured tokens/s | planner tokens/s | planner / measured | peak GiB | error |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for case, row in report.get("throughput", {}).items():
+        got, want = row.get("tokens_per_s"), row.get("predicted_tokens_per_s")
+        ratio = f"{want / got:.2f}" if got and want else "-"
+        lines.append(f"| {case} {row['plan']} | {row['gpus']} | {got or 0:,.0f} | {want or 0:,.0f} | {ratio} | "
+                     f"{row.get('peak_memory_gib') or 0:.1f} | {_last_line(row.get('error'))} |")
+    if report.get("fsdp_scaling_1_to_2"):
+        lines += ["", f"FSDP scaling 1 -> 2 GPUs: {report['fsdp_scaling_1_to_2']:.2f}x"]
+    return "\n".join(lines) + "\n"
+
+
+def _last_line(error: str | None) -> str:
+    """The exception line of a worker's stderr tail, for a table cell."""
+    if not error:
+        return ""
+    lines = error.splitlines()
+    found = [ln for ln in lines if "adapt.errors" in ln] or [ln for ln in lines if "Error:" in ln]
+    return (found[-1] if found else lines[-1]).replace("|", "/").strip()[:160]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -158,11 +198,16 @@ def main() -> int:
         default=12,
         help="throughput steps (the first 4 are warm-up)",
     )
+    parser.add_argument("--profile", nargs="*", metavar="CASE", help="profile these throughput cases (2 steps each)")
+    parser.add_argument("--render", help="write the Markdown table for an existing result JSON and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--seq-len", type=int, default=2048, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.render:
+        Path(args.render).with_suffix(".md").write_text(markdown(json.loads(Path(args.render).read_text())))
+        return 0
     if args.worker:
         worker(args.worker, args.source, args.result, args.steps, args.seq_len)
         return 0
@@ -178,6 +223,16 @@ def main() -> int:
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
+        if args.profile:
+            source = write_config(LLAMA_1B, scratch / "llama_1b")
+            os.environ["ADAPT_BENCH_PROFILE"] = "1"
+            for case in args.profile:
+                run = launch(case, source, 6, 2048, scratch)
+                prof = scratch / f"{case}.profile.txt"
+                text = prof.read_text() if prof.exists() else run.get("error", "no profile written")
+                Path(args.out).with_name(f"profile-{case}.txt").write_text(text)
+                print(f"== {case}\n{text[:6000]}")
+            return 0
         if args.only in (None, "parity"):
             source = write_config(PARITY_MODEL, scratch / "parity_model")
             runs = {c: launch(c, source, 10, 1024, scratch) for c in PARITY_CASES}
@@ -210,7 +265,8 @@ def main() -> int:
             report["fsdp_scaling_1_to_2"] = (two / one) if one and two else None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    Path(args.out).with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
     return 0
 
 

@@ -292,15 +292,35 @@ def all_cases(smoke: bool, only: list[str] | None):
 
 
 def sweep_configs(bench: Callable, smoke: bool) -> list[dict]:
-    """Kernel-only timings of adapt's RMSNorm backward (with dW) over launch configs, prefetch on/off.
-
-    (The forward and SwiGLU sweeps that chose the forward defaults are recorded in NOTES-kernels.md.)
-    """
+    """Kernel-only timings over launch configs: RMSNorm / add+RMSNorm / LayerNorm forward (rows per
+    program x warps, one program per tile) and RMSNorm backward with dW (plus persistence and prefetch),
+    next to a plain copy of the same byte count (the best any streaming kernel of that size can do)."""
     out = []
     norm_shapes = [(64, 96)] if smoke else [(16384, 4096), (32768, 8192), (65536, 2048)]
     for m, n in norm_shapes:
         w = _rand(n, grad=False)
         x = _rand(m, n, grad=False)
+        r = _rand(m, n, grad=False)
+        b = _rand(n, grad=False)
+        src = torch.empty(m * n, device=DEVICE, dtype=BF16)
+        dst = torch.empty_like(src)
+        out.append({"kernel": "copy (same bytes as the norm forward)", "shape": f"{m}x{n}", "config": "torch copy_",
+                    "ms": bench(lambda: dst.copy_(src))})
+        forward = {
+            "rms_norm fwd": lambda cfg: norms._rms_forward(x, None, w, 1e-6, 0.0, "llama", cfg, need_rstd=False),
+            "add_rms_norm fwd": lambda cfg: norms._rms_forward(x, r, w, 1e-6, 0.0, "llama", cfg, need_rstd=False),
+            "layer_norm fwd": lambda cfg: norms._layer_norm_forward(x, w, b, 1e-5, cfg, need_stats=False),
+        }
+        for name, run in forward.items():
+            for block_m in (1, 2, 4, 8):
+                for warps in (4, 8, 16):
+                    if block_m * n > 32768 or block_m * n < 32 * warps:
+                        continue
+                    cfg = norms.RowConfig(block_m=block_m, num_warps=warps, programs_per_sm=0)
+                    out.append({"kernel": name, "shape": f"{m}x{n}", "config": str(cfg),
+                                "ms": bench(lambda: run(cfg))})
+            out.append({"kernel": name, "shape": f"{m}x{n}", "config": "default", "ms": bench(lambda: run(None))})
+            print(f"swept {name} {m}x{n}", flush=True)
         dy = torch.randn_like(x)
         _, _, rstd = norms._rms_forward(x, None, w, 1e-6, 0.0, "llama", None, need_rstd=True)
         for block_m in (1, 2, 4):
@@ -308,11 +328,9 @@ def sweep_configs(bench: Callable, smoke: bool) -> list[dict]:
                 if block_m * n > 16384 or block_m * n < 32 * warps:
                     continue
                 for per_sm in (1, 2, 4):
-                    for prefetch in (True, False):
-                        cfg = norms.RowConfig(block_m=block_m, num_warps=warps, programs_per_sm=per_sm,
-                                              prefetch=prefetch)
-                        bwd = bench(lambda: norms._rms_backward(dy, None, x, w, rstd, 0.0, "llama", True, cfg))
-                        out.append({"kernel": "rms_norm bwd+dW", "shape": f"{m}x{n}", "config": str(cfg), "ms": bwd})
+                    cfg = norms.RowConfig(block_m=block_m, num_warps=warps, programs_per_sm=per_sm, prefetch=True)
+                    bwd = bench(lambda: norms._rms_backward(dy, None, x, w, rstd, 0.0, "llama", True, cfg))
+                    out.append({"kernel": "rms_norm bwd+dW", "shape": f"{m}x{n}", "config": str(cfg), "ms": bwd})
         default = bench(lambda: norms._rms_backward(dy, None, x, w, rstd, 0.0, "llama", True, None))
         out.append({"kernel": "rms_norm bwd+dW", "shape": f"{m}x{n}", "config": "default", "ms": default})
         print(f"swept rms_norm backward {m}x{n}: default {default:.4f} ms", flush=True)

@@ -79,7 +79,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal at tiny width")
     parser.add_argument("--soak-steps", type=int, default=500)
     parser.add_argument("--skip", nargs="*", default=[], help="stages to skip: env ops align bench soak")
-    parser.add_argument("--ops-limit", type=int, default=60, help="seconds allowed for the operators stage")
+    parser.add_argument("--ops-limit", type=int, default=240, help="seconds allowed for the operators stage")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

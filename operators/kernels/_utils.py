@@ -6,7 +6,6 @@ import functools
 import os
 
 import torch
-import triton
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -14,6 +13,17 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (>= 1).  Plain Python: ``triton.next_power_of_2`` is a
+    ``constexpr_function`` in recent Triton, and its call wrapper costs ~10 us of host time per call,
+    which the launch paths of small kernels (RoPE, routing) paid several times per step."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
@@ -44,7 +54,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -59,7 +69,7 @@ def num_programs(device: torch.device, per_sm: int) -> int:
 def row_block(width: int, target_elems: int, max_rows: int = 16) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_M) for row kernels: a whole row per tile, several short rows stacked so a tile
     carries ``target_elems`` elements and every load stays wide."""
-    block_n = triton.next_power_of_2(width)
+    block_n = next_pow2(width)
     if block_n > 65536:
         raise ValueError(f"row width {width} exceeds the 65536 elements a single tile holds")
     block_m = max(1, min(max_rows, target_elems // block_n))

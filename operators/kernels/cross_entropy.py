@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_float
+from ._utils import cdiv, check_float, next_pow2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -85,8 +85,8 @@ def _ce_chunk_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, V, ignore_index, lab
 
 def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
     """Rows per chunk so the transient logits are about as large as the hidden states (Liger's budget)."""
-    growth = triton.cdiv(vocab, hidden)
-    return min(tokens, triton.next_power_of_2(triton.cdiv(tokens, growth)))
+    growth = cdiv(vocab, hidden)
+    return min(tokens, next_pow2(cdiv(tokens, growth)))
 
 
 def _run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh, need_dw, need_db):
@@ -101,7 +101,7 @@ def _run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh
     dw = torch.empty_like(weight) if need_dw and tokens else (torch.zeros_like(weight) if need_dw else None)
     # (the first chunk writes dw with a plain GEMM, later chunks accumulate into it)
     db = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if need_db else None
-    block_v = min(8192, triton.next_power_of_2(vocab))
+    block_v = min(8192, next_pow2(vocab))
     weight_t = weight.t()
     for start in range(0, tokens, chunk):
         stop = min(start + chunk, tokens)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_float, interpreting
+from ._utils import cdiv, check_float, interpreting
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def _tile_map(group_offsets: torch.Tensor, rows: int, block_m: int):
     counts = group_offsets[1:] - group_offsets[:-1]
     tiles = (counts + block_m - 1) // block_m
     ends = torch.cumsum(tiles, 0)
-    upper = triton.cdiv(rows, block_m) + counts.numel()
+    upper = cdiv(rows, block_m) + counts.numel()
     tile_ids = torch.arange(upper, device=group_offsets.device)
     expert = torch.searchsorted(ends, tile_ids, right=True)
     expert = torch.where(expert < counts.numel(), expert, -1).to(torch.int32)
@@ -125,7 +125,7 @@ def _grouped_mm(x, w, group_offsets, transpose_w: bool, config: GemmConfig):
     if rows == 0:
         return out
     tile_expert, tile_first, upper = _tile_map(group_offsets, rows, config.block_m)
-    grid = (upper, triton.cdiv(n, config.block_n))
+    grid = (upper, cdiv(n, config.block_n))
     _grouped_mm_kernel[grid](
         x, w, out, group_offsets, tile_expert, tile_first, n, k,
         x.stride(0), x.stride(1), w.stride(0), stride_bk, stride_bn, out.stride(0),
@@ -154,7 +154,7 @@ class GroupedGemmFunction(torch.autograd.Function):
             experts, k, n = w.shape
             dw = torch.empty_like(w)
             block_k = max(config.block_k, 32)
-            grid = (experts, triton.cdiv(k, block_k) * triton.cdiv(n, config.block_n))
+            grid = (experts, cdiv(k, block_k) * cdiv(n, config.block_n))
             _grouped_weight_grad_kernel[grid](
                 x, dy, dw, group_offsets, k, n, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
                 FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_k,

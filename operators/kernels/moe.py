@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_float
+from ._utils import cdiv, check_float, next_pow2
 
 SCORINGS = {"softmax": 0, "sigmoid": 1}
 
@@ -108,13 +108,13 @@ class RouteFunction(torch.autograd.Function):
         tokens, experts = logits.shape
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
         ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
-        block_e = triton.next_power_of_2(experts)
+        block_e = next_pow2(experts)
         if tokens:
             _route_fwd[(tokens,)](
                 logits, bias if bias is not None else logits, weights, ids, experts, logits.stride(0), scale,
                 TOP_K=top_k, SCORING=SCORINGS[scoring], N_GROUP=n_group, TOPK_GROUP=topk_group,
                 HAS_BIAS=bias is not None, NORMALIZE=normalize, BLOCK_E=block_e,
-                BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(n_group),
+                BLOCK_K=next_pow2(top_k), BLOCK_G=next_pow2(n_group),
                 num_warps=4 if block_e <= 256 else 8,
             )
         ctx.save_for_backward(logits, ids)
@@ -128,11 +128,11 @@ class RouteFunction(torch.autograd.Function):
         top_k, scoring, normalize, scale = ctx.meta
         dlogits = torch.empty((logits.shape[0], logits.shape[1]), dtype=logits.dtype, device=logits.device)
         if logits.shape[0]:
-            block_e = triton.next_power_of_2(logits.shape[1])
+            block_e = next_pow2(logits.shape[1])
             _route_bwd[(logits.shape[0],)](
                 logits, ids, dweights.contiguous(), dlogits, logits.shape[1], logits.stride(0), scale,
                 TOP_K=top_k, SCORING=SCORINGS[scoring], NORMALIZE=normalize, BLOCK_E=block_e,
-                BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_e <= 256 else 8,
+                BLOCK_K=next_pow2(top_k), num_warps=4 if block_e <= 256 else 8,
             )
         return dlogits, None, None, None, None, None, None, None
 
@@ -222,7 +222,7 @@ def _unpermute_bwd(DY, Y, POSITION, WEIGHTS, DYS, DW, H, stride_y, TOP_K: tl.con
 
 
 def _block_h(width: int) -> int:
-    return min(1024, triton.next_power_of_2(width))
+    return min(1024, next_pow2(width))
 
 
 def _combine(y, position, weights, tokens, top_k):
@@ -230,9 +230,9 @@ def _combine(y, position, weights, tokens, top_k):
     out = torch.empty((tokens, width), dtype=y.dtype, device=y.device)
     if tokens:
         block_h = _block_h(width)
-        _combine_rows[(tokens, triton.cdiv(width, block_h))](
+        _combine_rows[(tokens, cdiv(width, block_h))](
             y, position, weights if weights is not None else y, out, width, y.stride(0), TOP_K=top_k,
-            HAS_WEIGHTS=weights is not None, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h,
+            HAS_WEIGHTS=weights is not None, BLOCK_K=next_pow2(top_k), BLOCK_H=block_h,
             num_warps=4,
         )
     return out
@@ -245,7 +245,7 @@ class PermuteFunction(torch.autograd.Function):
         out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
         if rows:
             block_h = _block_h(width)
-            _gather_rows[(rows, triton.cdiv(width, block_h))](x, source_token, out, width, x.stride(0),
+            _gather_rows[(rows, cdiv(width, block_h))](x, source_token, out, width, x.stride(0),
                                                               BLOCK_H=block_h, num_warps=4)
         ctx.save_for_backward(sorted_position)
         ctx.meta = (x.shape[0], top_k)
@@ -275,7 +275,7 @@ class UnpermuteFunction(torch.autograd.Function):
         if tokens:
             _unpermute_bwd[(tokens,)](
                 dy.contiguous(), y_sorted, sorted_position, weights, dy_sorted, dweights, width, y_sorted.stride(0),
-                TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=_block_h(width), num_warps=4,
+                TOP_K=top_k, BLOCK_K=next_pow2(top_k), BLOCK_H=_block_h(width), num_warps=4,
             )
         return dy_sorted, dweights, None, None, None
 

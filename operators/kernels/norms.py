@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, check_float, num_programs, row_block, warps_for
+from ._utils import as_rows, cdiv, check_float, num_programs, row_block, warps_for
 
 CAST_MODES = {"llama": 0, "gemma": 1, "none": 2}
 
@@ -31,24 +31,42 @@ class RowConfig:
     prefetch: bool = True  # backward: issue the next tile's loads before reducing the current one
 
 
+# Forward tile shapes by kernel, from the H200 launch sweeps (benchmarks/NOTES-kernels.md, run 4):
+# (rows per program as a function of the padded width, elements per warp).  One program per tile.
+#   rms_norm      1 row/4 warps at widths 2048-4096, 2 rows/8 warps at 8192 (within 0.5% of each shape's best)
+#   add_rms_norm  one row per program, 256 elements per warp (its residual load and sum store need more warps)
+#   layer_norm    4 rows per program, 2048 elements per warp (8192-wide: 0.386 -> 0.315 ms)
+_FORWARD_TILES = {
+    "rms_norm": (lambda block_n: 2048 // block_n if block_n <= 4096 else 2, 2048),
+    "add_rms_norm": (lambda block_n: 2048 // block_n, 256),
+    "layer_norm": (lambda block_n: max(4, 8192 // block_n) if block_n <= 8192 else 1, 2048),
+}
+
+
 @functools.lru_cache(maxsize=256)
-def _launch(width: int, rows: int, device: torch.device, config: RowConfig | None, backward: bool,
-            forward_tile: int = 16384):
+def _launch(width: int, rows: int, device: torch.device, config: RowConfig | None, kernel: str, backward: bool):
     """(BLOCK_N, BLOCK_M, num_warps, grid); cached because it runs on every call.
 
-    Forward: ~16k-element tiles, 8 warps, one program per tile: on H200 this beat a persistent loop
-    (the hardware scheduler overlaps tiles better); kernels that keep more values live per element
-    (residual add, LayerNorm) use ``forward_tile=8192``. Backward: a persistent grid of 32 resident warps
-    per SM; each program prefetches its next tile, so few programs keep enough bytes in flight.
+    Forward: one program per tile, shaped per kernel (``_FORWARD_TILES``): on H200 this beat a
+    persistent loop (the hardware scheduler overlaps tiles better).  Backward: a persistent grid of
+    16 resident warps per SM; each program prefetches its next tile, so few programs keep enough bytes
+    in flight (2 programs of 8 warps beat 4 at widths 2048/4096, 1 of 16 at 8192).
     """
     config = config or RowConfig()
-    block_n, block_m = row_block(width, target_elems=4096 if backward else forward_tile)
+    block_n = row_block(width, 1)[0]
+    if backward:
+        block_m = max(1, min(16, 4096 // block_n))
+        num_warps = warps_for(block_m * block_n)
+    else:
+        rows_for, elems_per_warp = _FORWARD_TILES[kernel]
+        block_m = max(1, min(16, rows_for(block_n), 32768 // block_n))
+        num_warps = int(min(16, max(4, block_m * block_n // elems_per_warp)))
     block_m = config.block_m or block_m
-    num_warps = config.num_warps or (warps_for(block_m * block_n) if backward else max(8, block_m * block_n // 2048))
+    num_warps = config.num_warps or num_warps
     per_sm = config.programs_per_sm
     if per_sm is None:
-        per_sm = max(1, 32 // num_warps) if backward else 0
-    tiles = triton.cdiv(rows, block_m)
+        per_sm = max(1, 16 // num_warps) if backward else 0
+    tiles = cdiv(rows, block_m)
     grid = tiles if per_sm == 0 else min(tiles, num_programs(device, per_sm))
     return block_n, block_m, num_warps, max(grid, 1)
 
@@ -153,8 +171,8 @@ def _rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
     y = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None else None
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if need_rstd else None
-    block_n, block_m, warps, grid = _launch(width, rows, x.device, config, False,
-                                            16384 if residual is None else 8192)
+    kernel = "rms_norm" if residual is None else "add_rms_norm"
+    block_n, block_m, warps, grid = _launch(width, rows, x.device, config, kernel, False)
     _rms_norm_fwd[(grid,)](
         x2, r2 if r2 is not None else x2, s if s is not None else y, y, weight, rstd if need_rstd else y,
         rows, width, x2.stride(0), r2.stride(0) if r2 is not None else 0, eps, offset,
@@ -169,7 +187,7 @@ def _rms_backward(dy, ds, x_rows, weight, rstd, offset, cast, need_dw, config):
     ds2 = as_rows(ds) if ds is not None else None
     rows, width = x_rows.shape
     dx = torch.empty_like(x_rows)
-    block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, True)
+    block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, "rms_norm", True)
     partial = torch.empty((grid, width), dtype=torch.float32, device=x_rows.device) if need_dw else dx
     _rms_norm_bwd[(grid,)](
         dy2, x_rows, weight, rstd, ds2 if ds2 is not None else dy2, dx, partial, rows, width,
@@ -315,7 +333,7 @@ def _layer_norm_forward(x, weight, bias, eps, config, need_stats):
     y = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    block_n, block_m, warps, grid = _launch(width, rows, x.device, config, False, 8192)
+    block_n, block_m, warps, grid = _launch(width, rows, x.device, config, "layer_norm", False)
     _layer_norm_fwd[(grid,)](
         x2, y, weight, bias if bias is not None else weight, mean, rstd, rows, width, x2.stride(0), eps,
         HAS_BIAS=bias is not None, STORE_STATS=need_stats, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
@@ -339,7 +357,7 @@ class LayerNormFunction(torch.autograd.Function):
         rows, width = x_rows.shape
         need_dw, need_db = ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]
         dx = torch.empty_like(x_rows)
-        block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, True)
+        block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, "layer_norm", True)
         dw_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_dw else dx
         db_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_db else dx
         _layer_norm_bwd[(grid,)](

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_float
+from ._utils import check_float, next_pow2
 
 
 @triton.jit
@@ -76,15 +76,15 @@ def _launch(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None,
     ko = torch.empty_strided(k.shape, k_out_stride, dtype=k.dtype, device=k.device) if k_out_stride else \
         torch.empty_like(k)
     half = rotary_dim // 2
-    block_r = triton.next_power_of_2(half)
-    block_p = triton.next_power_of_2(dim - rotary_dim) if dim > rotary_dim else 0
+    block_r = next_pow2(half)
+    block_p = next_pow2(dim - rotary_dim) if dim > rotary_dim else 0
     c_sb = cos.stride(0) if cos.shape[0] > 1 else 0
-    tile = max(triton.next_power_of_2(hq), triton.next_power_of_2(hk)) * block_r
+    tile = max(next_pow2(hq), next_pow2(hk)) * block_r
     _rope_kernel[(bsz * seq,)](
         q, k, cos, sin, qo, ko, seq, hq, hk, dim, half,
         *q.stride(), *k.stride(), c_sb, cos.stride(1), cos.stride(2), *qo.stride(), *ko.stride(),
-        INTERLEAVED=interleaved, INVERSE=inverse, BLOCK_HQ=triton.next_power_of_2(hq),
-        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=block_r, BLOCK_P=block_p,
+        INTERLEAVED=interleaved, INVERSE=inverse, BLOCK_HQ=next_pow2(hq),
+        BLOCK_HK=next_pow2(hk), BLOCK_R=block_r, BLOCK_P=block_p,
         num_warps=int(min(16, max(1, tile // 256))),
     )
     return qo, ko
