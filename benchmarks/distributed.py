@@ -199,6 +199,7 @@ def main() -> int:
         help="throughput steps (the first 4 are warm-up)",
     )
     parser.add_argument("--profile", nargs="*", metavar="CASE", help="profile these throughput cases (2 steps each)")
+    parser.add_argument("--cases", nargs="*", help="throughput cases to run (default: all)")
     parser.add_argument("--render", help="write the Markdown table for an existing result JSON and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
@@ -250,6 +251,8 @@ def main() -> int:
             source = write_config(LLAMA_1B, scratch / "llama_1b")
             report["throughput"] = {}
             for case, (nproc, overrides) in THROUGHPUT_CASES.items():
+                if args.cases and case not in args.cases:
+                    continue
                 run = launch(case, source, args.steps, 2048, scratch)
                 timed = [s["tokens_per_s"] for s in run.get("steps", [])[4:]]
                 measured = statistics.median(timed) if timed else None
@@ -259,8 +262,8 @@ def main() -> int:
                     "predicted_tokens_per_s": planner_prediction(source, overrides, 2048), "error": run.get("error"),
                 }  # fmt: skip
             one, two = (
-                report["throughput"]["tput_1gpu"]["tokens_per_s"],
-                report["throughput"]["tput_fsdp"]["tokens_per_s"],
+                report["throughput"].get("tput_1gpu", {}).get("tokens_per_s"),
+                report["throughput"].get("tput_fsdp", {}).get("tokens_per_s"),
             )
             report["fsdp_scaling_1_to_2"] = (two / one) if one and two else None
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ from parallel_planner.distributed.pipeline import (
     check_decomposition,
     split_stages,
 )
+from parallel_planner.distributed.tied_weights import TiedAcrossStages, tie_across_stages
 from parallel_planner.distributed.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
@@ -49,6 +50,7 @@ class ParallelModel:
     schedule: Any = None  # a torch.distributed.pipelining schedule when pp > 1
     stage_indices: tuple[int, ...] = (0,)
     experts: ExpertParallelState | None = None
+    tied: TiedAcrossStages | None = None  # tied embedding/head split over pipeline stages
 
     @property
     def has_first_stage(self) -> bool:
@@ -178,6 +180,7 @@ def parallelize(
         experts=experts,
     )
     if plan.pp > 1:
+        result.tied = tie_across_stages(result.chunks, result.stage_indices, parts, dims, plan.pp * plan.vpp)
         result.schedule, _ = build_schedule(
             stage_modules, plan, dims.mesh("pp"), dims.device, loss_fn
         )

@@ -182,10 +182,6 @@ def split_stages(
     """This rank's ``(stage_index, module)`` pairs; stage s lives on rank ``s % pp`` (looped for interleaving)."""
     counts = stage_block_counts(plan, len(parts.blocks))
     num_stages = len(counts)
-    if parts.tied and num_stages > 1:
-        raise BadInput(
-            "tied embedding and head would sit on different pipeline stages; untie them or use pp=1"
-        )
     starts = [sum(counts[:s]) for s in range(num_stages)]
     mine = [s for s in range(num_stages) if s % plan.pp == pp_rank]
     stages = []

@@ -102,10 +102,15 @@ def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
     """Clip by the norm of the whole model's gradient, across every mesh dimension, and return it."""
     groups: dict[Any, list[torch.Tensor]] = {}
     expert_ids = {id(p) for p in (pmodel.experts.params if pmodel.experts else [])}
+    counted_elsewhere = pmodel.tied.param if pmodel.tied and not pmodel.tied.counted_in_norm else None
+    scale_only: list[torch.Tensor] = []
     for param in pmodel.parameters():
         if param.grad is None:
             continue
         grad = param.grad
+        if param is counted_elsewhere:  # the same summed gradient is counted on the first stage
+            scale_only.append(grad)
+            continue
         key = (
             (grad.device_mesh, grad.placements)
             if isinstance(grad, DTensor)
@@ -126,7 +131,7 @@ def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
         dist.all_reduce(total_sq, group=pmodel.dims.mesh("pp").get_group())
     total = total_sq.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grads in groups.values():
+    for grads in [*groups.values(), *([scale_only] if scale_only else [])]:
         torch._foreach_mul_(
             grads,
             scale.to(grads[0].device)
@@ -259,6 +264,8 @@ class Trainer:
         local_loss = self._forward_backward(inputs, labels)
         if self.pmodel.experts is not None:
             self.pmodel.experts.reduce_expert_gradients()
+        if self.pmodel.tied is not None:
+            self.pmodel.tied.sync_grads()
         grad_norm = clip_grad_norm(self.pmodel, self.config.max_grad_norm)
         lr = self.schedulers[0].get_last_lr()[0]
         for opt, sched in zip(self.optimizers, self.schedulers):
