@@ -109,7 +109,9 @@ def main() -> int:
 
             report = run_ops(src, onnx=False, check_patch=False)
             plan = report.plan
-            return {"components": [{"module": c.module, "kind": c.kind, "status": c.status, "patch": c.patch} for c in plan.components]}
+            reused = sum("probed on" in c.evidence for c in report.recognition.components)
+            return {"components": [{"module": c.module, "kind": c.kind, "status": c.status, "patch": c.patch} for c in plan.components],
+                    "run_ops_s": report.seconds, "trace_s": report.inventory.seconds, "probe_verdicts_reused": reused}
 
         stage(results, "operators", ops, out, limit_s=args.ops_limit)
     if "align" not in args.skip:
@@ -145,6 +147,7 @@ def render_markdown(r: dict) -> str:
         lines += [f"Versions: `{json.dumps(env['versions'])}`", "",
                   (f"Devices: {', '.join(d['name'] + ' sm_' + d['capability'] for d in env['devices']) or 'none'}; "
                   f"copy {env['copy_gbps']:.0f} GB/s, {env['matmul_dtype']} matmul {env['matmul_tflops']:.1f} TFLOP/s; "
+                  + (f"NCCL all-reduce {env['allreduce_gbps']:.0f} GB/s bus bandwidth; " if env.get("allreduce_gbps") else "") +
                   f"problems: {env['problems'] or 'none'}; not checked: {env['unchecked'] or 'nothing'}"), ""]
     ops = r.get("operators", {})
     if "components" in ops:
