@@ -64,6 +64,10 @@ CASES: dict[str, tuple[str, dict]] = {
     "ep_mixtral": ("mixtral", {"dp_shard": 2, "ep": 2}),
     "fsdp_tp": ("llama", {"dp_shard": 2, "tp": 2}),
     "pp_fsdp": ("llama", {"pp": 2, "dp_shard": 2, "grad_accum": 2}),
+    "pp_end_chunks": (
+        "llama4",
+        {"pp": 2, "vpp": 2, "grad_accum": 2, "pp_schedule": "interleaved_1f1b", "stage_layers": [0, 2, 2, 0]},
+    ),
     "pp_tied": ("qwen3", {"pp": 2, "grad_accum": 2, "pp_schedule": "1f1b"}),
     "pp_fsdp_tied": ("qwen3", {"pp": 2, "dp_shard": 2, "grad_accum": 2}),
     "pp_tp": ("llama", {"pp": 2, "tp": 2, "grad_accum": 2}),

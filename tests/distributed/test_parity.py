@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 TWO_RANK = [
     "zero3", "zero2", "zero1", "zero0_replicate",
     "tp_sp_gqa", "tp_sp_mha", "tp_gqa_no_sp", "tp_sp_vocab_qknorm_tied", "tp_sp_remote_code", "tp_random_init_synced",
-    "pp_1f1b", "pp_gpipe", "pp_interleaved", "pp_zero_bubble", "pp_tied",
+    "pp_1f1b", "pp_gpipe", "pp_interleaved", "pp_zero_bubble", "pp_tied", "pp_end_chunks",
     "ep_qwen3_moe", "ep_mixtral",
 ]  # fmt: skip
 FOUR_RANK = ["fsdp_tp", "pp_fsdp", "pp_tp", "ep_fsdp", "hsdp", "pp_fsdp_tied"]
