@@ -40,16 +40,24 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; given the subcommand about to run, only its module is imported when it registers it
+    (subcommands live in modules of their name), so one command never pays for another's imports."""
     parser = _Parser(prog="adapt", description="Day-0 model adaptation: run, train and serve a new model correctly and fast.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in SUBCOMMAND_MODULES:
+    likely = [name for name in SUBCOMMAND_MODULES if name.rsplit(".", 1)[-1] == command]
+    for name in likely:
         importlib.import_module(name).register(sub)
+    if command not in sub.choices:
+        for name in SUBCOMMAND_MODULES:
+            if name not in likely:
+                importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

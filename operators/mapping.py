@@ -24,6 +24,8 @@ from operators.recognition import Component, Recognition
 from operators.registry import KernelOption, Target, provider_status, providers
 
 STATUSES = ("fused", "native", "decomposed", "generated", "unsupported")
+# Kinds recognised on the path of another component (the add before a norm, the rope inside an attention).
+_SHARED_PATH_KINDS = ("residual_add_norm", "rotary_application")
 
 
 @dataclass
@@ -142,7 +144,10 @@ def _rank(options: list[KernelOption], comp: Component, target: Target, module: 
 def _escalate_to_generated(need: set[str], choices: list[KernelChoice]) -> None:
     """Components holding an op that only a generated kernel can run are compiled as a whole."""
     for c in choices:
-        if c.module in need and c.status != "generated" and c.kind != "residual_add_norm":
+        if c.module in need and c.kind == "rotary_application" and c.patch:
+            c.provider, c.kernel, c.status, c.patch = "inductor", "inductor (with its attention module)", "generated", False
+            c.note = "inside a module compiled whole by Inductor"
+        elif c.module in need and c.status != "generated" and c.kind not in _SHARED_PATH_KINDS:
             c.provider, c.kernel, c.status, c.patch = "inductor", "inductor (subgraph)", "generated", True
             c.note = "holds ops the profile lacks and torch._decomp cannot rewrite"
 
@@ -160,8 +165,8 @@ def _owner(module: str, by_module: dict[str, KernelChoice]) -> KernelChoice | No
 
 def _op_decisions(inv: OpInventory, choices: list[KernelChoice], profile: BackendProfile) -> tuple[list[OpDecision], set[str]]:
     by_module = {}
-    for c in choices:  # residual_add_norm shares its norm's path; the norm's own decision wins
-        if c.kind != "residual_add_norm":
+    for c in choices:  # these share a path with the component they sit in, whose decision owns the ops
+        if c.kind not in _SHARED_PATH_KINDS:
             by_module[c.module] = c
     grouped: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "status": Counter(), "modules": set(), "flops": 0, "core": False, "repl": set()})
     decomp_cache: dict[str, Any] = {}

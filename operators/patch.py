@@ -6,12 +6,17 @@ structure are untouched, so ``state_dict`` keys and tensors stay identical, and 
 through hooks and parameter swaps (FSDP2 ``fully_shard``, DTensor TP) keep working on top.
 Attention is switched through transformers' attention-function hook: the attention module gets a
 private config copy selecting the ``adapt`` function, which runs SDPA/FlexAttention with the
-recognised parameters.  ``PatchHandle.revert()`` restores every forward and config it changed.
+recognised parameters.  A replacement forward may carry ``release``, undoing process-wide state it
+set up: rotary embedding swaps a function in the modelling module's globals (``swap_global``,
+reference-counted across modules and models).  The fused loss is installed on the module that owns
+the vocabulary projection (``get_output_embeddings()``), not on the projection itself.
+``PatchHandle.revert()`` restores every forward, config and global it changed.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +25,7 @@ from torch import nn
 from operators.generated import GeneratedKernel, compile_module
 from operators.mapping import KernelChoice, KernelPlan
 from operators.providers import torch_native
+from operators.providers.triton_head import head_owner
 from operators.recognition import Component
 from operators.registry import Target, providers
 
@@ -34,6 +40,7 @@ class PatchHandle:
     attention_modules: list[nn.Module] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)  # "module: provider/kernel"
     generated: list[GeneratedKernel] = field(default_factory=list)
+    releases: list[Callable[[], None]] = field(default_factory=list)  # undo process-wide state (swapped globals)
     active: bool = True
 
     def revert(self) -> None:
@@ -49,6 +56,8 @@ class PatchHandle:
             module.config = shared
         for module in self.attention_modules:
             torch_native.forget_attention(module)
+        for release in reversed(self.releases):
+            release()
         self.active = False
 
     def attention_calls(self) -> int:
@@ -81,6 +90,8 @@ def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> PatchHandle:
                 _install_attention(handle, module, choice)
             else:
                 factory = _factory(options, choice, target)
+                if choice.kind == "lm_head_cross_entropy":
+                    module = head_owner(model, module)
                 _install(handle, module, factory(module, _component(choice)))
             handle.patched.append(f"{choice.module}: {choice.provider}/{choice.kernel}")
     except Exception:
@@ -101,8 +112,55 @@ def _factory(provs: dict[str, Any], choice: KernelChoice, target: Target):
 
 
 def _install(handle: PatchHandle, module: nn.Module, forward) -> None:
+    if getattr(forward, "release", None) is not None:
+        handle.releases.append(forward.release)
     handle.forwards.append((module, module.__dict__.get("forward", _MISSING)))
     module.forward = forward
+
+
+@dataclass
+class _GlobalSwap:
+    scope: dict[str, Any]
+    name: str
+    original: Any
+    replacement: Any
+    users: int = 0
+
+
+@dataclass
+class GlobalLease:
+    """One user's hold on a swapped module-level name; ``release()`` is idempotent."""
+
+    original: Any
+    swap: _GlobalSwap
+    released: bool = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        swap = self.swap
+        swap.users -= 1
+        if swap.users == 0:
+            if swap.scope.get(swap.name) is swap.replacement:
+                swap.scope[swap.name] = swap.original
+            _SWAPS.pop((id(swap.scope), swap.name), None)
+
+
+_SWAPS: dict[tuple[int, str], _GlobalSwap] = {}
+
+
+def swap_global(scope: dict[str, Any], name: str, make_replacement: Callable[[Any], Any]) -> GlobalLease:
+    """Replace ``scope[name]`` by ``make_replacement(original)``, once per scope and name, for as long
+    as any lease is held: several modules and models share a modelling module's globals."""
+    key = (id(scope), name)
+    swap = _SWAPS.get(key)
+    if swap is None:
+        original = scope[name]
+        swap = _SWAPS[key] = _GlobalSwap(scope, name, original, make_replacement(original))
+        scope[name] = swap.replacement
+    swap.users += 1
+    return GlobalLease(swap.original, swap)
 
 
 def _install_attention(handle: PatchHandle, module: nn.Module, choice: KernelChoice) -> None:

@@ -20,13 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10: the same parser, packaged
-    import tomli as tomllib
-
 from adapt.errors import BadInput
 from parallel_planner.catalog import GIB, GPU_CATALOG, GpuType, gpu_type
 
@@ -60,6 +53,13 @@ def make_cluster(gpu: str, num_gpus: int, gpus_per_node: int | None = None) -> C
 
 
 def load_cluster_file(path: str | Path) -> Cluster:
+    import yaml  # only cluster files need a YAML/TOML parser
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the same parser, packaged
+        import tomli as tomllib
+
     path = Path(path)
     if not path.is_file():
         raise BadInput(f"cluster file {path} does not exist")

@@ -42,26 +42,37 @@ class Collectives:
         alpha = np.where(inside, self.link.alpha_intra_s, self.link.alpha_inter_s)
         return bandwidth, alpha, members_per_node
 
-    def all_gather(self, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
-        """Ring all-gather or reduce-scatter: ``nbytes`` is the full (gathered) buffer."""
-        bw, alpha, _ = self._placement(size, stride)
-        steps = size - 1
-        return np.where(size > 1, steps * alpha + nbytes * steps / np.maximum(size, 1) / bw, 0.0)
+    def affine(self, kind: str, size: np.ndarray, stride: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(latency s, s per byte) of one ``kind`` collective over each group: it takes ``a + b * nbytes``.
 
-    reduce_scatter = all_gather
-
-    def all_reduce(self, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
-        return 2.0 * self.all_gather(nbytes, size, stride)
-
-    def all_to_all(self, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
-        """Each rank sends ``nbytes`` spread evenly over the group; off-node shares go through the NIC."""
+        Ring all-gather / reduce-scatter (``nbytes`` the gathered buffer), all-reduce (twice that),
+        all-to-all (each rank sends ``nbytes`` spread evenly over the group; off-node shares go through
+        the NIC), send_recv (point-to-point between neighbouring pipeline stages).
+        """
         bw, alpha, local = self._placement(size, stride)
         size_f = np.maximum(size, 1).astype(np.float64)
-        off_node = nbytes * (size_f - local) / size_f / self.inter
-        on_node = nbytes * (local - 1) / size_f / self.intra
-        return np.where(size > 1, (size - 1) * alpha + np.maximum(off_node, on_node), 0.0)
+        steps = size_f - 1
+        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            scale = 2.0 if kind == "all_reduce" else 1.0
+            a, b = scale * steps * alpha, scale * steps / size_f / bw
+        elif kind == "all_to_all":
+            a, b = steps * alpha, np.maximum((size_f - local) / self.inter, (local - 1) / self.intra) / size_f
+        elif kind == "send_recv":
+            a, b = alpha, 1.0 / bw
+        else:
+            raise ValueError(f"unknown collective {kind!r}")
+        single = size <= 1
+        return np.where(single, 0.0, a), np.where(single, 0.0, b)
+
+    def time(self, kind: str, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
+        a, b = self.affine(kind, size, stride)
+        return a + b * nbytes
+
+    def all_gather(self, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
+        return self.time("all_gather", nbytes, size, stride)
+
+    def all_to_all(self, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
+        return self.time("all_to_all", nbytes, size, stride)
 
     def send_recv(self, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
-        """Point-to-point between neighbours of a group (pipeline stages)."""
-        bw, alpha, _ = self._placement(size, stride)
-        return np.where(size > 1, alpha + nbytes / bw, 0.0)
+        return self.time("send_recv", nbytes, size, stride)

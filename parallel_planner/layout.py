@@ -14,8 +14,10 @@ from parallel_planner.profile import ModelProfile
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
-SPLITS = ("balanced", "light_ends")  # light_ends: first and last stage hold one layer fewer (embedding, head)
-FIELDS = ("tp", "pp", "dp", "cp", "ep", "zero", "recompute", "mbs", "vpp", "schedule", "offload", "split")
+# light_ends: the first and the last chunk hold one layer fewer, for the embedding and the head; with as
+# many chunks as layers + 2 they hold the embedding or the head alone (Llama 3 405B's pipeline).
+SPLITS = ("balanced", "light_ends")
+FIELDS = ("tp", "pp", "dp", "cp", "ep", "zero", "recompute", "mbs", "vpp", "schedule", "offload", "split", "replicate")
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Candidates:
     schedule: np.ndarray
     offload: np.ndarray
     split: np.ndarray
+    replicate: np.ndarray  # HSDP: data-parallel replicas of each shard group (1: shard over all dp x cp ranks)
 
     @classmethod
     def from_rows(cls, rows: list[tuple[int, ...]]) -> "Candidates":
@@ -43,11 +46,27 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.tp)
 
+    @property
+    def shard(self) -> np.ndarray:
+        """Ranks that shard the model states (ZeRO/FSDP): dp_shard x cp."""
+        return self.dp // self.replicate * self.cp
+
     def take(self, index: np.ndarray) -> "Candidates":
         return Candidates(*(getattr(self, f)[index] for f in FIELDS))
 
     def row(self, i: int) -> dict[str, int]:
         return {f: int(getattr(self, f)[i]) for f in FIELDS}
+
+
+def row_max(a: np.ndarray) -> np.ndarray:
+    """Maximum of each row of a (candidates, few columns) array.  NumPy reduces short rows one at a time,
+    ~20x slower than folding the columns together, which is what the search does most."""
+    if a.shape[1] > 8:
+        return a.max(axis=1)
+    out = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        np.maximum(out, a[:, j], out=out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,7 @@ def split_layers(num_layers: int, chunks: int, split: str) -> list[int] | None:
     """Contiguous layer counts per virtual stage; None when the layers cannot fill every chunk."""
     light = 1 if split == "light_ends" and chunks > 1 else 0
     slots = num_layers + 2 * light  # the two end chunks act as if they held one phantom layer each
-    if num_layers < chunks or slots < chunks:
+    if slots < chunks:
         return None
     base, extra = divmod(slots, chunks)
     counts = [base] * chunks
@@ -90,7 +109,7 @@ def split_layers(num_layers: int, chunks: int, split: str) -> list[int] | None:
     if light:
         counts[0] -= 1
         counts[-1] -= 1
-    if min(counts) < 1:
+    if min(counts[light : chunks - light], default=1) < 1 or min(counts) < 0:
         return None
     return counts
 

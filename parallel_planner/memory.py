@@ -2,13 +2,18 @@
 
 Model states follow ZeRO (Rajbhandari et al.) as ``ParallelPlan`` realises it with FSDP2 mixed
 precision: fp32 master weights, fp32 reduced gradients and optimizer states live on the shard (over
-the data x context parallel ranks from the ZeRO stage that shards them); the bf16 compute copy of the
+the data x context parallel ranks from the ZeRO stage that shards them; under HSDP over one shard
+group, ``dp_shard x cp``, replicated across the groups); the bf16 compute copy of the
 weights stays unsharded below ZeRO-3, and below ZeRO-2 the bf16 gradients accumulate unsharded until
 the last micro-batch reduces them.  Routed experts shard over EP x TP and
 replicate over the expert-data-parallel ranks.  Activations follow Korthikanti et al. (2022) with
 sequence parallelism, generalised by reading the saved tensors' widths off the block structure (GQA,
 gated MLPs, MoE routing, MLA latents; flash attention keeps no s^2 term), times the micro-batches a
-stage holds in flight under its pipeline schedule.
+stage holds in flight under its pipeline schedule.  The widths assume fused norm and GLU kernels
+(adapt's operators, Transformer Engine); ``fused_kernels=False`` adds what transformers' eager modules
+keep as well; that eager figure is checked against the bytes autograd saves for real transformers
+decoder layers, dense and MoE (``tests/planner/test_fidelity.py``).  The busiest expert-parallel rank holds ``moe_imbalance`` times
+the mean routed activations.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
-from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout
+from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout, row_max
 from parallel_planner.profile import ModelProfile
 from parallel_planner.workload import Workload
 
@@ -38,6 +43,7 @@ class MemoryModel:
     grad_bytes: int = 4  # fp32 reduced gradient shard
     master_bytes: int = 4  # fp32 master weights
     bucket_bytes: float = 100e6  # gradient-reduction bucket (DDP / FSDP)
+    fused_kernels: bool = True  # norms and GLUs as fused kernels (adapt's operators, TE); False: eager modules
 
     def usable_bytes(self, cluster: Cluster) -> float:
         return cluster.gpu.memory_bytes * (1 - self.fragmentation)
@@ -77,7 +83,7 @@ def model_state_floor(profile: ModelProfile, workload: Workload, c: Candidates, 
     experts = sum(b.count * b.expert_params for b in profile.blocks)
     dense_gpu = dense / (c.pp * c.tp)
     expert_gpu = experts / (c.pp * c.tp * c.ep)
-    shard = (c.dp * c.cp).astype(np.float64)
+    shard = c.shard.astype(np.float64)
     on_host = c.offload > 0
     sharded_bytes = np.where(on_host, 0.0, mm.master_bytes + mm.grad_bytes + workload.optimizer_state_bytes)
     per_dense = np.select(
@@ -95,13 +101,19 @@ def model_state_floor(profile: ModelProfile, workload: Workload, c: Candidates, 
     return dense_gpu * per_dense + expert_gpu * per_expert
 
 
-def activation_bytes_per_block(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:
+def activation_bytes_per_block(
+    profile: ModelProfile, workload: Workload, c: Candidates, fused_kernels: bool = True
+) -> np.ndarray:
     """Saved activations of one block of each type for one micro-batch, (C, T)."""
     tokens = (c.mbs * workload.seq_len / c.cp)[:, None].astype(np.float64)
     tp = c.tp[:, None].astype(np.float64)
-    saved = np.array([b.saved_width for b in profile.blocks], dtype=np.float64)[None, :]
+    unfused = not fused_kernels
+    saved = np.array([b.saved_width + unfused * b.unfused_width for b in profile.blocks], dtype=np.float64)[None, :]
     recomputable = np.array([b.recomputable_width for b in profile.blocks], dtype=np.float64)[None, :]
-    routed = np.array([b.top_k * b.routed_width for b in profile.blocks], dtype=np.float64)[None, :]
+    busiest = np.where(c.ep > 1, workload.moe_imbalance, 1.0)[:, None]  # the busiest EP rank's routed share
+    routed = busiest * np.array(
+        [b.top_k * (b.routed_width + unfused * b.unfused_routed_width) for b in profile.blocks], dtype=np.float64
+    )[None, :]
     rec = c.recompute[:, None]
     width = np.where(rec == SELECTIVE, saved - recomputable, saved) + routed
     width = np.where(rec == FULL, profile.hidden, width)  # full recompute keeps the block input only
@@ -114,15 +126,15 @@ def memory_breakdown(
     """Bytes per GPU by component for every candidate (rows) and physical stage (columns)."""
     pp = layout.type_counts.shape[0]  # columns: physical stages, or their distinct representatives
     tp = c.tp[:, None].astype(np.float64)
-    shard = (c.dp * c.cp)[:, None].astype(np.float64)
+    shard = c.shard[:, None].astype(np.float64)
     expert_shard = shard / c.ep[:, None]
     zero = c.zero[:, None]
     dense, experts = stage_params(profile, layout)
     dense_gpu = dense[None, :] / tp
     expert_gpu = experts[None, :] / (tp * c.ep[:, None])
     tokens = (c.mbs * workload.seq_len / c.cp)[:, None].astype(np.float64)
-    per_block = activation_bytes_per_block(profile, workload, c)
-    full_width = activation_bytes_per_block(profile, workload, _no_recompute(c))
+    per_block = activation_bytes_per_block(profile, workload, c, mm.fused_kernels)
+    full_width = activation_bytes_per_block(profile, workload, _no_recompute(c), mm.fused_kernels)
     largest_block = max(b.dense_params + b.expert_params for b in profile.blocks)
     out: dict[str, np.ndarray] = {}
 
@@ -140,11 +152,11 @@ def memory_breakdown(
         out["gradients"] = unsharded_grads + np.where(c.offload[:, None] > 0, 0.0, sharded(mm.grad_bytes, 1))
         out["optimizer_states"] = np.where(c.offload[:, None] > 0, 0.0, sharded(workload.optimizer_state_bytes, 1))
         stage_act = per_block @ layout.type_counts.T
-        working = np.where(c.recompute[:, None] == FULL, full_width.max(axis=1, keepdims=True), 0.0)
+        working = np.where(c.recompute[:, None] == FULL, row_max(full_width)[:, None], 0.0)
         out["activations"] = stage_act * in_flight(c, m, layout.pp, layout.stage_ids) + working
     else:
         out["parameters"] = mm.weight_bytes * (dense_gpu + expert_gpu)
-        out["activations"] = np.broadcast_to(full_width.max(axis=1, keepdims=True), (len(c), pp)).copy()
+        out["activations"] = np.broadcast_to(row_max(full_width)[:, None], (len(c), pp)).copy()
         per_gpu_width = np.stack([_kv_cache_width_per_gpu(b, c.tp) for b in profile.blocks], axis=1)
         sequences = (workload.global_batch / c.dp)[:, None]
         out["kv_cache"] = (ACT_BYTES * sequences * workload.seq_len / c.cp[:, None]) * (per_gpu_width @ layout.type_counts.T)
@@ -154,7 +166,8 @@ def memory_breakdown(
     buffers = np.where(c.tp[:, None] > 1, 2 * ACT_BYTES * tokens * profile.hidden, 0.0)
     buffers = buffers + np.where(c.pp[:, None] > 1, 4 * ACT_BYTES * tokens * profile.hidden / tp, 0.0)
     top_k = max((b.top_k for b in profile.blocks), default=0)
-    buffers = buffers + np.where(c.ep[:, None] > 1, 4 * ACT_BYTES * tokens * top_k * profile.hidden / tp, 0.0)
+    dispatch = 4 * ACT_BYTES * tokens * top_k * workload.moe_imbalance * profile.hidden / tp
+    buffers = buffers + np.where(c.ep[:, None] > 1, dispatch, 0.0)
     if workload.training:
         buffers = buffers + np.where(zero <= 1, 2 * mm.bucket_bytes, mm.weight_bytes * largest_block / tp)
         buffers = buffers + np.where(zero == 3, 2 * mm.weight_bytes * largest_block / tp, 0.0)

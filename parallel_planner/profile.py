@@ -41,6 +41,8 @@ class BlockProfile:
     saved_width: int  # activation elements per token kept for backward (TP/SP sharded), no recompute
     recomputable_width: int  # of which norm outputs and activation-function outputs (selective recompute drops)
     routed_width: int  # elements per routed token saved inside the experts (times top_k)
+    unfused_width: int  # more elements per token saved when norms and GLUs run as eager modules (see below)
+    unfused_routed_width: int  # ... per routed token inside the experts
     elementwise_width: int  # bytes-moving elementwise work per token (norms, residuals, activations), elements
     num_experts: int
     top_k: int
@@ -91,7 +93,7 @@ def _mlp_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int
     e, k, f = mlp.num_experts, mlp.top_k, mlp.intermediate_size
     if e <= k:
         raise BadInput(f"block {block.index}: MoE with {e} experts and top-{k} routing is not a sparse MoE")
-    per_expert = (block.params - block.params_active) // (e - k)  # routed experts are all the block's idle params
+    per_expert = _routed_expert_params(block)
     gated = per_expert >= 3 * h * f
     gemms = [GemmShape(h, e, tp_sharded=False)]
     gemms += [GemmShape(h, (2 if gated else 1) * f, routed=True), GemmShape(f, h, routed=True)]
@@ -100,13 +102,50 @@ def _mlp_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int
         fs = mlp.shared_intermediate_size
         gemms += [GemmShape(h, 2 * fs), GemmShape(fs, h)]
         saved, recomputable = saved + 3 * fs, recomputable + fs
-    routed_width = h + (3 if gated else 2) * f
+    # Per routed token: the dispatched input, the expert's up (and gate) output and down input, and its
+    # output once more, which the gradient of the routing weight needs.
+    routed_width = 2 * h + (3 if gated else 2) * f
     return gemms, saved, recomputable, routed_width, per_expert * e
+
+
+def _routed_expert_params(block: BlockSpec) -> int:
+    """Parameters of one routed expert: the block's idle parameters are all routed experts."""
+    return (block.params - block.params_active) // (block.mlp.num_experts - block.mlp.top_k)
+
+
+def _unfused_widths(block: BlockSpec, h: int) -> tuple[int, int]:
+    """What eager modules save beyond fused kernels, per token and per routed token.
+
+    Fused kernels (adapt's operators, Transformer Engine, Liger) save a norm's bf16 input and its
+    per-row statistics, and a GLU's gate and up (the activation is recomputed in backward).  The
+    eager modules transformers ships upcast RMSNorm to fp32 (an fp32 copy of the input, 2 bf16
+    widths, plus the normalised bf16 tensor before the weight: 2h more per norm), keep the
+    activation's output (f more per GLU), and eager experts keep the weighted output they add back
+    (h more per routed token).  LayerNorm's native kernel is already fused.
+    """
+    if block.norm.kind != "rmsnorm":
+        norm_widths = 0
+    else:  # the block's own norms, MLA's latent norms, per-head QK norms
+        attn = block.attention
+        norm_widths = (4 if block.norm.placement == "sandwich" else 2) * h
+        if attn is not None and attn.kind == "mla":
+            norm_widths += attn.q_lora_rank + attn.kv_lora_rank
+        if attn is not None and attn.qk_norm:
+            norm_widths += (attn.num_heads + attn.num_kv_heads) * attn.head_dim
+    mlp = block.mlp
+    per_token = 2 * norm_widths
+    if mlp.kind == "dense_gated":
+        return per_token + mlp.intermediate_size, 0
+    if mlp.kind == "moe":  # eager experts also keep the weighted output they add back
+        gated = _routed_expert_params(block) >= 3 * h * mlp.intermediate_size
+        return per_token + mlp.shared_intermediate_size, h + gated * mlp.intermediate_size
+    return per_token, 0
 
 
 def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
     attn_gemms, attn_saved, attn_recomp, cache, ring = _attention_parts(block, h)
     mlp_gemms, mlp_saved, mlp_recomp, routed_width, expert_params = _mlp_parts(block, h)
+    unfused_width, unfused_routed_width = _unfused_widths(block, h)
     gemms = attn_gemms + mlp_gemms
     k = block.mlp.top_k if block.mlp.kind == "moe" else 1
     own_flops = sum(2 * gm.in_features * gm.out_features * (k if gm.routed else 1) for gm in gemms)
@@ -131,6 +170,8 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
         saved_width=attn_saved + mlp_saved,
         recomputable_width=attn_recomp + mlp_recomp,
         routed_width=routed_width,
+        unfused_width=unfused_width,
+        unfused_routed_width=unfused_routed_width,
         elementwise_width=12 * h + 4 * intermediate,
         num_experts=block.mlp.num_experts if block.mlp.kind == "moe" else 0,
         top_k=block.mlp.top_k if block.mlp.kind == "moe" else 0,

@@ -32,6 +32,8 @@ class RankedPlan:
             "tp": p.tp,
             "pp": p.pp,
             "dp": p.dp,
+            "dp_replicate": p.dp_replicate,
+            "dp_shard": p.dp_shard,
             "cp": p.cp,
             "ep": p.ep,
             "zero": p.zero,

@@ -1,11 +1,12 @@
 """Search the layout space and rank what fits: ``plan_parallel``.
 
 Every structurally valid layout (TP x CP x PP x DP over the GPUs, EP inside DP x CP, ZeRO stage,
-recompute, micro-batch, virtual stages, schedule, layer split, optimizer offload) is scored at once by
-the vectorised memory and time models, grouped by pipeline split.  TP and EP stay inside a node and
-optimizer states on the GPU; only when nothing fits does the search add offload, then cross-node TP/EP
-(a faster cross-node-EP layout is still reported as the binding constraint).  ``fixed`` pins any subset
-of the knobs; the rest are chosen for the fastest fitting result.
+HSDP shard groups of whole nodes, recompute, micro-batch, virtual stages, schedule, layer split,
+optimizer offload) is scored at once by the vectorised memory and time models, grouped by pipeline
+split. TP and EP stay inside a node and optimizer states on the GPU; only when nothing fits does the
+search add offload, then cross-node TP/EP (a faster cross-node-EP layout is still reported as the
+binding constraint). ``fixed`` pins any subset of the knobs; the rest are chosen for the fastest
+fitting result.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from parallel_planner.layout import (
     SCHEDULES,
     SPLITS,
     Candidates,
+    row_max,
     stage_layout,
 )
 from parallel_planner.memory import MemoryModel, memory_breakdown, model_state_floor
@@ -37,7 +39,8 @@ from parallel_planner.result import PlannerResult, RankedPlan
 from parallel_planner.timing import Efficiency, step_time
 from parallel_planner.workload import Workload
 
-ALIASES = {"micro_batch": "mbs", "pp_schedule": "schedule", "offload_optimizer": "offload"}
+ALIASES = {"micro_batch": "mbs", "pp_schedule": "schedule", "offload_optimizer": "offload", "dp_replicate": "replicate"}
+HSDP_GROUP_NODES = (1, 2, 4, 8)  # HSDP shard groups the open search tries, in whole nodes
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 VIRTUAL_STAGES = (1, 2, 3, 4, 6, 8)
 
@@ -131,13 +134,29 @@ def enumerate_candidates(
                 if workload.global_batch % dp:
                     rejected["global batch must divide over the data-parallel ranks"] += 1
                     continue
-                for row in _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, rejected):
+                for row in _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rejected):
                     outer.setdefault((row[1], row[6]), []).append(row)
     return {key: cands for key, cands in _expand(outer, workload, fixed, space)}, rejected
 
 
-def _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, rejected):
-    """(tp, pp, dp, cp, ep, mbs, vpp, schedule) rows of one TP x CP x PP x DP layout.
+def _replicas(tp: int, dp: int, cp: int, ep: int, per_node: int, training: bool, fixed: dict[str, int]) -> list[int]:
+    """HSDP options: 1 (states sharded over every dp x cp rank) and shard groups of whole nodes replicated
+    over the rest.  The realisation shards experts inside a group (ep divides dp_shard) and has no HSDP
+    with context parallelism."""
+    options = [1]
+    if training and cp == 1:
+        for nodes in HSDP_GROUP_NODES:
+            shard, leftover = divmod(nodes * per_node, tp)
+            if not leftover and shard < dp and dp % shard == 0 and shard % ep == 0:
+                options.append(dp // shard)
+    if "replicate" in fixed:
+        r = fixed["replicate"]
+        return [r] if r == 1 or (training and cp == 1 and dp % r == 0 and (dp // r) % ep == 0) else []
+    return options
+
+
+def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rejected):
+    """(tp, pp, dp, cp, ep, mbs, vpp, schedule, replicate) rows of one TP x CP x PP x DP layout.
 
     EP may leave the node here in every search space: ``plan_parallel`` ranks such layouts only once the
     space allows it, and otherwise uses them to say what keeping EP inside a node costs.
@@ -149,12 +168,16 @@ def _outer_rows(tp, cp, pp, dp, profile, workload, experts, fixed, rejected):
     for ep in ep_options:
         if "ep" in fixed and fixed["ep"] != ep:
             continue
+        replicas = _replicas(tp, dp, cp, ep, per_node, workload.training, fixed)
+        if not replicas:
+            rejected["HSDP needs cp=1 and its shard group (dp/replicate) to divide over ep"] += 1
         for mbs in (b for b in MICRO_BATCHES if per_rank % b == 0):
             if "mbs" in fixed and fixed["mbs"] != mbs:
                 continue
-            for vpp, schedule in _schedules(pp, per_rank // mbs, profile.num_layers, workload.training):
+            for vpp, schedule in _schedules(pp, per_rank // mbs, profile.num_layers, workload.training,
+                                            "schedule" in fixed):
                 if fixed.get("vpp", vpp) == vpp and fixed.get("schedule", schedule) == schedule:
-                    yield (tp, pp, dp, cp, ep, mbs, vpp, schedule)
+                    yield from ((tp, pp, dp, cp, ep, mbs, vpp, schedule, r) for r in replicas)
 
 
 def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace):
@@ -178,25 +201,29 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
         reps = len(inner_arr)
         b = np.repeat(base, reps, axis=0)
         z = np.tile(inner_arr, (len(base), 1))
+        keep = (b[:, 8] == 1) | (z[:, 0] > 0)  # replication without sharding is ZeRO-0 itself
+        b, z = b[keep], z[keep]
         for split in range(len(SPLITS)) if pp > 1 else (0,):
             if fixed.get("split", split) != split:
                 continue
             cols = dict(tp=b[:, 0], pp=b[:, 1], dp=b[:, 2], cp=b[:, 3], ep=b[:, 4], mbs=b[:, 5], vpp=b[:, 6],
                         schedule=b[:, 7], zero=z[:, 0], recompute=z[:, 1], offload=z[:, 2],
-                        split=np.full(len(b), split, dtype=np.int64))
+                        split=np.full(len(b), split, dtype=np.int64), replicate=b[:, 8])
             yield (pp, vpp, split), Candidates(**cols)
 
 
-def _schedules(pp: int, m: int, layers: int, training: bool) -> list[tuple[int, int]]:
+def _schedules(pp: int, m: int, layers: int, training: bool, schedule_pinned: bool) -> list[tuple[int, int]]:
+    """(vpp, schedule) pairs.  Interleaved 1F1B holds as many activations as zero-bubble (ZB-H1) with a
+    larger bubble, so the open search skips it; a pinned schedule is still evaluated."""
     if pp == 1:
         return [(1, 0)]
     out = [(1, SCHEDULES.index("1f1b"))]
     if not training:
         return out
+    interleaved = ("interleaved_1f1b", "zero_bubble") if schedule_pinned else ("zero_bubble",)
     for v in VIRTUAL_STAGES[1:]:
-        if pp * v <= layers and m % pp == 0:  # interleaving needs whole rounds of pp micro-batches
-            out.append((v, SCHEDULES.index("interleaved_1f1b")))
-            out.append((v, SCHEDULES.index("zero_bubble")))
+        if pp * v <= layers + 2 and m % pp == 0:  # interleaving needs whole rounds of pp micro-batches
+            out += [(v, SCHEDULES.index(name)) for name in interleaved]
     return out
 
 
@@ -232,7 +259,7 @@ def score(
             if not possible.any():
                 continue
             cands = cands.take(np.flatnonzero(possible))
-        memory = memory_breakdown(profile, cluster, workload, cands, layout, mm)["total"].max(axis=1)
+        memory = row_max(memory_breakdown(profile, cluster, workload, cands, layout, mm)["total"])
         parts.append((cands, memory, step_time(profile, cluster, workload, cands, layout, eff, scale)["step"]))
     if not parts:
         return Scored(Candidates.from_rows([]), np.zeros(0), np.zeros(0), smallest_pruned)
@@ -362,7 +389,8 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
     m = workload.global_batch // (row["mbs"] * row["dp"])
     plan = ParallelPlan(
         tp=row["tp"], pp=row["pp"], cp=row["cp"], ep=row["ep"], zero=row["zero"],
-        dp_replicate=row["dp"] if row["zero"] == 0 else 1, dp_shard=1 if row["zero"] == 0 else row["dp"],
+        dp_replicate=row["dp"] if row["zero"] == 0 else row["replicate"],
+        dp_shard=1 if row["zero"] == 0 else row["dp"] // row["replicate"],
         sequence_parallel=row["tp"] > 1, recompute=RECOMPUTE[row["recompute"]], micro_batch=row["mbs"],
         grad_accum=m, pp_schedule=SCHEDULES[row["schedule"]], vpp=row["vpp"],
         stage_layers=list(layout.chunk_layers) if row["pp"] > 1 else [], offload_optimizer=bool(row["offload"]),

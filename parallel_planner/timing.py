@@ -18,7 +18,7 @@ import numpy as np
 
 from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives, LinkModel
-from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout
+from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout, row_max
 from parallel_planner.memory import ACT_BYTES, micro_batches, stage_params
 from parallel_planner.profile import BlockProfile, ModelProfile
 from parallel_planner.workload import Workload
@@ -67,16 +67,19 @@ def gemm_seconds(m, k, n, cluster: Cluster, peak: float, eff: Efficiency, count=
 
 
 def block_forward_seconds(
-    block: BlockProfile, tokens, tp, ep, context: float, cluster: Cluster, precision: str, eff: Efficiency
+    block: BlockProfile, tokens, tp, ep, context: float, cluster: Cluster, precision: str, eff: Efficiency,
+    moe_imbalance: float = 1.0,
 ):
-    """(GEMM, attention, elementwise) forward seconds of one block for ``tokens`` local tokens."""
+    """(GEMM, attention, elementwise) forward seconds of one block for ``tokens`` local tokens; the experts
+    run at the pace of the busiest EP rank (``moe_imbalance`` times the mean routed tokens; one rank holding
+    every expert has no imbalance to suffer)."""
     peak = cluster.gpu.peak_flops(precision)
     gemm = 0.0
     for g in block.gemms:
         shard = tp if g.tp_sharded else 1
         if g.routed:
             local_experts = block.num_experts / ep
-            per_expert = tokens * block.top_k * ep / block.num_experts
+            per_expert = tokens * block.top_k * ep / block.num_experts * np.where(ep > 1, moe_imbalance, 1.0)
             gemm = gemm + gemm_seconds(per_expert, g.in_features, g.out_features / shard, cluster, peak, eff, local_experts)
         else:
             gemm = gemm + gemm_seconds(tokens, g.in_features, g.out_features / shard, cluster, peak, eff)
@@ -111,7 +114,7 @@ def step_time(
     for j, block in enumerate(profile.blocks):
         ctx = profile.attention_context(block, workload.seq_len)
         gemm, attention, elementwise = block_forward_seconds(
-            block, tokens, tp, ep, ctx, cluster, workload.precision, eff
+            block, tokens, tp, ep, ctx, cluster, workload.precision, eff, workload.moe_imbalance
         )
         f = scale[j] * (gemm + attention + elementwise)
         b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise)
@@ -121,7 +124,7 @@ def step_time(
         tp_fwd = tp_pairs * 2 * comm.all_gather(activation, tp, np.ones_like(tp))
         ep_fwd = 0.0
         if block.is_moe:
-            ep_fwd = 2 * comm.all_to_all(activation * block.top_k / tp, ep, tp)
+            ep_fwd = 2 * comm.all_to_all(activation * block.top_k * workload.moe_imbalance / tp, ep, tp)
         ring = (cp - 1) * comm.send_recv(ACT_BYTES * tokens * block.cp_exchange_width / tp, cp, tp)
         cp_fwd = np.maximum(0.0, ring - scale[j] * attention)
         cp_bwd = np.maximum(0.0, 2 * ring - scale[j] * 2.5 * attention)
@@ -140,7 +143,7 @@ def step_time(
     p2p = passes * c.vpp * comm.send_recv(ACT_BYTES * tokens * h / tp, pp, c.dp * c.cp * tp)
     stage = stage_fwd + stage_bwd + p2p[:, None]
     m = micro_batches(workload, c).astype(np.float64)
-    slowest = stage.max(axis=1)
+    slowest = row_max(stage)
     bubble = (stage @ layout.multiplicity - slowest) / c.vpp
     bubble = np.where(c.schedule == ZERO_BUBBLE, bubble * eff.zero_bubble_fraction, bubble)
     pipeline = m * slowest + bubble
@@ -148,8 +151,8 @@ def step_time(
     out = {
         "pipeline": pipeline,
         "bubble": bubble,
-        "compute_per_microbatch": (fwd @ counts).max(axis=1) + ((bwd @ counts).max(axis=1) if workload.training else 0),
-        "exposed_comm_per_microbatch": (exposed_comm @ counts).max(axis=1) + p2p,
+        "compute_per_microbatch": row_max(fwd @ counts) + (row_max(bwd @ counts) if workload.training else 0),
+        "exposed_comm_per_microbatch": row_max(exposed_comm @ counts) + p2p,
     }
     if workload.training:
         dp_exposed, optimizer = _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, stage_bwd, m)
@@ -166,20 +169,31 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     """Exposed ZeRO/DDP communication and the optimizer update, slowest stage."""
     dense, experts = stage_params(profile, layout)
     tp = c.tp[:, None].astype(np.float64)
+    ep = c.ep[:, None].astype(np.float64)
     dense_gpu = dense[None, :] / tp
-    expert_gpu = experts[None, :] / (tp * c.ep[:, None])
-    shard = (c.dp * c.cp)[:, None]
+    expert_gpu = experts[None, :] / (tp * ep)
+    shard = c.shard[:, None]
     expert_shard = shard // c.ep[:, None]
     stride = c.tp[:, None]
+    has_experts = (experts > 0)[None, :]
 
-    def collective(kind, params, group, group_stride):
-        fn = getattr(comm, kind)
-        return fn(params, group, group_stride)
+    def per_gpu_params(kind, dense_group, expert_group):
+        """Seconds of one collective over each stage's dense and routed-expert parameters, per byte-per-param
+        coefficients computed once per candidate (collectives are affine in their size)."""
+        a_d, b_d = comm.affine(kind, *dense_group)
+        a_e, b_e = comm.affine(kind, *expert_group)
+        return lambda bytes_per_param, dense_div=1, expert_div=1: (
+            a_d + b_d * bytes_per_param / (tp * dense_div) * dense[None, :]
+            + has_experts * a_e + b_e * bytes_per_param / (tp * ep * expert_div) * experts[None, :])
 
-    grads_rs = collective("reduce_scatter", 4 * dense_gpu, shard, stride) + collective(
-        "reduce_scatter", 4 * expert_gpu, expert_shard, stride * c.ep[:, None])
-    params_ag = collective("all_gather", 2 * dense_gpu, shard, stride) + collective(
-        "all_gather", 2 * expert_gpu, expert_shard, stride * c.ep[:, None])
+    within = per_gpu_params("reduce_scatter", (shard, stride), (expert_shard, stride * c.ep[:, None]))
+    across = per_gpu_params("all_reduce", (c.replicate[:, None], stride * shard),
+                            (c.replicate[:, None], stride * shard))
+    gather = per_gpu_params("all_gather", (shard, stride), (expert_shard, stride * c.ep[:, None]))
+    # One gradient sync: reduce-scatter inside the shard group, then (HSDP) all-reduce of the shard across
+    # the replicas, the way FSDP2 reduces over a (dp_replicate, dp_shard) mesh.
+    grads_rs = within(4) + across(4, shard, expert_shard)
+    params_ag = gather(2)
     zero = c.zero[:, None]
     hide_bwd = eff.overlap * stage_bwd * eff.overlap_grad_reduce
     hide_fwd = eff.overlap * stage_fwd
@@ -199,7 +213,7 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     update = local * (18 + 2 * workload.optimizer_state_bytes) / hbm
     offloaded = local * 6 / (cluster.gpu.pcie_gbps * 1e9) + local / eff.cpu_adam_params_per_s
     optimizer = np.where(c.offload[:, None] > 0, offloaded, update)
-    return exposed.max(axis=1), optimizer.max(axis=1)
+    return row_max(exposed), row_max(optimizer)
 
 
 def _hardware_flops_per_token(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:

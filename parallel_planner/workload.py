@@ -18,6 +18,10 @@ class Workload:
     mode: Literal["train", "inference"] = "train"
     precision: Literal["bf16", "fp8"] = "bf16"
     optimizer: str = "adamw"
+    # Tokens the busiest expert-parallel rank receives over the mean.  Load-balanced routers (auxiliary
+    # loss or DeepSeek-V3's bias balancing) keep a rank's share of a large batch within 1.0-1.2; the
+    # slowest rank sets the pace of expert compute and all-to-all, and its activations the memory.
+    moe_imbalance: float = 1.1
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.global_batch < 1:
@@ -26,6 +30,8 @@ class Workload:
             raise BadInput(f"mode must be train or inference, got {self.mode!r}")
         if self.precision not in ("bf16", "fp8"):
             raise BadInput(f"--precision must be bf16 or fp8, got {self.precision!r}")
+        if not 1.0 <= self.moe_imbalance <= 4.0:
+            raise BadInput(f"--moe-imbalance must be between 1 and 4, got {self.moe_imbalance}")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise BadInput(f"optimizer {self.optimizer!r} unknown (known: {', '.join(OPTIMIZER_STATE_BYTES)})")
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from adapt.zoo import ZOO_NAMES, build_tiny_checkpoint  # noqa: E402
+from adapt.zoo import ZOO_NAMES, build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +41,12 @@ def zoo(zoo_root):
 def zoo_model(request, zoo):
     """Parametrised over every zoo family: yields (name, checkpoint dir)."""
     return request.param, zoo(request.param)
+
+
+@pytest.fixture
+def fresh_seed() -> int:
+    """A new random draw every run; the seed is printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")
+    return seed

@@ -39,6 +39,7 @@ from validators.modules import (
     record_outputs,
     stop_on_nonfinite,
 )
+from validators.routing import drop_tokens, record_routing, routing_flips
 from validators.training import (
     batch_for_step,
     loss_from_output,
@@ -226,16 +227,33 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
         report.peak_rss_bytes = peak_rss_bytes()
         return report
 
+    tokens = ids.numel()
+    flips = routing_flips(ref_rec.routing, base_rec.routing, cand_rec.routing, tokens, limits.max_err_ratio)
+    flips.seq_len = ids.shape[1]
+    flips.causal = bool(getattr(reference, "can_generate", lambda: False)())  # generative = causal attention
+    report.notes.extend(flips.notes())
+
+    def routed_judge(name, block, component, ref, cand, base):
+        excluded = flips.excluded_from(block)
+        kept = [drop_tokens(t, excluded, tokens) for t in (ref, cand, base)]
+        result = judge(name, block, component, *kept, limits)
+        result.excluded_tokens = len(excluded) if kept[0].shape != ref.shape else 0
+        return result
+
     for key, ref in ref_rec.outputs.items():
         where = ref_rec.where[key]
         if key not in cand_rec.outputs or key not in base_rec.outputs:
             report.notes.append(f"{key}: not produced by the candidate; the kernel plan changed the module tree")
             continue
-        report.layers.append(
-            judge(key, where.block, where.component, ref, cand_rec.outputs[key], base_rec.outputs[key], limits)
-        )
-    report.layers.append(judge("logits", None, None, ref_out, cand_out, base_out, limits))
+        report.layers.append(routed_judge(key, where.block, where.component, ref, cand_rec.outputs[key], base_rec.outputs[key]))
+    report.layers.append(routed_judge("logits", None, None, ref_out, cand_out, base_out))
     if options.backward:
+        skipped = flips.excluded_from(None)
+        if skipped:
+            # Gradients again, the undecidable tokens' loss terms left out of all three models' losses.
+            for model, inputs in ((reference, ids), (baseline, ids.to(device)), (candidate, ids.to(device))):
+                _forward(model, inputs, True, vocab, skip_tokens=skipped)
+            report.notes.append(f"gradients compared with the loss terms of the {len(skipped)} undecidable token(s) left out")
         report.gradients = _compare_gradients(reference, baseline, candidate, limits)
         if options.parity_steps > 0:
             report.parity = _loss_parity(baseline, candidate, options, seed, vocab, device, dtype_name)
@@ -243,13 +261,16 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
     return report
 
 
-def _forward(model: nn.Module, ids: torch.Tensor, backward: bool, vocab: int):
-    blocks = find_blocks(model)
+def _forward(model: nn.Module, ids: torch.Tensor, backward: bool, vocab: int, skip_tokens: set[int] = frozenset()):
+    """Output and recorded tensors (``rec.routing``: the MoE top-k choices) of one forward (+ backward
+    of the loss without the terms of ``skip_tokens``, flat batch*seq indices)."""
+    points = probes(model, find_blocks(model))
     model.zero_grad(set_to_none=True)
-    with torch.set_grad_enabled(backward), record_outputs(probes(model, blocks)) as rec:
+    with torch.set_grad_enabled(backward), record_outputs(points) as rec, record_routing(points) as routing:
         out = model_output(model, ids)
     if backward:
-        loss_from_output(out, ids, vocab).backward()
+        loss_from_output(out, ids, vocab, skip_tokens).backward()
+    rec.routing = routing
     return out.detach(), rec
 
 

@@ -34,11 +34,14 @@ class Thresholds:
 
 # Defaults: fp32 must be nearly exact; bf16 keeps 8 mantissa bits, so a 16-layer stack drifts to a
 # few 1e-2 in relative L2 even when nothing is wrong, and MoE routing flips on near-tied router
-# scores push single tensors past 0.1.  Override per run with ``thresholds=``.
+# scores push single tensors past 0.1.  The floors are about five units of roundoff of the dtype
+# (bf16 2^-9, fp16 2^-11): a kernel that rounds at different points than eager is no worse for it,
+# and on a small gradient (a router row, a norm weight) summed over few tokens the unadapted
+# model's own error can be luckily small.  Override per run with ``thresholds=``.
 DEFAULT_THRESHOLDS: dict[str, Thresholds] = {
     "fp32": Thresholds(min_cosine=0.99999, max_rel_err=1e-3, max_err_ratio=2.0, rel_err_floor=1e-5),
     "fp16": Thresholds(min_cosine=0.995, max_rel_err=0.1, max_err_ratio=2.0, rel_err_floor=2e-3),
-    "bf16": Thresholds(min_cosine=0.98, max_rel_err=0.25, max_err_ratio=2.0, rel_err_floor=5e-3),
+    "bf16": Thresholds(min_cosine=0.98, max_rel_err=0.25, max_err_ratio=2.0, rel_err_floor=1e-2),
 }
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -111,6 +114,7 @@ class LayerResult:
     baseline_rel_err: float
     passed: bool
     negligible: bool = False  # reference norm under the floor: cosine not judged
+    excluded_tokens: int = 0  # tokens left out: MoE expert choice undecidable in the dtype (validators.routing)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,6 +105,7 @@ class Recording:
 
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     where: dict[str, Probe] = field(default_factory=dict)
+    routing: Any = None  # validators.routing.RoutingRecording when MoE top-k choices were recorded too
 
 
 @contextlib.contextmanager

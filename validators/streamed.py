@@ -7,7 +7,9 @@ block ``i`` has run, the baseline and candidate copies of block ``i`` are materi
 tables, cache positions), compared, and released.  Modules outside the block list (embeddings,
 final norm, head) are materialised once and compared the same way.  Peak memory is the
 out-of-block weights plus about three copies of one block, whatever the depth: this is how a
-checkpoint bigger than memory is aligned on one machine.
+checkpoint bigger than memory is aligned on one machine.  Checkpoints that transformers converts
+while loading (per-expert tensors stacked into banks, renamed keys) are read through transformers'
+own conversion mapping (``validators.shards``), one block's tensors at a time.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from adapt.errors import BadInput
+from adapt.skeleton import build_skeleton
 from validators.align import AlignmentReport, _finish, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
 from validators.modules import (
@@ -32,45 +34,8 @@ from validators.modules import (
     first_tensor,
     stop_on_nonfinite,
 )
-from adapt.skeleton import build_skeleton
+from validators.shards import CorruptWeights, ShardReader
 from validators.training import batch_for_step, vocab_size
-
-
-class ShardReader:
-    """Reads single tensors from a safetensors checkpoint, opening each shard only while reading.
-
-    Keeping a shard mapped would leave every page it ever touched resident; opening per batch of
-    reads keeps the peak RSS at the tensors actually held.
-    """
-
-    def __init__(self, src, base_prefix: str):
-        if src.weight_format != "safetensors" or not src.weight_files:
-            raise BadInput(f"{src.text}: streamed alignment needs safetensors weights")
-        self.file_of: dict[str, str] = {}
-        for path in src.weight_files:
-            with safe_open(path, framework="pt") as fh:
-                for key in fh.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                    self.file_of[key] = path
-        self.base_prefix = base_prefix
-
-    def key_for(self, name: str) -> str | None:
-        """Checkpoint key for a module parameter name, allowing the base-model prefix to differ."""
-        prefix = self.base_prefix + "."
-        for key in (name, name.removeprefix(prefix), prefix + name):
-            if key in self.file_of:
-                return key
-        return None
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(self.file_of[key], []).append(key)
-        out = {}
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt") as fh:
-                for key in names:
-                    out[key] = fh.get_tensor(key)
-        return out
 
 
 class Materialiser:
@@ -97,24 +62,22 @@ class Materialiser:
                 yield owners, param
 
     def load(self, prefix: str) -> None:
-        wanted: dict[str, list] = {}
-        for owners, param in self._entries(prefix):
-            key = next((k for k in (self.reader.key_for(full) for _, _, full in owners) if k), None)
-            if key is None:
-                raise BadInput(
-                    f"streamed alignment: {owners[0][2]} is not stored under that name in the checkpoint "
-                    "(transformers converts this layout while loading); align without --streamed"
-                )
-            wanted.setdefault(key, []).append((owners, param))
-        for key, tensor in self.reader.read(list(wanted)).items():
-            for owners, meta_param in wanted[key]:
-                if tuple(tensor.shape) != tuple(meta_param.shape):
-                    raise BadInput(f"streamed alignment: {key} has shape {tuple(tensor.shape)}, model expects {tuple(meta_param.shape)}")
-                real = nn.Parameter(tensor.to(self.device, self.dtype), requires_grad=False)
-                for module, leaf, full in owners:
-                    self.meta.setdefault(full, meta_param)
-                    module._parameters[leaf] = real
-                self.owners[id(real)] = self.owners.pop(id(meta_param))
+        """Every parameter under ``prefix`` (tied ones by any of their names), converted as transformers would."""
+        entries = list(self._entries(prefix))
+        names = {full for owners, _ in entries for _, _, full in owners}
+        tensors = self.reader.load(sorted(names & self.reader.targets.keys()))
+        for owners, meta_param in entries:
+            name = next((full for _, _, full in owners if full in tensors), None)
+            if name is None:
+                raise BadInput(f"streamed loading: the checkpoint holds no tensor for {owners[0][2]}, stored or converted")
+            tensor = tensors[name]
+            if tuple(tensor.shape) != tuple(meta_param.shape):
+                raise BadInput(f"streamed loading: {name} has shape {tuple(tensor.shape)}, model expects {tuple(meta_param.shape)}")
+            real = nn.Parameter(tensor.to(self.device, self.dtype), requires_grad=False)
+            for module, leaf, full in owners:
+                self.meta.setdefault(full, meta_param)
+                module._parameters[leaf] = real
+            self.owners[id(real)] = self.owners.pop(id(meta_param))
         self.load_buffers(prefix)
 
     def load_buffers(self, prefix: str) -> None:
@@ -124,9 +87,8 @@ class Materialiser:
                 continue
             module_path, _, leaf = name.rpartition(".")
             owner = self.model.get_submodule(module_path)
-            key = self.reader.key_for(name)
-            if key is not None:
-                value = self.reader.read([key])[key]
+            if name in self.reader.targets:
+                value = self.reader.load([name])[name]
                 owner._buffers[leaf] = value.to(self.device, self.dtype if value.is_floating_point() else value.dtype)
             elif buf.device.type != self.device:
                 owner._buffers[leaf] = buf.to(self.device)
@@ -198,7 +160,7 @@ def streamed_align(src, dtype_name: str, device: str, limits: Thresholds, transf
 
 
 def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform, options, seed) -> AlignmentReport:
-    reader = ShardReader(src, getattr(skeleton, "base_model_prefix", "") or "")
+    reader = ShardReader(src, skeleton)
     baseline_model = copy.deepcopy(skeleton)
     candidate_model = copy.deepcopy(skeleton)
     if transform is not None:
@@ -216,12 +178,6 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
     )
     block_prefixes = [f"{reference.blocks.block_path(i)}." for i in range(len(reference.blocks.blocks))]
     units = _outside_units(skeleton, reference.blocks.path)
-    # Weights outside the blocks (embeddings, final norm, head) stay resident for the whole run.
-    for twin in (reference, *twins.values()):
-        for path in units:
-            twin.loader.load(f"{path}.")
-        twin.loader.load_buffers("")
-
     handles = []
     for path in units:
         handles.append(_hook_unit(path, skeleton.get_submodule(path), twins, report, limits))
@@ -230,17 +186,36 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
     vocab = vocab_size(skeleton)
     ids = batch_for_step(seed, 0, options.batch, options.seq_len, vocab, "cpu")
     try:
+        # Weights outside the blocks (embeddings, final norm, head) stay resident for the whole run.
+        for twin in (reference, *twins.values()):
+            for path in units:
+                twin.loader.load(f"{path}.")
+            twin.loader.load_buffers("")
         with torch.no_grad():
             kwargs = {"use_cache": False} if getattr(skeleton.config, "use_cache", False) else {}
             skeleton(input_ids=ids, **kwargs)
     except NonFiniteOutput as err:
         report.nonfinite_module = err.module_path
         report.notes.append(str(err))
+    except CorruptWeights as err:
+        _locate(report, err.module_path, reference.blocks)
+        report.nonfinite_module = err.module_path
+        report.notes.append(f"{err}; the checkpoint itself is corrupt, nothing after it was compared")
     finally:
         for h in handles:
             h.remove()
     report.notes.append(f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
     return report
+
+
+def _locate(report: AlignmentReport, module_path: str, blocks) -> None:
+    """Name ``module_path`` as the first divergence, with its block index and component."""
+    report.first_divergent = module_path
+    for index in range(len(blocks.blocks)):
+        prefix = blocks.block_path(index) + "."
+        if module_path.startswith(prefix):
+            report.first_divergent_block = index
+            report.first_divergent_component = module_path[len(prefix) :].split(".", 1)[0]
 
 
 def _outside_units(model: nn.Module, blocks_path: str) -> list[str]:

@@ -141,7 +141,7 @@ def load_for_bench(src, dtype: torch.dtype, device: str, max_layers: int | None,
         model = model.to_empty(device=device).to(dtype)
         model.init_weights()
         return model
-    Materialiser(model, ShardReader(src, getattr(model, "base_model_prefix", "") or ""), dtype, device).load("")
+    Materialiser(model, ShardReader(src, model), dtype, device).load("")
     for param in model.parameters():
         param.requires_grad_(True)
     return model

@@ -31,19 +31,25 @@ def model_output(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def loss_from_output(output: torch.Tensor, input_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+def loss_from_output(
+    output: torch.Tensor, input_ids: torch.Tensor, vocab: int, skip_tokens: set[int] = frozenset()
+) -> torch.Tensor:
     """Next-token cross-entropy when the output is over the vocabulary, else a fixed quadratic objective.
 
     The quadratic target is drawn from a generator seeded by the shape, so reference, baseline and
-    candidate minimise the same function.
+    candidate minimise the same function.  ``skip_tokens`` (flat batch*seq positions) contribute no term.
     """
     compute = torch.float64 if output.dtype == torch.float64 else torch.float32
-    if output.shape[-1] == vocab and output.shape[1] > 1:
-        logits = output[:, :-1].reshape(-1, vocab).to(compute)
-        return F.cross_entropy(logits, input_ids[:, 1:].reshape(-1))
+    batch, seq = output.shape[:2]
+    keep = torch.ones(batch, seq, dtype=torch.bool)
+    keep.view(-1)[sorted(skip_tokens)] = False
+    keep = keep.to(output.device)
+    if output.shape[-1] == vocab and seq > 1:
+        logits = output[:, :-1].to(compute)[keep[:, :-1]]
+        return F.cross_entropy(logits, input_ids[:, 1:][keep[:, :-1]])
     gen = torch.Generator().manual_seed(output.shape[-1])
     target = torch.randn(tuple(output.shape), generator=gen, dtype=torch.float64).to(output.device, compute)
-    return ((output.to(compute) - target) ** 2).mean()
+    return ((output.to(compute) - target) ** 2)[keep].mean()
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -31,6 +31,8 @@ def register(sub) -> None:
     work.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     work.add_argument("--mode", choices=("train", "inference"), default="train")
     work.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, lion or adafactor (state size)")
+    work.add_argument("--moe-imbalance", type=float, default=1.1,
+                      help="routed tokens on the busiest expert-parallel rank over the mean (default 1.1)")
     parser.add_argument("--fixed", metavar="K=V,...", help="evaluate this layout, e.g. 'tp=8,pp=16,dp=64,zero=1,recompute=none'")
     parser.add_argument("--calibration", metavar="FILE", help="measured per-block timings (see parallel_planner.calibration)")
     parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
@@ -43,70 +45,82 @@ def register(sub) -> None:
 _INTAKE_MODULES = ("intake.py", "structure.py", "skeleton.py", "source.py", "checkpoint.py", "spec.py")
 
 
-def load_spec(args: argparse.Namespace) -> ModelSpec:
+class SpecLoader:
     """The model's spec: a ModelSpec JSON as given, else intake's, cached by checkpoint content.
 
-    Building the meta skeleton of a config-only giant costs seconds of torch/transformers start-up; the
-    cache (``$ADAPT_CACHE_DIR``, default ``~/.cache/adapt/specs``) makes re-planning the same checkpoint
-    take about a second.  The key covers the config, weight headers, flags, transformers version and the
-    intake code itself.
+    Describing a config-only giant costs seconds of torch/transformers start-up; a process that has not
+    imported torch (the CLI) leaves that to a worker (``parallel_planner.spec_worker``), sets the planner
+    up meanwhile, and never imports torch itself.  The cache (``$ADAPT_CACHE_DIR``, default
+    ``~/.cache/adapt/specs``) lets re-planning the same checkpoint skip it; its key covers the config,
+    weight headers, flags, transformers version and the intake code itself.
     """
-    path = Path(args.source)
-    if path.suffix == ".json" and path.is_file():
+
+    def __init__(self, args: argparse.Namespace):
+        self._spec: ModelSpec | None = None
+        self._worker = None
+        path = Path(args.source)
+        if path.suffix == ".json" and path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise BadInput(f"{path}: not readable JSON ({err})") from None
+            if isinstance(data, dict) and "schema_version" in data and "blocks" in data:
+                self._spec = ModelSpec.from_dict(data)
+                return
+        from adapt.source import resolve_source
+
+        src = resolve_source(args.source, config_only=args.config_only, trust_remote_code=args.trust_remote_code,
+                             allow_pickle=args.allow_pickle)
+        digest = hashlib.sha256(f"{src.content_hash()}|seq={args.seq}|{metadata.version('transformers')}".encode())
+        package = Path(__file__).resolve().parents[1]
+        for name in _INTAKE_MODULES:
+            digest.update((package / name).read_bytes())
+        cache = Path(os.environ.get("ADAPT_CACHE_DIR", Path.home() / ".cache" / "adapt")) / "specs"
+        self._cached = cache / f"{digest.hexdigest()[:32]}.json"
+        if self._cached.is_file() and not args.no_cache:
+            self._spec = ModelSpec.from_dict(json.loads(self._cached.read_text()))
+            return
+        from parallel_planner.spec_worker import WorkerSpec, describe
+
+        if "torch" in sys.modules:
+            self._spec = self._store(describe(src, args.seq))
+        else:
+            self._worker = WorkerSpec(src, args.seq)
+
+    def result(self) -> ModelSpec:
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            self._spec = self._store(worker.result())
+        assert self._spec is not None
+        return self._spec
+
+    def cancel(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+
+    def _store(self, spec: ModelSpec) -> ModelSpec:
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise BadInput(f"{path}: not readable JSON ({err})") from None
-        if isinstance(data, dict) and "schema_version" in data and "blocks" in data:
-            return ModelSpec.from_dict(data)
-    from adapt.source import resolve_source
-
-    src = resolve_source(args.source, config_only=args.config_only, trust_remote_code=args.trust_remote_code,
-                         allow_pickle=args.allow_pickle)
-    digest = hashlib.sha256(f"{src.content_hash()}|seq={args.seq}|{metadata.version('transformers')}".encode())
-    package = Path(__file__).resolve().parents[1]
-    for name in _INTAKE_MODULES:
-        digest.update((package / name).read_bytes())
-    cache = Path(os.environ.get("ADAPT_CACHE_DIR", Path.home() / ".cache" / "adapt")) / "specs"
-    cached = cache / f"{digest.hexdigest()[:32]}.json"
-    if cached.is_file() and not args.no_cache:
-        return ModelSpec.from_dict(json.loads(cached.read_text()))
-    from adapt.intake import build_spec
-
-    spec = build_spec(src, seq_len=args.seq)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(spec.to_json(indent=None))
-        partial.replace(cached)
-    except OSError:
-        pass  # a read-only home only costs the next run its speed
-    return spec
+            self._cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = self._cached.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(spec.to_json(indent=None))
+            partial.replace(self._cached)
+        except OSError:
+            pass  # a read-only home only costs the next run its speed
+        return spec
 
 
 def run(args: argparse.Namespace) -> int:
-    from parallel_planner.calibration import load_calibration
-    from parallel_planner.cluster import load_cluster_file, local_cluster, make_cluster
-    from parallel_planner.search import plan_parallel
-    from parallel_planner.workload import Workload
-
     if args.top < 1:
         raise BadInput("--top must be at least 1")
-    if args.cluster:
-        cluster = load_cluster_file(args.cluster)
-    elif args.gpu == "local":
-        cluster = local_cluster()
-    elif args.gpu and args.gpus:
-        cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
-    else:
-        raise BadInput("say where to run: --gpu TYPE --gpus N, --cluster FILE, or --gpu local")
-    options = dict(mode=args.mode, precision=args.precision, optimizer=args.optimizer)
-    if args.global_batch_tokens:
-        workload = Workload.from_tokens(args.seq, args.global_batch_tokens, **options)
-    else:
-        workload = Workload(args.seq, args.global_batch, **options)
-    calibration = load_calibration(args.calibration) if args.calibration else None
-    spec = load_spec(args)
+    spec_loader = SpecLoader(args)  # a cold spec is described in a worker while the planner sets up here
+    try:
+        cluster, workload, calibration = _cluster_and_workload(args)
+    except BaseException:
+        spec_loader.cancel()
+        raise
+    from parallel_planner.search import plan_parallel
+
+    spec = spec_loader.result()
     result = plan_parallel(spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration)
     if args.fixed and not result.best.fits:
         best = result.best
@@ -123,6 +137,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_and_workload(args: argparse.Namespace):
+    from parallel_planner.calibration import load_calibration
+    from parallel_planner.cluster import load_cluster_file, local_cluster, make_cluster
+    from parallel_planner.search import plan_parallel  # noqa: F401 - imported while a spec worker runs
+    from parallel_planner.workload import Workload
+
+    if args.cluster:
+        cluster = load_cluster_file(args.cluster)
+    elif args.gpu == "local":
+        cluster = local_cluster()
+    elif args.gpu and args.gpus:
+        cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
+    else:
+        raise BadInput("say where to run: --gpu TYPE --gpus N, --cluster FILE, or --gpu local")
+    options = dict(mode=args.mode, precision=args.precision, optimizer=args.optimizer, moe_imbalance=args.moe_imbalance)
+    if args.global_batch_tokens:
+        workload = Workload.from_tokens(args.seq, args.global_batch_tokens, **options)
+    else:
+        workload = Workload(args.seq, args.global_batch, **options)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    return cluster, workload, calibration
+
+
 def _print(result, spec: ModelSpec) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -135,13 +172,15 @@ def _print(result, spec: ModelSpec) -> None:
         + (f"; fixed {result.fixed}" if result.fixed else "")
     )
     table = Table()
-    for col in ("#", "tp", "pp", "dp", "cp", "ep", "zero", "recompute", "mbs", "vpp/schedule", "GiB/GPU", "step s",
+    for col in ("#", "tp", "pp", "dp (replicas x shard)", "cp", "ep", "zero", "recompute", "mbs", "vpp/schedule", "GiB/GPU", "step s",
                 "tokens/s", "MFU", "HFU"):
         table.add_column(col, justify="right")
     for p in result.plans:
         plan = p.plan
         table.add_row(
-            str(p.rank), str(plan.tp), str(plan.pp), str(plan.dp), str(plan.cp), str(plan.ep), str(plan.zero),
+            str(p.rank), str(plan.tp), str(plan.pp),
+            f"{plan.dp_replicate}x{plan.dp_shard}" if plan.dp_replicate > 1 and plan.dp_shard > 1 else str(plan.dp),
+            str(plan.cp), str(plan.ep), str(plan.zero),
             plan.recompute, str(plan.micro_batch), f"{plan.vpp} {plan.pp_schedule}" if plan.pp > 1 else "-",
             f"{p.memory_gib_per_gpu:.1f}", f"{p.step_time_s:.3f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.hfu:.1%}",
         )

@@ -1,6 +1,8 @@
 """adapt's own Triton kernels (``operators.kernels``): RMSNorm with offset and cast order, LayerNorm,
-SwiGLU/GeGLU.  They run on CUDA, or on CPU only inside Triton's interpreter (``TRITON_INTERPRET=1``
-set before import) - the provider reports itself unavailable anywhere else."""
+SwiGLU/GeGLU, and routed MoE blocks (route, permute, grouped GEMM, GLU, weighted unpermute).  They run
+on CUDA, or on CPU only inside Triton's interpreter (``TRITON_INTERPRET=1`` set before import) - the
+provider reports itself unavailable anywhere else.  Rotary embedding (``triton_rope``) and the fused
+linear cross-entropy of a causal LM's loss (``triton_head``) patch through the model's own functions."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import torch
 from torch import nn
 
+from operators.providers import triton_head, triton_moe, triton_rope
 from operators.recognition import Component
 from operators.registry import KernelOption, Target
 
@@ -48,6 +51,14 @@ class AdaptTritonProvider:
             return [KernelOption(self.name, "layer_norm", "fused", layer_norm_forward, needs_codegen=codegen)]
         if component.kind == "gated_mlp" and v.get("activation") in _GLU and not v.get("packed"):
             return [KernelOption(self.name, _GLU[v["activation"]][0], "fused", glu_forward, needs_codegen=codegen)]
+        if component.kind == "rotary_application":
+            return [KernelOption(self.name, f"apply_rotary ({v['style']})", "fused", triton_rope.rotary_forward, needs_codegen=codegen,
+                                 note=f"stands in for {v['function']} while this module runs")]
+        if component.kind == "lm_head_cross_entropy":
+            return [KernelOption(self.name, "fused_linear_cross_entropy", "fused", triton_head.head_forward, needs_codegen=codegen,
+                                 note="forward with labels: loss from the decoder output, logits not materialised (None)")]
+        if component.kind == "moe" and triton_moe.unsupported_reason(v, target.training) is None:
+            return [KernelOption(self.name, "moe_grouped_gemm", "fused", triton_moe.moe_forward, needs_codegen=codegen)]
         return []
 
 
@@ -101,6 +112,9 @@ def _self_test(device: str) -> str | None:
         "layer_norm": (lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5), lambda x, w, b: F.layer_norm(x, (40,), w, b, 1e-5), (x, w, b)),
         "swiglu": (kernels.swiglu, lambda g, u: F.silu(g) * u, (g, u)),
         "geglu": (lambda g, u: kernels.geglu(g, u, "tanh"), lambda g, u: F.gelu(g, approximate="tanh") * u, (g, u)),
+        **triton_rope.self_test_cases(gen),
+        **triton_head.self_test_cases(gen),
+        "moe": _moe_case(gen),
     }
     for name, (kernel, reference, inputs) in cases.items():
         try:
@@ -118,3 +132,30 @@ def _self_test(device: str) -> str | None:
         if not ok:
             return f"{name}: result differs from PyTorch"
     return None
+
+
+def _moe_case(gen: torch.Generator):
+    """Sigmoid-scored, grouped, biased routing into GeGLU experts: every MoE kernel, forward and backward."""
+    import torch.nn.functional as F
+
+    spec = triton_moe.RoutedExperts(num_experts=4, top_k=2, scoring="sigmoid", n_group=2, topk_group=1, scale=1.5,
+                                    activation="gelu_tanh", gate_first=False)
+    bias = torch.tensor([0.0, 0.3, -0.2, 0.1])
+    inputs = tuple(torch.randn(s, generator=gen) for s in ((5, 24), (4, 24), (4, 24, 20), (4, 10, 24)))
+
+    def kernel(x, w_router, w_gate_up, w_down):
+        return triton_moe.routed_experts(x, x @ w_router.t(), w_gate_up, w_down, spec, bias.to(x.device))
+
+    def reference(x, w_router, w_gate_up, w_down):
+        scores = torch.sigmoid(x @ w_router.t())
+        choice = (scores + bias.double()).view(-1, 2, 2)
+        best_group = choice.topk(2, dim=-1).values.sum(-1).argmax(-1)
+        keep = F.one_hot(best_group, 2).bool().unsqueeze(-1).expand_as(choice).reshape(-1, 4)
+        ids = choice.reshape(-1, 4).masked_fill(~keep, -torch.inf).topk(2, dim=-1).indices
+        weights = scores.gather(1, ids)
+        weights = 1.5 * weights / weights.sum(-1, keepdim=True)
+        up, gate = torch.einsum("th,ehn->ten", x, w_gate_up).chunk(2, dim=-1)
+        experts = torch.einsum("ten,enh->teh", F.gelu(gate, approximate="tanh") * up, w_down)
+        return (weights.unsqueeze(-1) * experts.gather(1, ids.unsqueeze(-1).expand(-1, -1, x.shape[1]))).sum(1)
+
+    return kernel, reference, inputs

@@ -11,6 +11,7 @@ as ``new``; they run through decomposition or a generated kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,15 @@ from torch import nn
 from operators.inventory import ModuleRecord, OpInventory, json_ready
 from operators.recognition import patterns as pat
 from operators.recognition.moe import probe_moe, routing_from_sequence
-from operators.recognition.probes import attention_visibility, probe_mlp, probe_norm, probe_rotary_tables
+from operators.recognition.probe_cache import ProbeCache, structure_key
+from operators.recognition.probes import (
+    attention_visibility,
+    probe_lm_head_loss,
+    probe_mlp,
+    probe_norm,
+    probe_rotary_application,
+    probe_rotary_tables,
+)
 
 KINDS = (
     "rms_norm",
@@ -29,6 +38,7 @@ KINDS = (
     "mlp",
     "attention",
     "rotary",
+    "rotary_application",
     "moe",
     "residual_add_norm",
     "lm_head_cross_entropy",
@@ -81,21 +91,13 @@ class Recognition:
         return {"components": [c.to_dict() for c in self.components], "rejected": self.rejected}
 
 
-def _structure_key(module: nn.Module, rec: ModuleRecord, width: int) -> tuple:
-    """Modules with equal keys compute the same function of their parameters: same class object,
-    same parameter names and shapes, same plain attributes, same traced ops and constants."""
-    attributes = tuple(
-        sorted((f"{name}.{k}", repr(v)) for name, m in module.named_modules() for k, v in vars(m).items()
-               if not k.startswith("_") and isinstance(v, (bool, int, float, str)))
-    )  # fmt: skip
-    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
-    return (type(module), params, attributes, tuple(sorted(rec.ops.items())), tuple(rec.scalars), width)
-
-
-def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe: bool = True) -> Recognition:
+def recognise(
+    model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe: bool = True, cache: ProbeCache | None = None
+) -> Recognition:
     """Recognise every component of ``model`` from ``inventory`` (traced with ``capture=True``).
 
-    With ``probe=False`` (meta-device models) candidates are reported unconfirmed.
+    With ``probe=False`` (meta-device models) candidates are reported unconfirmed.  Norm, MLP and
+    attention probes run once per distinct structure (``probe_cache``); pass ``cache`` to see how many ran.
     """
     generator = torch.Generator().manual_seed(seed)
     can_probe = probe and inventory.device != "meta"
@@ -111,7 +113,8 @@ def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe:
     def reject(path: str, candidate: str, reason: str) -> None:
         rejected.append({"module": path, "candidate": candidate, "reason": reason})
 
-    mlp_verdicts: dict[tuple, tuple[str, dict[str, Any] | None]] = {}
+    cache = cache if cache is not None else ProbeCache()
+    rope_verdicts: dict[tuple, tuple[str, dict[str, Any] | None, str]] = {}
     records = sorted(inventory.modules.values(), key=lambda r: r.path.count("."))  # outermost first
     for rec in records:
         if not rec.path or _inside(rec.path, claimed, strict=True):
@@ -121,25 +124,21 @@ def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe:
         if pat.is_moe_candidate(inventory, rec):
             comp = _moe(module, rec, inventory, generator, can_probe)
         elif pat.is_attention_candidate(inventory, rec):
-            comp = _attention(module, rec, inventory, generator, can_probe)
+            comp = _attention(module, rec, inventory, generator, can_probe, cache)
         elif pat.is_mlp_candidate(inventory, rec):
             variant, evidence = None, "float64 output+grad match"
             if can_probe:
-                key = _structure_key(module, rec, width)
-                if key not in mlp_verdicts:  # one probe per distinct MLP structure, not one per layer
-                    probed = probe_mlp(module, rec.path, width, pat.projections_under(inventory, rec.path), generator)
-                    mlp_verdicts[key] = (rec.path, probed)
-                first, found_variant = mlp_verdicts[key]
-                variant = dict(found_variant) if found_variant else None
-                if first != rec.path:
-                    evidence += f" (probed on {first}: same class, parameter shapes, attributes and traced ops)"
+                projections = pat.projections_under(inventory, rec.path)
+                run = functools.partial(probe_mlp, module, rec.path, width, projections, generator)
+                variant, suffix = cache.verdict(structure_key(module, rec, inventory), rec.path, run)
+                evidence += suffix
             comp = Component(rec.path, variant.pop("kind"), {**variant, "width": width}, True, evidence) if variant else None
             if comp is None and can_probe:
                 reject(rec.path, "mlp", "no gated/plain MLP composition of its projections matched")
             elif comp is None:
                 comp = Component(rec.path, "mlp", {}, False, "pattern only (meta tensors)")
         elif pat.is_norm_candidate(rec):
-            comp = _norm(module, rec, generator, can_probe, reject)
+            comp = _norm(module, rec, inventory, generator, can_probe, reject, cache)
         elif pat.rotary_generator(rec):
             comp = _rotary(module, rec, inventory, can_probe)
         elif _activation_only(rec):
@@ -150,8 +149,10 @@ def recognise(model: nn.Module, inventory: OpInventory, *, seed: int = 0, probe:
             comp = None
         if comp is not None:
             accept(comp)
+            if comp.kind == "attention" and comp.variant.get("rope") and can_probe and rec.path in inventory.captured:
+                found.append(_rotary_application(module, rec.path, inventory, generator, rope_verdicts))
     found.extend(_residual_norms(inventory, found))
-    head = _lm_head(inventory)
+    head = _lm_head(model, inventory, generator, can_probe)
     if head is not None:
         found.append(head)
     found.extend(_new_modules(inventory, found))
@@ -171,18 +172,19 @@ def _inside(path: str, claimed: set[str], *, strict: bool) -> bool:
     return any(path.startswith(c + ".") or (not strict and path == c) for c in claimed if c)
 
 
-def _norm(module, rec: ModuleRecord, generator, can_probe: bool, reject) -> Component | None:
+def _norm(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, reject, cache: ProbeCache) -> Component | None:
     if any("layer_norm" in op for op in rec.own_ops) and not can_probe:
         return Component(rec.path, "layer_norm", {}, False, "pattern only (meta tensors)")
     if not can_probe:
         return Component(rec.path, "rms_norm", {}, False, "pattern only (meta tensors)")
-    variant = probe_norm(module, pat.last_dim(rec.input_shapes), rec.scalars, generator)
+    run = functools.partial(probe_norm, module, pat.last_dim(rec.input_shapes), rec.scalars, generator)
+    variant, suffix = cache.verdict(structure_key(module, rec, inv), rec.path, run)
     if variant is None:
-        reject(rec.path, "norm", "matches neither RMSNorm (offset 0/1) nor LayerNorm in float64")
+        reject(rec.path, "norm", "matches neither RMSNorm (offset 0/1) nor LayerNorm in float64" + suffix)
         return None
     variant["width"] = pat.last_dim(rec.input_shapes)
     variant["already_fused"] = any("layer_norm" in op or "rms_norm" in op for op in rec.own_ops)
-    return Component(rec.path, variant.pop("kind"), variant, True, "float64 output+grad match at three magnitudes")
+    return Component(rec.path, variant.pop("kind"), variant, True, "float64 output+grad match at three magnitudes" + suffix)
 
 
 def _rotary(module, rec: ModuleRecord, inv: OpInventory, can_probe: bool) -> Component | None:
@@ -196,15 +198,27 @@ def _rotary(module, rec: ModuleRecord, inv: OpInventory, can_probe: bool) -> Com
     return Component(rec.path, "rotary", variant, True, "cos^2+sin^2 constant, layout from table symmetry")
 
 
-def _attention(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool) -> Component:
+def _rotary_application(module, path: str, inv: OpInventory, generator, verdicts: dict) -> Component:
+    """The global function the attention forward rotates (q, k) with, probed once per distinct structure;
+    unconfirmed (no kernel offered) with the reason when none is found."""
+    key = structure_key(module, inv.modules[path], inv, call_inputs=True)
+    if key not in verdicts:
+        verdicts[key] = (path, *probe_rotary_application(module, *inv.captured[path], generator))
+    first, variant, evidence = verdicts[key]
+    evidence += f" (probed on {first}: same structure and call inputs)" if first != path else ""
+    return Component(path, "rotary_application", dict(variant or {}), variant is not None, evidence)
+
+
+def _attention(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache) -> Component:
     variant = attention_shape(inv, rec)
     # transformers' attention-function hook: the module resolves its core through config._attn_implementation
     variant["hook"] = hasattr(getattr(module, "config", None), "_attn_implementation")
     evidence = "pattern"
     if can_probe and rec.path in inv.captured:
-        args, kwargs = inv.captured[rec.path]
-        variant.update(attention_visibility(module, args, kwargs, generator))
-        evidence = "visibility measured through float64 gradients"
+        run = functools.partial(attention_visibility, module, *inv.captured[rec.path], generator)
+        visibility, suffix = cache.verdict(structure_key(module, rec, inv, call_inputs=True), rec.path, run)
+        variant.update(visibility)
+        evidence = "visibility measured through float64 gradients" + suffix
     return Component(rec.path, "attention", variant, can_probe, evidence)
 
 
@@ -338,14 +352,16 @@ def _residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]
     return out
 
 
-def _lm_head(inv: OpInventory) -> Component | None:
+def _lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool) -> Component | None:
     head = pat.lm_head_candidate(inv)
     if head is None:
         return None
     root = inv.modules[""]
     names = [e[0] for e in root.sequence]
     softcap = _tanh_cap(root.sequence, names.index("aten.tanh.default")) if "aten.tanh.default" in names else None
-    return Component(head.path, "lm_head_cross_entropy", {"vocab": head.out_features, "hidden": head.in_features, "final_softcap": softcap}, False, "projection onto the vocabulary feeds log_softmax + nll_loss")
+    variant = {"vocab": head.out_features, "hidden": head.in_features, "final_softcap": softcap}
+    confirmed, evidence = probe_lm_head_loss(model, head.path, softcap, generator) if can_probe else (False, "pattern only")
+    return Component(head.path, "lm_head_cross_entropy", variant, confirmed, f"projection onto the vocabulary feeds log_softmax + nll_loss; {evidence}")
 
 
 def _new_modules(inv: OpInventory, found: list[Component]) -> list[Component]:

@@ -76,22 +76,28 @@ def probe_moe(
     router_mod = m.get_submodule(rel(router[0])) if router[0] != path else m
     router_w = getattr(router_mod, router[1]).detach().double()
     num_experts = router_w.shape[0]
-    router_b = next((p.detach().double() for p in router_mod.parameters(recurse=False) if p.dim() == 1 and p.shape[0] == num_experts), None)
-    correction = next((b.double() for b in router_mod.buffers(recurse=False) if b.dim() == 1 and b.shape[0] == num_experts), None)
+    router_b_name, router_b = _per_expert_vector(router_mod.named_parameters(recurse=False), num_experts)
+    correction_name, correction = _per_expert_vector(router_mod.named_buffers(recurse=False), num_experts)
+    router_b = router_b.detach().double() if router_b is not None else None
+    correction = correction.double() if correction is not None else None
     banks = [getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach().double() for mod, name, _ in bank]
-    experts = _expert_layouts(banks, width, num_experts)
+    experts = _expert_layouts(banks, [f"{mod}.{name}" for mod, name, _ in bank], width, num_experts)
     if not experts:
         return None
     shared_mod = m.get_submodule(rel(shared)) if shared else None
     x = torch.randn(2, 6, width, generator=generator, dtype=torch.float64)
+    stochastic = _stochastic_in_training(m, x.float())
     with torch.no_grad():
-        out = m(x.float())
-        out = (out[0] if isinstance(out, tuple) else out).double()
+        full = m(x.float())
+        out = (full[0] if isinstance(full, tuple) else full).double()
         x2d = x.reshape(-1, width)
+        logits = x2d @ router_w.t() + (router_b if router_b is not None else 0.0)
+        outputs = _output_structure(full, logits)
+        logits_output = _logits_output(router_mod, x2d.float(), logits) if router_mod is not m else None
         weights, index = route(x2d, router_w, router_b, correction, routing)
         shared_out = shared_mod.double()(x).reshape(-1, width) if shared_mod is not None else None
         scales = sorted({1.0, *(s for s in scalars if 0.0 < s <= 64.0 and s != 1.0)})
-        for (layout, gate_first), (act_name, act), normalize in itertools.product(experts, ACTIVATIONS.items(), (True, False)):
+        for (layout, gate_first, where), (act_name, act), normalize in itertools.product(experts, ACTIVATIONS.items(), (True, False)):
             routed = _run_experts(x2d, weights, index, layout, gate_first, act, normalize)
             for scale, with_shared in itertools.product(scales, (shared_out is not None, False)):
                 ref = routed * scale + (shared_out if with_shared else 0.0)
@@ -111,24 +117,86 @@ def probe_moe(
                         "shared_experts": shared if with_shared else None,
                         "router": router[0],
                         "expert_width": layout[2],
+                        # where the patched forward finds each tensor (parameter/buffer names on the router,
+                        # dotted parameter paths of the banks) and how the banks are laid out
+                        "router_weight": router[1],
+                        "router_bias": router_b_name,
+                        "correction_bias": correction_name,
+                        "gate_first": gate_first,
+                        "outputs": outputs,
+                        "router_logits_output": logits_output,
+                        "stochastic_in_training": stochastic,
+                        **where,
                     }
     return None
 
 
-def _expert_layouts(banks: list[torch.Tensor], width: int, num_experts: int):
-    """Possible (w_gate_up, w_down, inner) readings of the 3-D expert weights, as [E, out, in] views."""
-    banks = [b for b in banks if b.shape[0] == num_experts]
-    if len(banks) != 2:
+def _expert_layouts(banks: list[torch.Tensor], names: list[str], width: int, num_experts: int):
+    """Possible (w_gate_up, w_down, inner) readings of the 3-D expert weights as [E, out, in] views, each
+    with the bank it came from and whether that bank is stored [E, out, in] ("out_in") or [E, in, out]."""
+    named = [(n, b) for n, b in zip(names, banks) if b.shape[0] == num_experts]
+    if len(named) != 2:
         return []
     layouts = []
-    for up, down in itertools.permutations(banks, 2):
+    for (up_name, up), (down_name, down) in itertools.permutations(named, 2):
         up_v = up if up.shape[2] == width else up.transpose(1, 2)
         down_v = down if down.shape[1] == width else down.transpose(1, 2)
         if up_v.shape[2] != width or down_v.shape[1] != width or up_v.shape[1] != 2 * down_v.shape[2]:
             continue
+        where = {
+            "gate_up_bank": up_name,
+            "gate_up_layout": "out_in" if up_v is up else "in_out",
+            "down_bank": down_name,
+            "down_layout": "out_in" if down_v is down else "in_out",
+        }
         for gate_first in (True, False):
-            layouts.append(((up_v, down_v, down_v.shape[2]), gate_first))
+            layouts.append(((up_v, down_v, down_v.shape[2]), gate_first, where))
     return layouts
+
+
+def _output_structure(out, router_logits: torch.Tensor) -> str:
+    """What the module returns: "hidden", "hidden+router_logits" (a pair whose second item equals the
+    router's ``[tokens, experts]`` logits), or "other"."""
+    if isinstance(out, torch.Tensor):
+        return "hidden"
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+        if out[1].shape == router_logits.shape and close(out[1].double(), router_logits):
+            return "hidden+router_logits"
+    return "other"
+
+
+def _per_expert_vector(named, num_experts: int) -> tuple[str | None, torch.Tensor | None]:
+    """The first ``[num_experts]`` tensor among the router's own parameters or buffers (a bias, a selection bias)."""
+    return next(((n, t) for n, t in named if t.dim() == 1 and t.shape[0] == num_experts), (None, None))
+
+
+def _stochastic_in_training(module: nn.Module, x: torch.Tensor) -> bool:
+    """True when two training-mode calls on one input differ (router jitter noise, dropout): the
+    reference above only describes the module's eval-mode function.  The caller's RNG is untouched."""
+    was_training = module.training
+    module.train()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            first, second = (module(x.clone()) for _ in range(2))
+    finally:
+        module.train(was_training)
+    first, second = (o[0] if isinstance(o, tuple) else o for o in (first, second))
+    return not torch.equal(first, second)
+
+
+def _logits_output(router_mod: nn.Module, x2d: torch.Tensor, logits: torch.Tensor) -> int | None:
+    """Position of the router logits among the router module's outputs (0 for a bare tensor), or None
+    when it does not return them or cannot be called on ``[tokens, width]`` alone."""
+    try:
+        out = router_mod(x2d)
+    except Exception:  # a router needing more than the hidden states is read through its weights instead
+        return None
+    outs = out if isinstance(out, tuple) else (out,)
+    for position, item in enumerate(outs):
+        same_size = isinstance(item, torch.Tensor) and item.is_floating_point() and item.numel() == logits.numel()
+        if same_size and close(item.reshape(logits.shape).double(), logits):
+            return position
+    return None
 
 
 def _run_experts(x2d, weights, index, layout, gate_first, act, normalize):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallel_planner.distributed.context_parallel import (
@@ -75,6 +76,12 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+def _has_fused_loss(model: nn.Module) -> bool:
+    """adapt's kernel plan replaced this causal LM's head with a fused linear cross-entropy
+    (``operators.providers.triton_head``): its forward computes the loss without materialising logits."""
+    return bool(getattr(model.forward, "adapt_fused_loss", False))
 
 
 def lr_lambda(config: TrainConfig):
@@ -234,16 +241,18 @@ class Trainer:
                     loss = cross_entropy(logits, micro_labels) / plan.grad_accum
                     loss.backward()
             else:
-                loss = (
-                    cross_entropy(
-                        logits_of(model(input_ids=micro_in, use_cache=False), model),
-                        micro_labels,
-                    )
-                    / plan.grad_accum
-                )
+                loss = self._micro_loss(model, micro_in, micro_labels) / plan.grad_accum
                 loss.backward()
             total += loss.detach()
         return total
+
+    def _micro_loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy.  A head patched with adapt's fused linear cross-entropy gets the
+        already-shifted labels (``shift_labels``) and never materialises the logits; the math is the
+        cross-entropy below either way (the patch was confirmed numerically against the model's loss)."""
+        if self.plan.tp == 1 and _has_fused_loss(model):
+            return model(input_ids=inputs, labels=labels, shift_labels=labels, use_cache=False).loss
+        return cross_entropy(logits_of(model(input_ids=inputs, use_cache=False), model), labels)
 
     def _global_loss(self, local_loss: torch.Tensor) -> float:
         """Mean over data/context-parallel ranks; tp ranks repeat it and only the last pp stage has it."""

@@ -40,9 +40,5 @@ def poisoned_outputs(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def fresh_seed():
-    """A new random draw every run; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    print(f"torch seed {seed}")
-    return seed
+def every_kernel_test_draws_fresh(fresh_seed):
+    return fresh_seed

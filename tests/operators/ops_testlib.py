@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -17,7 +17,7 @@ def load(path, **flags):
     return load_model(resolve_source(str(path), trust_remote_code=True, **flags), dtype=torch.float32)
 
 
-@lru_cache(maxsize=None)
+@cache
 def recognised(path: str, attn: str | None = None):
     """(model, inventory, recognition) for a zoo checkpoint, cached per test session.
 
@@ -38,3 +38,23 @@ def planned(path: str, profile: str = "cuda-hopper", target: Target | None = Non
 
 def kinds(recognition, kind: str, confirmed_only: bool = True):
     return [c for c in recognition.components if c.kind == kind and (c.confirmed or not confirmed_only)]
+
+
+def count_kernel_calls(monkeypatch, name: str, record) -> list:
+    """Wrap ``operators.kernels.<name>`` so each call appends ``record(args, kwargs)`` to the returned list.
+
+    The adapt-triton provider is asked first, so its cached self-test has already run and is not counted.
+    """
+    from operators import kernels
+    from operators.providers.adapt_triton import AdaptTritonProvider
+
+    assert AdaptTritonProvider().available(Target("cpu", "float32", True, None)) == (True, "")
+    calls: list = []
+    real = getattr(kernels, name)
+
+    def counted(*args, **kwargs):
+        calls.append(record(args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, name, counted)
+    return calls

@@ -44,3 +44,25 @@ def poison_output(block_index: int, component: str):
         return model
 
     return transform
+
+
+def swap_router_rows(block_index: int, a: int = 0, b: int = 1):
+    """A transform that swaps two experts' router rows in one MoE block: a kernel that routes wrongly.
+
+    The MoE is found by structure: the component holding 3-D expert banks; its router is the 2-D
+    parameter with one row per expert and one column per hidden unit."""
+
+    def transform(model: nn.Module) -> nn.Module:
+        block = find_blocks(model).blocks[block_index]
+        for _, component in components(block):
+            banks = [p for p in component.parameters() if p.dim() == 3]
+            if not banks:
+                continue
+            experts = banks[0].shape[0]
+            router = next(p for p in component.parameters() if p.dim() == 2 and p.shape[0] == experts)
+            with torch.no_grad():
+                router[[a, b]] = router[[b, a]].clone()
+            return model
+        raise AssertionError(f"block {block_index} has no MoE component")
+
+    return transform

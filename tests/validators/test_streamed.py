@@ -4,26 +4,29 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 from helpers import first_norm, scale_norm_output
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from adapt.errors import BadInput
 from adapt.intake import resolve_source
+from adapt.skeleton import build_skeleton, load_model
 from validators.align import AlignOptions, align
 from validators.modules import find_blocks
-from adapt.skeleton import build_skeleton
+from validators.shards import ShardReader
 
 FAST = AlignOptions(batch=2, seq_len=16, backward=False)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "gpt2", "bert", "custom"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "gpt2", "bert", "custom", "mixtral", "qwen3_moe", "deepseek_v3"])
 def test_streamed_alignment_passes(zoo, name, dtype):
+    """MoE checkpoints store one tensor per expert; transformers' own conversion stacks them per block."""
     src = resolve_source(str(zoo(name)), trust_remote_code=name == "custom")
     report = align(src, dtype=dtype, streamed=True, options=FAST)
     assert report.passed, (report.first_divergent, report.notes)
@@ -45,10 +48,48 @@ def test_streamed_names_the_broken_block(zoo):
     assert all(layer.passed for layer in report.layers if layer.block == 0)
 
 
-def test_streamed_refuses_converted_layouts_clearly(zoo):
-    src = resolve_source(str(zoo("mixtral")))
-    with pytest.raises(BadInput, match="align without --streamed"):
-        align(src, dtype="fp32", streamed=True, options=FAST)
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_streamed_converts_experts_exactly_like_from_pretrained(zoo, name):
+    src = resolve_source(str(zoo(name)))
+    skeleton = build_skeleton(src)
+    reader = ShardReader(src, skeleton)
+    banks = [t for t in reader.converted if ".layers.1." in t]
+    assert banks, reader.converted  # per-expert tensors on disk, stacked into 3-D banks by the conversion
+    loaded = dict(load_model(src, torch.float32, "cpu").named_parameters())
+    for param, tensor in reader.load(banks).items():
+        assert tensor.dim() == 3 and torch.equal(tensor.float(), loaded[param].detach()), param
+
+
+def _corrupt_copy(src_dir, dst, key: str):
+    shutil.copytree(src_dir, dst)
+    shard = dst / "model.safetensors"
+    tensors = load_file(str(shard))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[5] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return dst
+
+
+def test_corrupt_expert_in_converted_checkpoint_names_its_block(zoo, tmp_path):
+    ckpt = _corrupt_copy(zoo("qwen3_moe"), tmp_path / "qwen3-moe-bad", "model.layers.1.mlp.experts.2.up_proj.weight")
+    report = align(resolve_source(str(ckpt)), dtype="bf16", streamed=True, options=FAST)
+    assert not report.passed
+    assert report.first_divergent_block == 1 and report.first_divergent_component == "mlp"
+    assert report.first_divergent == "model.layers.1.mlp.experts"
+    assert any("model.layers.1.mlp.experts.2.up_proj.weight" in note for note in report.notes)
+    # Block 0 was compared before the corrupt block was read, and agreed.
+    assert {layer.block for layer in report.layers if layer.block is not None} == {0}
+    assert all(layer.passed for layer in report.layers)
+
+
+def test_missing_tensor_is_bad_input(zoo, tmp_path):
+    ckpt = tmp_path / "llama-missing"
+    shutil.copytree(zoo("llama"), ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(BadInput, match="model.layers.1.mlp.up_proj.weight"):
+        align(resolve_source(str(ckpt)), dtype="fp32", streamed=True, options=FAST)
 
 
 def _write_wide_llama(path, layers: int, hidden: int, ffn: int) -> int:

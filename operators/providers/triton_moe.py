@@ -1,0 +1,157 @@
+"""A recognised routed-MoE block run on adapt's Triton kernels.
+
+router matmul -> ``moe_route`` (scoring, selection bias, grouped top-k, renormalise, scale) ->
+``moe_permute`` -> grouped GEMM (gate/up bank) -> SwiGLU/GeGLU -> grouped GEMM (down bank) ->
+``moe_unpermute`` (weighted combine) -> + the module's own shared-expert submodule.
+
+Everything is driven by the variant recognition measured against its float64 reference (routing,
+activation, gate/up order, bank layouts, tensor names); tensors are looked up on the module by name
+on every call, so parameter swaps (FSDP2, TP, ``load_state_dict(assign=True)``) are seen.  When the
+router submodule returns its logits it is called for them, so hooks on it keep firing (transformers
+records router logits there for the load-balancing loss); its own top-k result is then unused, an
+extra ``[tokens, experts]`` of elementwise work.  A variant these kernels cannot compute is refused
+up front by ``unsupported_reason`` and the component stays native; the forward never falls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from operators.recognition import Component
+
+GLU_KERNELS = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh": ("geglu", "tanh")}
+SCORINGS = ("softmax", "sigmoid")
+OUTPUTS = ("hidden", "hidden+router_logits")
+_REQUIRED = (
+    "router", "router_weight", "gate_up_bank", "down_bank", "gate_up_layout", "down_layout", "gate_first", "outputs",
+    "stochastic_in_training",
+)
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The routed computation, independent of where the tensors live."""
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    normalize: bool = True
+    scale: float = 1.0
+    activation: str = "silu"
+    gate_first: bool = True
+
+
+def unsupported_reason(variant: dict[str, Any], training: bool = False) -> str | None:
+    """Why this recognised variant cannot run on the kernels (None when it can)."""
+    missing = [k for k in _REQUIRED if k not in variant]
+    if missing:
+        return f"variant lacks {', '.join(missing)} (recognised by an older recogniser)"
+    if training and variant["stochastic_in_training"]:
+        return "the module is random in training mode (router jitter, dropout); the kernels compute its eval-mode function"
+    if variant.get("scoring") not in SCORINGS:
+        return f"router scoring {variant.get('scoring')!r} is not one of {SCORINGS}"
+    if variant.get("activation") not in GLU_KERNELS:
+        return f"expert activation {variant.get('activation')!r} has no GLU kernel (have {sorted(GLU_KERNELS)})"
+    if variant["outputs"] not in OUTPUTS:
+        return f"module returns {variant['outputs']!r}; the patched forward reproduces only {OUTPUTS}"
+    experts, groups = int(variant["num_experts"]), int(variant.get("n_group", 1))
+    if groups > 1 and variant.get("group_score") != "top2_sum":
+        return f"group score {variant.get('group_score')!r}: moe_route scores a group by its two best experts"
+    if groups > 1 and (experts % groups or experts // groups < 2):
+        return f"{experts} experts in {groups} groups: moe_route needs equal groups of at least two"
+    if {variant["gate_up_layout"], variant["down_layout"]} - {"out_in", "in_out"}:
+        return f"unknown bank layout {variant['gate_up_layout']!r}/{variant['down_layout']!r}"
+    return None
+
+
+def routed_experts(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   spec: RoutedExperts, correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_k w[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t))`` over each token's chosen experts.
+
+    ``x`` is ``[T, H]``; ``w_gate_up`` is ``[E, H, 2I]`` and ``w_down`` ``[E, I, H]`` (``x @ w[e]``
+    orientation; strided views are read in place).  Returns ``[T, H]`` in the banks' dtype.
+    """
+    from operators import kernels
+
+    weights, expert_ids = kernels.moe_route(
+        router_logits, spec.top_k, spec.scoring, spec.n_group, spec.topk_group, spec.normalize, correction_bias, spec.scale
+    )
+    x_sorted, state = kernels.moe_permute(x.to(w_gate_up.dtype), expert_ids, spec.num_experts)
+    hidden = kernels.grouped_gemm(x_sorted, w_gate_up, state.group_offsets)
+    first, second = hidden.chunk(2, dim=-1)
+    gate, up = (first, second) if spec.gate_first else (second, first)
+    glu, approximate = GLU_KERNELS[spec.activation]
+    activated = kernels.swiglu(gate, up) if glu == "swiglu" else kernels.geglu(gate, up, approximate)
+    return kernels.moe_unpermute(kernels.grouped_gemm(activated, w_down, state.group_offsets), weights, state)
+
+
+def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
+    """Replacement ``forward(hidden_states)`` for the confirmed MoE ``module`` (path ``component.module``)."""
+    v = component.variant
+    reason = unsupported_reason(v)
+    if reason:
+        raise ValueError(f"{component.module}: {reason}")
+    local = _relative_to(component.module)
+    router_path = local(v["router"])
+    gate_up_path, down_path = local(v["gate_up_bank"]), local(v["down_bank"])
+    shared_path = local(v["shared_experts"]) if v.get("shared_experts") else None
+    # banks are stored [E, out, in] ("out_in", F.linear orientation) or [E, in, out]; the GEMM wants [E, in, out]
+    gate_up_transposed, down_transposed = v["gate_up_layout"] == "out_in", v["down_layout"] == "out_in"
+    router_weight, router_bias, correction = v["router_weight"], v.get("router_bias"), v.get("correction_bias")
+    logits_output = v.get("router_logits_output")
+    with_logits = v["outputs"] == "hidden+router_logits"
+    spec = RoutedExperts(
+        num_experts=int(v["num_experts"]), top_k=int(v["top_k"]), scoring=v["scoring"], n_group=int(v.get("n_group", 1)),
+        topk_group=int(v.get("topk_group", 1)), normalize=bool(v.get("normalize_topk", True)),
+        scale=float(v.get("routed_scale", 1.0)), activation=v["activation"], gate_first=bool(v["gate_first"]),
+    )
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        router = module.get_submodule(router_path)
+        if logits_output is not None and router_path:
+            # the router module runs (its hooks fire: transformers records router logits there for the
+            # load-balancing loss); only its logits are used, its own top-k result is discarded
+            out = router(x)
+            logits = out[logits_output] if isinstance(out, tuple) else out
+        else:
+            logits = router_logits(x, getattr(router, router_weight), getattr(router, router_bias) if router_bias else None)
+        gate_up, down = module.get_parameter(gate_up_path), module.get_parameter(down_path)
+        routed = routed_experts(
+            x, logits, gate_up.transpose(1, 2) if gate_up_transposed else gate_up,
+            down.transpose(1, 2) if down_transposed else down, spec,
+            getattr(router, correction) if correction else None,
+        )
+        out = routed.to(hidden_states.dtype).view(hidden_states.shape)
+        if shared_path is not None:
+            out = out + module.get_submodule(shared_path)(hidden_states)
+        return (out, logits) if with_logits else out
+
+    return forward
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Router projection in the wider of the activation and router dtypes (an fp32 router sees fp32 inputs)."""
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    return F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
+
+
+def _relative_to(base: str) -> Callable[[str], str]:
+    """Recognition records absolute dotted paths; the forward resolves them below the patched module."""
+
+    def local(path: str) -> str:
+        if path == base:
+            return ""
+        if base and not path.startswith(base + "."):
+            raise ValueError(f"{path} is not inside the MoE module {base}")
+        return path[len(base) + 1 :] if base else path
+
+    return local

@@ -1,0 +1,124 @@
+"""Rotary embedding through ``operators.kernels.apply_rotary`` inside the model's own attention forward.
+
+Hugging Face attention forwards rotate q and k by calling a function of their modelling module
+(its name differs between models).  Recognition found that function numerically and its rotation
+style; here it is replaced, in the module's globals, by a dispatcher that runs the Triton kernel
+only while a patched attention module is executing (a ``ContextVar`` set by the patched forward)
+and the original function otherwise.  The unpatched reference model of an alignment run shares
+those globals and is therefore untouched.  The swap is reference-counted (``operators.patch``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from operators.recognition import Component
+from operators.recognition.probes import forward_function, is_default
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """What the running patched module asked for: which original function to stand in for, and how."""
+
+    original: Callable[..., Any]
+    style: str  # "half" | "interleaved" | "deinterleaved" (see probes.rotation_reference)
+    module: str
+
+
+_ACTIVE: ContextVar[RotarySpec | None] = ContextVar("adapt_rotary_module", default=None)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q/k ``[b, h, s, d]`` rotated in one kernel launch; ``deinterleaved`` regroups the pairs first
+    (one copy each of q and k's rotary dims) so the half-rotation kernel writes DeepSeek's layout."""
+    from operators import kernels
+
+    if style == "deinterleaved":
+        rotary_dim = cos.shape[-1]
+        q, k = _deinterleave(q, rotary_dim), _deinterleave(k, rotary_dim)
+    return kernels.apply_rotary(q, k, cos, sin, interleaved=style == "interleaved")
+
+
+def _deinterleave(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    pairs = x[..., :rotary_dim].unflatten(-1, (rotary_dim // 2, 2)).transpose(-1, -2).flatten(-2)
+    return pairs if x.shape[-1] == rotary_dim else torch.cat([pairs, x[..., rotary_dim:]], dim=-1)
+
+
+def rotary_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Stand-in for ``original``: the kernel while a patched module that asked for it runs, else ``original``.
+
+    Recognition verified ``original`` only at the defaults of its parameters past (q, k, cos, sin); a
+    call that sets any of them differently is a recognition gap and raises rather than guessing.
+    """
+    signature = inspect.signature(original)
+    params = list(signature.parameters.values())
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        spec = _ACTIVE.get()
+        if spec is None or spec.original is not original:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        for p in params[4:]:
+            if p.name in bound.arguments and not is_default(bound.arguments[p.name], p.default):
+                raise RuntimeError(f"{spec.module}: {original.__name__} called with {p.name}={bound.arguments[p.name]!r}, "
+                                   "which recognition did not verify")
+        q, k, cos, sin = (bound.arguments[p.name] for p in params[:4])
+        return rotate(q, k, cos, sin, spec.style)
+
+    dispatch.adapt_original = original
+    return dispatch
+
+
+def rotary_forward(module: nn.Module, component: Component):
+    """adapt-triton factory: swaps the recognised global for the dispatcher and wraps ``module.forward``
+    so the dispatcher knows this module is running.  The returned forward carries ``release``."""
+    from operators.patch import swap_global
+
+    v = component.variant
+    scope = forward_function(module).__globals__
+    if f"{scope.get('__name__')}.{v['global']}" != v["function"]:
+        raise RuntimeError(f"{component.module}: forward no longer resolves {v['function']}")
+    swap = swap_global(scope, v["global"], rotary_dispatcher)
+    spec = RotarySpec(swap.original, v["style"], component.module)
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        token = _ACTIVE.set(spec)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    forward.release = swap.release
+    return forward
+
+
+def self_test_cases(gen: torch.Generator) -> dict[str, tuple]:
+    """(kernel, float64 reference, inputs) per rotation style for the provider's self-test: GQA heads,
+    partial rotary (8 of 12 dims), tables in Hugging Face's ``cat(f, f)`` layout."""
+    from operators.recognition.probes import rotation_reference
+
+    angles = torch.rand(1, 5, 4, generator=gen) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k = torch.randn(2, 4, 5, 12, generator=gen), torch.randn(2, 2, 5, 12, generator=gen)
+
+    def case(style: str) -> tuple:
+        def kernel(q, k):
+            qo, ko = rotate(q, k, cos.to(q.device), sin.to(q.device), style)
+            return torch.cat([qo.flatten(), ko.flatten()])
+
+        def reference(q, k):
+            return torch.cat([rotation_reference(t, cos.double(), sin.double(), style).flatten() for t in (q, k)])
+
+        return kernel, reference, (q, k)
+
+    return {f"rotary_{style}": case(style) for style in ("half", "interleaved", "deinterleaved")}

@@ -1,0 +1,84 @@
+"""Probe caching: identical modules are probed once, different ones (eps, width, mask) again, look-alikes still fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ops_testlib import load
+from torch import nn
+
+from operators import recognition
+from operators.inventory import trace_callable, trace_model
+
+
+class Rms(nn.Module):
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, h):
+        return self.gain * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class EpsOutside(Rms):
+    """Same parameters and attributes as ``Rms``; eps added outside the square root."""
+
+    def forward(self, h):
+        return self.gain * h / (torch.sqrt(h.pow(2).mean(-1, keepdim=True)) + self.eps)
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 32)
+        self.n0, self.n1, self.eps_5 = Rms(32, 1e-6), Rms(32, 1e-6), Rms(32, 1e-5)
+        self.widen = nn.Linear(32, 48)
+        self.wide, self.fake0, self.fake1 = Rms(48, 1e-6), EpsOutside(48, 1e-6), EpsOutside(48, 1e-6)
+
+    def forward(self, x):
+        x = self.eps_5(self.n1(self.n0(self.inp(x))))
+        return self.fake1(self.fake0(self.wide(self.widen(x))))
+
+
+def counting(monkeypatch, name: str) -> list[str]:
+    """Wrap ``operators.recognition.<name>`` so every real probe run is recorded."""
+    calls: list[str] = []
+    original = getattr(recognition, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(recognition, name, wrapper)
+    return calls
+
+
+def test_identical_norms_probed_once_different_eps_width_and_lookalikes_probed_again(monkeypatch):
+    calls = counting(monkeypatch, "probe_norm")
+    model = Tower()
+    cache = recognition.ProbeCache()
+    found = recognition.recognise(model, trace_callable(model, torch.randn(2, 7, 32)), cache=cache)
+    comps = {c.module: c for c in found.components if c.kind == "rms_norm"}
+    # n0 probed; n1 reuses it; eps 1e-5, width 48 and the look-alike class are each probed; fake1 reuses fake0's rejection.
+    assert len(calls) == cache.probes_run == 4
+    assert set(comps) == {"n0", "n1", "eps_5", "wide"}
+    assert "probed on" not in comps["n0"].evidence and "probed on n0" in comps["n1"].evidence
+    assert (comps["n0"].variant["eps"], comps["eps_5"].variant["eps"]) == (1e-6, 1e-5)
+    assert "probed on" not in comps["eps_5"].evidence and "probed on" not in comps["wide"].evidence
+    assert comps["wide"].variant["width"] == 48
+    assert sorted(r["module"] for r in found.rejected) == ["fake0", "fake1"]
+    assert "probed on fake0" in next(r["reason"] for r in found.rejected if r["module"] == "fake1")
+
+
+@pytest.mark.parametrize(("name", "probes", "windows"), [("llama", 1, {None}), ("gemma2", 2, {16, None})])
+def test_attention_probed_once_per_structure_and_mask(zoo, monkeypatch, name, probes, windows):
+    """All llama layers share one visibility probe; Gemma-2's sliding and global layers see different masks."""
+    calls = counting(monkeypatch, "attention_visibility")
+    model = load(zoo(name))
+    found = recognition.recognise(model, trace_model(model))
+    attention = [c for c in found.components if c.kind == "attention"]
+    assert len(attention) >= 2 and all(c.confirmed for c in attention)
+    assert len(calls) == probes
+    assert {c.variant["window"] for c in attention} == windows
+    assert sum("probed on" in c.evidence for c in attention) == len(attention) - probes
