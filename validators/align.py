@@ -176,8 +176,25 @@ def align(
         report = streamed_align(src, dtype, device, limits, transform, options, seed)
     else:
         report = _full_align(src, dtype, device, limits, transform, options, seed)
+        redraws = 0
+        # A draw whose MoE routing is mostly undecidable in the dtype leaves too few tokens to judge: draw
+        # again (fresh inputs only; a pinned seed is the caller's to keep).
+        while options.seed is None and _undecidable_share(report, options) > MAX_UNDECIDABLE_SHARE and redraws < 3:
+            redraws += 1
+            discarded = report.seed
+            report = _full_align(src, dtype, device, limits, transform, options, int.from_bytes(os.urandom(4), "little"))
+            report.notes.append(f"inputs redrawn {redraws}x: under seed {discarded} more than "
+                                f"{MAX_UNDECIDABLE_SHARE:.0%} of the tokens had an undecidable expert choice")
     report.notes[:0] = notes
     return report
+
+
+MAX_UNDECIDABLE_SHARE = 0.25
+
+
+def _undecidable_share(report: AlignmentReport, options: AlignOptions) -> float:
+    logits = next((layer for layer in report.layers if layer.name == "logits"), None)
+    return logits.excluded_tokens / (options.batch * options.seq_len) if logits is not None else 0.0
 
 
 def _full_align(src, dtype_name, device, limits, transform, options, seed) -> AlignmentReport:
@@ -229,8 +246,6 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
 
     tokens = ids.numel()
     flips = routing_flips(ref_rec.routing, base_rec.routing, cand_rec.routing, tokens, limits.max_err_ratio)
-    flips.seq_len = ids.shape[1]
-    flips.causal = bool(getattr(reference, "can_generate", lambda: False)())  # generative = causal attention
     report.notes.extend(flips.notes())
 
     def routed_judge(name, block, component, ref, cand, base):

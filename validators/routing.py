@@ -106,39 +106,19 @@ class RoutingFlips:
     """Per block: tokens the dtype cannot route for sure (left out), and clear-margin flips seen in the candidate."""
 
     tokens: int
-    seq_len: int = 0  # tokens per sequence (0: unknown, each token stands alone)
-    causal: bool = True  # a token reaches only later positions of its sequence through attention
     excused: dict[int, set[int]] = field(default_factory=dict)  # block -> undecidable token indices (near ties)
     clear: dict[int, int] = field(default_factory=dict)  # block -> flipped tokens on a clear margin
     clear_margin: dict[int, tuple[float, float]] = field(default_factory=dict)  # block -> (smallest margin, rounding)
 
     def excluded_from(self, block: int | None) -> set[int]:
-        """Tokens left out of a tensor of ``block`` (None: outside the blocks, after them: the logits).
-
-        In its own block only the undecidable token differs; from the next block on, attention has carried
-        it to the later positions of its sequence (every position, for a bidirectional model)."""
-        out: set[int] = set()
-        for b, tokens in self.excused.items():
-            if block is not None and b > block:
-                continue
-            out |= tokens if block == b else self._reach(tokens)
-        return out
-
-    def _reach(self, tokens: set[int]) -> set[int]:
-        if not self.seq_len:
-            return set(tokens)
-        reach: set[int] = set()
-        for t in tokens:
-            start = t - t % self.seq_len
-            reach.update(range(t if self.causal else start, start + self.seq_len))
-        return reach
+        """Tokens left out of a tensor of ``block`` (None: outside the blocks, after them: the logits)."""
+        return set().union(*(t for b, t in self.excused.items() if block is None or b <= block))
 
     def notes(self) -> list[str]:
         out = []
         for block, tokens in sorted(self.excused.items()):
             out.append(f"block {block}: {len(tokens)} token(s) on a near-tied router score (margin within the unadapted "
-                       "model's rounding: their expert choice is undecidable in this dtype); left out of that block's errors, and with the "
-                       "positions attention carries them to, of later tensors' errors")
+                       "model's rounding: their expert choice is undecidable in this dtype); left out of that block's and later tensors' errors")
         for block, count in sorted(self.clear.items()):
             margin, rounding = self.clear_margin[block]
             out.append(f"block {block}: {count} token(s) routed differently on a clear router margin "

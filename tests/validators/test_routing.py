@@ -93,3 +93,35 @@ def test_candidate_routing_inside_a_kernel_leaves_out_only_near_ties():
     opaque = RoutingRecording()  # the candidate's kernel ran no torch.topk
     flips = routing_flips(_recording(ref), _recording(ref + 5e-4), opaque, 3, ratio=2.0)
     assert flips.excused == {1: {0}} and not flips.clear
+
+
+def test_a_mostly_undecidable_draw_is_redrawn_and_said(monkeypatch, zoo):
+    """Fresh inputs whose routing is mostly undecidable leave too little to judge: align draws again (up to
+    three times) and says so; a pinned seed is never redrawn."""
+    import importlib
+
+    from adapt.intake import resolve_source
+    from validators.compare import LayerResult
+
+    align_module = importlib.import_module("validators.align")  # the package exposes the function under this name
+
+    options = align_module.AlignOptions(batch=2, seq_len=8)
+    shares = iter([12, 9, 1])  # undecidable tokens of 16, draw after draw
+    seeds = []
+
+    def fake_full_align(src, dtype, device, limits, transform, opts, seed):
+        seeds.append(seed)
+        logits = LayerResult("logits", None, None, 1.0, 0.0, 0.0, 1.0, 0.0, True, excluded_tokens=next(shares))
+        return align_module.AlignmentReport(src.text, dtype, device, "float32", False, seed, {}, passed=True, layers=[logits])
+
+    monkeypatch.setattr(align_module, "_full_align", fake_full_align)
+    src = resolve_source(str(zoo("llama")))
+    report = align_module.align(src, dtype="fp32", options=options)
+    assert len(seeds) == 3 and len(set(seeds)) == 3 and report.seed == seeds[-1]
+    assert report.layers[-1].excluded_tokens == 1
+    assert any("inputs redrawn 2x" in note for note in report.notes)
+
+    shares = iter([12])
+    seeds.clear()
+    pinned = align_module.align(src, dtype="fp32", options=align_module.AlignOptions(batch=2, seq_len=8, seed=5))
+    assert seeds == [5] and not any("redrawn" in note for note in pinned.notes)
