@@ -106,13 +106,20 @@ def _rms_norm_fwd(X, R, S, Y, W, RSTD, M, N, stride_x, stride_r, eps, offset,
 
 
 @triton.jit
-def _rms_bwd_loads(X, DY, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M: tl.constexpr):
+def _bwd_tile_loads(X, DY, tile, M, N, stride_dy, cols, col_mask, BLOCK_M: tl.constexpr):
+    """One backward tile of x (saved contiguous) and dy, with its rows and row mask for the statistics."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0)
     dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy, rows, row_mask
+
+
+@triton.jit
+def _rms_bwd_loads(X, DY, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M: tl.constexpr):
+    x, dy, rows, row_mask = _bwd_tile_loads(X, DY, tile, M, N, stride_dy, cols, col_mask, BLOCK_M)
     return x, dy, tl.load(RSTD + rows, mask=row_mask, other=0.0)
 
 
@@ -268,12 +275,7 @@ def _layer_norm_fwd(X, Y, W, B, MEAN, RSTD, M, N, stride_x, eps,
 
 @triton.jit
 def _layer_norm_bwd_loads(X, DY, MEAN, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M: tl.constexpr):
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    x, dy, rows, row_mask = _bwd_tile_loads(X, DY, tile, M, N, stride_dy, cols, col_mask, BLOCK_M)
     return x, dy, tl.load(MEAN + rows, mask=row_mask, other=0.0), tl.load(RSTD + rows, mask=row_mask, other=0.0)
 
 

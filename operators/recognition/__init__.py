@@ -114,7 +114,6 @@ def recognise(
         rejected.append({"module": path, "candidate": candidate, "reason": reason})
 
     cache = cache if cache is not None else ProbeCache()
-    rope_verdicts: dict[tuple, tuple[str, dict[str, Any] | None, str]] = {}
     records = sorted(inventory.modules.values(), key=lambda r: r.path.count("."))  # outermost first
     for rec in records:
         if not rec.path or _inside(rec.path, claimed, strict=True):
@@ -150,7 +149,7 @@ def recognise(
         if comp is not None:
             accept(comp)
             if comp.kind == "attention" and comp.variant.get("rope") and can_probe and rec.path in inventory.captured:
-                found.append(_rotary_application(module, rec.path, inventory, generator, rope_verdicts))
+                found.append(_rotary_application(module, rec.path, inventory, generator, cache))
     found.extend(_residual_norms(inventory, found))
     head = _lm_head(model, inventory, generator, can_probe)
     if head is not None:
@@ -198,15 +197,13 @@ def _rotary(module, rec: ModuleRecord, inv: OpInventory, can_probe: bool) -> Com
     return Component(rec.path, "rotary", variant, True, "cos^2+sin^2 constant, layout from table symmetry")
 
 
-def _rotary_application(module, path: str, inv: OpInventory, generator, verdicts: dict) -> Component:
+def _rotary_application(module, path: str, inv: OpInventory, generator, cache: ProbeCache) -> Component:
     """The global function the attention forward rotates (q, k) with, probed once per distinct structure;
     unconfirmed (no kernel offered) with the reason when none is found."""
-    key = structure_key(module, inv.modules[path], inv, call_inputs=True)
-    if key not in verdicts:
-        verdicts[key] = (path, *probe_rotary_application(module, *inv.captured[path], generator))
-    first, variant, evidence = verdicts[key]
-    evidence += f" (probed on {first}: same structure and call inputs)" if first != path else ""
-    return Component(path, "rotary_application", dict(variant or {}), variant is not None, evidence)
+    key = ("rotary_application", *structure_key(module, inv.modules[path], inv, call_inputs=True))
+    run = functools.partial(probe_rotary_application, module, *inv.captured[path], generator)
+    (variant, evidence), suffix = cache.verdict(key, path, run)
+    return Component(path, "rotary_application", dict(variant or {}), variant is not None, evidence + suffix)
 
 
 def _attention(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache) -> Component:

@@ -32,11 +32,14 @@ from parallel_planner.distributed.pipeline import (
     check_decomposition,
     split_stages,
 )
-from parallel_planner.distributed.tied_weights import TiedAcrossStages, tie_across_stages
 from parallel_planner.distributed.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
     find_head_count_attributes,
+)
+from parallel_planner.distributed.tied_weights import (
+    TiedAcrossStages,
+    tie_across_stages,
 )
 
 
@@ -180,7 +183,7 @@ def parallelize(
         experts=experts,
     )
     if plan.pp > 1:
-        result.tied = tie_across_stages(result.chunks, result.stage_indices, parts, dims, plan.pp * plan.vpp)
+        result.tied = tie_across_stages(result.chunks, result.stage_indices, parts, dims)
         result.schedule, _ = build_schedule(
             stage_modules, plan, dims.mesh("pp"), dims.device, loss_fn
         )
