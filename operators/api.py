@@ -39,6 +39,7 @@ class PatchCheck:
     reverted_exactly: bool = False
     attention_kernel_calls: int = 0
     patched_modules: int = 0
+    residual_fusion: dict[str, int] = field(default_factory=dict)  # pairs, fused and missed norm calls
     note: str = ""
 
 
@@ -202,6 +203,7 @@ def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -
     try:
         out, grads = _forward_backward(model, ids, training)
         calls = handle.attention_calls()
+        fusion = handle.residual_fusion()
         patched = len(handle.patched)
         unchanged = model.state_dict().keys() == before.keys() and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     finally:
@@ -210,8 +212,10 @@ def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -
     logits_diff = float((out - ref_out).abs().max())
     grad_rel = max((float((grads[k] - g).abs().max()) / max(float(g.abs().max()), 1e-12) for k, g in ref_grads.items()), default=0.0)
     scale = max(float(ref_out.abs().max()), 1.0)
-    passed = logits_diff <= PATCH_RTOL * scale and grad_rel <= 1e-4 and unchanged and torch.equal(again, ref_out)
-    return PatchCheck(True, passed, logits_diff, grad_rel, unchanged, bool(torch.equal(again, ref_out)), calls, patched)
+    # every fused add+norm pair must have served its norm: a pair that ran unfused would be a silent fallback
+    fused_all = fusion["idle"] == 0 and fusion["missed"] == 0
+    passed = logits_diff <= PATCH_RTOL * scale and grad_rel <= 1e-4 and unchanged and torch.equal(again, ref_out) and fused_all
+    return PatchCheck(True, passed, logits_diff, grad_rel, unchanged, bool(torch.equal(again, ref_out)), calls, patched, fusion)
 
 
 def _forward_backward(model: nn.Module, ids: torch.Tensor, training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

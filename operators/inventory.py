@@ -63,6 +63,10 @@ class ModuleRecord:
     # The module's own forward ops of its first call, in order: [overload, input shapes, non-tensor args].
     sequence: list[list[Any]] = field(default_factory=list)
     fed_by_add: str | None = None  # module whose ``aten.add`` produced this module's first input
+    # Where that add ran in the adding module's own code: after which of its direct children returned
+    # (None: before any), and how many adds that module had run since.  Hooks on the children find it again.
+    fed_by_add_after: str | None = None
+    fed_by_add_index: int | None = None
 
 
 @dataclass
@@ -163,15 +167,18 @@ def _matmul_flops(name: str, args: tuple, out: Any) -> int:
 class _Recorder(TorchDispatchMode):
     """Counts every dispatched ATen op under the module that owns it."""
 
-    def __init__(self, current_module: Callable[[], str], first_call: Callable[[str], bool]):
+    def __init__(self, current_module: Callable[[], str], first_call: Callable[[str], bool],
+                 add_position: Callable[[str], tuple[str | None, int]]):
         super().__init__()
         self.current_module = current_module
         self.first_call = first_call
+        self.add_position = add_position
         self.phase = "forward"
         self.records: dict[tuple[str, str, str], OpRecord] = {}
         self.scalars: dict[str, list[float]] = {}
         self.sequences: dict[str, list[list[Any]]] = {}
-        self.add_outputs: dict[int, tuple[weakref.ref, str]] = {}  # id(tensor) -> (tensor ref, module)
+        # id(tensor) -> (tensor ref, module, (child it ran after, adds since that child))
+        self.add_outputs: dict[int, tuple[weakref.ref, str, tuple[str | None, int]]] = {}
         self.example_calls: dict[str, tuple[Any, tuple, dict]] = {}  # overload -> (op, meta args, kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -210,14 +217,14 @@ class _Recorder(TorchDispatchMode):
             if self.first_call(module):
                 self.sequences.setdefault(module, []).append([name, rec_shapes(flat), _plain_args(flat)])
             if name == "aten.add.Tensor" and isinstance(out, torch.Tensor):
-                self.add_outputs[id(out)] = (weakref.ref(out), module)
+                self.add_outputs[id(out)] = (weakref.ref(out), module, self.add_position(module))
         return out
 
-    def producer_add(self, tensor: torch.Tensor) -> str | None:
-        """Module whose ``aten.add.Tensor`` produced exactly this tensor object, if any."""
+    def producer_add(self, tensor: torch.Tensor) -> tuple[str, str | None, int] | None:
+        """(module, child it ran after, adds since) of the ``aten.add.Tensor`` that produced exactly this tensor."""
         entry = self.add_outputs.get(id(tensor))
         if entry is not None and entry[0]() is tensor:
-            return entry[1]
+            return entry[1], *entry[2]
         return None
 
 
@@ -255,7 +262,8 @@ class _ModuleTracker:
         self.track_backward = track_backward
         self.capture = capture
         self.captured: dict[str, tuple[tuple, dict]] = {}  # first-call inputs, detached
-        self.fed_by_add: dict[str, str] = {}
+        self.fed_by_add: dict[str, tuple[str, str | None, int]] = {}
+        self.after_child: dict[str, list] = {}  # module -> [direct child that returned last or None, adds since]
         self.recorder: _Recorder | None = None
         self.shapes: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
         self.calls: Counter = Counter()
@@ -275,6 +283,7 @@ class _ModuleTracker:
             if self.track_backward:  # ops run by the caller before this call belong to the caller
                 _tag_graph(_tensors((args, kwargs)), self.stack[-1])
             self.stack.append(path)
+            self.after_child[path] = [None, 0]
             self.calls[path] += 1
             if path not in self.shapes:
                 inputs = _tensors((args, kwargs))
@@ -294,11 +303,19 @@ class _ModuleTracker:
                 _tag_graph(_tensors(output), path)
             if self.stack and self.stack[-1] == path:
                 self.stack.pop()
+                if self.stack:
+                    self.after_child[self.stack[-1]] = [path, 0]
             ins, outs = self.shapes[path]
             if not outs:
                 self.shapes[path] = (ins, [s for s in map(_shape_of, _tensors(output)) if s])
 
         return hook
+
+    def add_position(self, module: str) -> tuple[str | None, int]:
+        """For an add ``module`` runs now: the direct child it follows, and how many adds came since."""
+        entry = self.after_child.setdefault(module, [None, 0])
+        entry[1] += 1
+        return entry[0], entry[1] - 1
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -319,7 +336,7 @@ def trace_ops(
     module's first-call inputs (detached) so probes can re-run it with fresh data.
     """
     tracker = _ModuleTracker(model, track_backward=backward, capture=capture)
-    recorder = _Recorder(tracker.current, tracker.first_call)
+    recorder = _Recorder(tracker.current, tracker.first_call, tracker.add_position)
     tracker.recorder = recorder
     try:
         with recorder:
@@ -376,9 +393,16 @@ def _module_records(model: nn.Module, recorder: _Recorder, tracker: _ModuleTrack
             scalars=sorted(set(scalars)),
             calls=tracker.calls[path],
             sequence=recorder.sequences.get(full, []),
-            fed_by_add=_join(prefix, tracker.fed_by_add[path]) if path in tracker.fed_by_add else None,
+            **_fed_by_add(prefix, tracker.fed_by_add.get(path)),
         )
     return out
+
+
+def _fed_by_add(prefix: str, producer: tuple[str, str | None, int] | None) -> dict[str, Any]:
+    if producer is None:
+        return {}
+    module, after, index = producer
+    return {"fed_by_add": _join(prefix, module), "fed_by_add_after": _join(prefix, after) if after is not None else None, "fed_by_add_index": index}
 
 
 def example_batch(model: nn.Module, batch: int = 2, seq_len: int = 24, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -9,7 +9,9 @@ private config copy selecting the ``adapt`` function, which runs SDPA/FlexAttent
 recognised parameters.  A replacement forward may carry ``release``, undoing process-wide state it
 set up: rotary embedding swaps a function in the modelling module's globals (``swap_global``,
 reference-counted across modules and models).  The fused loss is installed on the module that owns
-the vocabulary projection (``get_output_embeddings()``), not on the projection itself.
+the vocabulary projection (``get_output_embeddings()``), not on the projection itself.  A fused
+residual-add + norm hooks the children of the block whose own code runs the add
+(``triton_residual``) and wraps the norm's forward last, over whatever the other choices gave it.
 ``PatchHandle.revert()`` restores every forward, config and global it changed.
 """
 
@@ -26,6 +28,7 @@ from operators.generated import GeneratedKernel, compile_module
 from operators.mapping import KernelChoice, KernelPlan
 from operators.providers import torch_native
 from operators.providers.triton_head import head_owner
+from operators.providers.triton_residual import FusionTarget
 from operators.recognition import Component
 from operators.registry import Target, providers
 
@@ -40,7 +43,8 @@ class PatchHandle:
     attention_modules: list[nn.Module] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)  # "module: provider/kernel"
     generated: list[GeneratedKernel] = field(default_factory=list)
-    releases: list[Callable[[], None]] = field(default_factory=list)  # undo process-wide state (swapped globals)
+    releases: list[Callable[[], None]] = field(default_factory=list)  # undo state beyond forwards (globals, hooks)
+    fusion_targets: list[FusionTarget] = field(default_factory=list)  # fused residual-add + norm pairs
     active: bool = True
 
     def revert(self) -> None:
@@ -64,6 +68,12 @@ class PatchHandle:
         """How many times the adapt attention kernel ran since patching (proves it is on the path)."""
         return sum(torch_native.attention_calls(m) for m in self.attention_modules)
 
+    def residual_fusion(self) -> dict[str, int]:
+        """Fused residual-add + norm pairs; norm calls they served; times they ran unfused; pairs never used."""
+        targets = self.fusion_targets
+        return {"pairs": len(targets), "fused": sum(t.fused for t in targets), "missed": sum(t.missed for t in targets),
+                "idle": sum(t.fused == 0 for t in targets)}
+
     def __enter__(self) -> "PatchHandle":
         return self
 
@@ -79,8 +89,8 @@ def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> PatchHandle:
     handle = PatchHandle(model)
     options = {p.name: p for p in providers()}
     target = Target(**plan.target)
-    try:
-        for choice in plan.components:
+    try:  # residual-add + norm last: it wraps the norm's forward as the other choices left it
+        for choice in sorted(plan.components, key=lambda c: c.kind == "residual_add_norm"):
             if not choice.patch:
                 continue
             module = model.get_submodule(choice.module)
@@ -88,6 +98,11 @@ def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> PatchHandle:
                 _install(handle, module, compile_module(module))
             elif choice.kind == "attention":
                 _install_attention(handle, module, choice)
+            elif choice.kind == "residual_add_norm":
+                pair = _factory(options, choice, target)(model.get_submodule(choice.variant["add_in"]), _component(choice))
+                _install(handle, pair.norm, pair.forward)
+                handle.releases.append(pair.release)
+                handle.fusion_targets.append(pair.target)
             else:
                 factory = _factory(options, choice, target)
                 if choice.kind == "lm_head_cross_entropy":

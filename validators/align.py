@@ -17,6 +17,7 @@ import math
 import os
 import resource
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,7 +117,8 @@ def kernel_plan_transform(kernel_plan: Any, notes: list[str] | None = None) -> C
     def transform(model: nn.Module) -> nn.Module:
         handle = apply_kernel_plan(model, kernel_plan)
         if notes is not None:
-            note = f"kernel plan patched {len(handle.patched)} modules: {', '.join(handle.patched) or 'none'}"
+            kernels = Counter(entry.split(": ", 1)[1] for entry in handle.patched)
+            note = f"kernel plan patched {len(handle.patched)} modules: {', '.join(f'{n}x {k}' for k, n in sorted(kernels.items())) or 'none'}"
             if note not in notes:
                 notes.append(note)
         return model

@@ -2,7 +2,8 @@
 SwiGLU/GeGLU, and routed MoE blocks (route, permute, grouped GEMM, GLU, weighted unpermute).  They run
 on CUDA, or on CPU only inside Triton's interpreter (``TRITON_INTERPRET=1`` set before import) - the
 provider reports itself unavailable anywhere else.  Rotary embedding (``triton_rope``) and the fused
-linear cross-entropy of a causal LM's loss (``triton_head``) patch through the model's own functions."""
+linear cross-entropy of a causal LM's loss (``triton_head``) patch through the model's own functions;
+a residual add in a block's own code fuses with the norm it feeds (``triton_residual``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import torch
 from torch import nn
 
-from operators.providers import triton_head, triton_moe, triton_rope
+from operators.providers import triton_head, triton_moe, triton_residual, triton_rope
 from operators.recognition import Component
 from operators.registry import KernelOption, Target
 
@@ -57,6 +58,9 @@ class AdaptTritonProvider:
         if component.kind == "lm_head_cross_entropy":
             return [KernelOption(self.name, "fused_linear_cross_entropy", "fused", triton_head.head_forward, needs_codegen=codegen,
                                  note="forward with labels: loss from the decoder output, logits not materialised (None)")]
+        if component.kind == "residual_add_norm" and v.get("norm") == "rms_norm" and v.get("weight") and v.get("add_after") is not None:
+            return [KernelOption(self.name, "add_rms_norm", "fused", triton_residual.install_pair, needs_codegen=codegen,
+                                 note=f"the add after {v['add_after']} returns, and this norm, in one pass")]
         if component.kind == "moe" and triton_moe.unsupported_reason(v, target.training) is None:
             return [KernelOption(self.name, "moe_grouped_gemm", "fused", triton_moe.moe_forward, needs_codegen=codegen)]
         return []
@@ -107,9 +111,12 @@ def _self_test(device: str) -> str | None:
     gen = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(s, generator=gen) for s in ((3, 40), (40,), (40,)))
     g, u = torch.randn(3, 24, generator=gen), torch.randn(3, 24, generator=gen)
+    r = torch.randn(3, 40, generator=gen)
     cases = {
         "rms_norm": (lambda x, w: kernels.rms_norm(x, w, 1e-6, 1.0, "gemma"), lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w), (x, w)),
         "layer_norm": (lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5), lambda x, w, b: F.layer_norm(x, (40,), w, b, 1e-5), (x, w, b)),
+        "add_rms_norm": (lambda x, r, w: torch.cat(kernels.add_rms_norm(x, r, w, 1e-6, 0.0, "llama"), -1),
+                         lambda x, r, w: torch.cat([x + r, (x + r) * torch.rsqrt((x + r).pow(2).mean(-1, keepdim=True) + 1e-6) * w], -1), (x, r, w)),
         "swiglu": (kernels.swiglu, lambda g, u: F.silu(g) * u, (g, u)),
         "geglu": (lambda g, u: kernels.geglu(g, u, "tanh"), lambda g, u: F.gelu(g, approximate="tanh") * u, (g, u)),
         **triton_rope.self_test_cases(gen),

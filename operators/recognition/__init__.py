@@ -345,7 +345,8 @@ def _residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]
         if comp.kind in ("rms_norm", "layer_norm") and comp.confirmed:
             rec = inv.modules[comp.module]
             if rec.fed_by_add is not None and (rec.fed_by_add == "" or comp.module.startswith(rec.fed_by_add + ".")):
-                out.append(Component(comp.module, "residual_add_norm", {"norm": comp.kind, "add_in": rec.fed_by_add}, True, "norm input is the tensor the parent's aten.add produced"))
+                variant = {"norm": comp.kind, "add_in": rec.fed_by_add, "add_after": rec.fed_by_add_after, "add_index": rec.fed_by_add_index, **comp.variant}
+                out.append(Component(comp.module, "residual_add_norm", variant, True, "norm input is the tensor an aten.add of an enclosing block produced"))
     return out
 
 
