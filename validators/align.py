@@ -187,11 +187,17 @@ def align(
             report = _full_align(src, dtype, device, limits, transform, options, int.from_bytes(os.urandom(4), "little"))
             report.notes.append(f"inputs redrawn {redraws}x: under seed {discarded} more than "
                                 f"{MAX_UNDECIDABLE_SHARE:.0%} of the tokens had an undecidable expert choice")
+        share = _undecidable_share(report, options)
+        if share > MAX_INCONCLUSIVE_SHARE:  # too few tokens judged: a pass would mean nothing
+            report.passed = False
+            report.notes.append(f"inconclusive, so not passed: {share:.0%} of the tokens had an expert choice undecidable in "
+                                f"{dtype} (more than {MAX_INCONCLUSIVE_SHARE:.0%}); align in a wider dtype to judge this routing")
     report.notes[:0] = notes
     return report
 
 
-MAX_UNDECIDABLE_SHARE = 0.25
+MAX_UNDECIDABLE_SHARE = 0.25  # above this, fresh inputs are drawn again
+MAX_INCONCLUSIVE_SHARE = 0.5  # above this, after the redraws, the alignment cannot pass
 
 
 def _undecidable_share(report: AlignmentReport, options: AlignOptions) -> float:

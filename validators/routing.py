@@ -8,8 +8,10 @@ and the draw, not of the kernels: it happens in the unadapted model too, on othe
 
 So every ``topk`` a block component calls is recorded (a ``TorchFunctionMode``; no class names,
 no per-model tables).  A token is *undecidable* in the dtype when the reference's margin between its
-last chosen and first unchosen score is within the rounding the unadapted model shows on those very
-scores (``max |baseline - reference|`` over the call, times the thresholds' ``max_err_ratio``).
+last chosen and first unchosen score is within the rounding the unadapted model shows on that
+token's own scores (``max |baseline - reference|`` over the token's row, times the thresholds'
+``max_err_ratio``): a row's rounding, not the call's, since the largest scores of a wide router
+carry the largest absolute errors and would excuse every token of the call.
 Undecidable tokens are left out of the error metrics of that block and every later tensor (their
 path may differ from there on), counted in each affected ``LayerResult`` and in the notes, whether or
 not a flip was seen: a kernel may route inside its own code while the module's ``topk`` still runs,
@@ -122,7 +124,7 @@ class RoutingFlips:
         for block, count in sorted(self.clear.items()):
             margin, rounding = self.clear_margin[block]
             out.append(f"block {block}: {count} token(s) routed differently on a clear router margin "
-                       f"(smallest {margin:.3g} > rounding {rounding:.3g}; judged, not excused)")
+                       f"(smallest {margin:.3g} > that token's rounding {rounding:.3g}; judged, not excused)")
         return out
 
 
@@ -151,16 +153,16 @@ def routing_flips(
             for row in wrong.nonzero().flatten().tolist():
                 if row // per_token not in tainted:
                     flips.clear[block] = flips.clear.get(block, 0) + 1
-                    smallest = min(float(margin[row]), flips.clear_margin.get(block, (float("inf"), 0.0))[0])
-                    flips.clear_margin[block] = (smallest, rounding)
+                    if float(margin[row]) < flips.clear_margin.get(block, (float("inf"), 0.0))[0]:
+                        flips.clear_margin[block] = (float(margin[row]), float(rounding[row]))
         tainted |= undecided
     return flips
 
 
-def _rounding(reference: torch.Tensor, baseline: torch.Tensor) -> float:
-    """max |baseline - reference| over the scores both hold finite (masked-out ones are -inf)."""
+def _rounding(reference: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
+    """Per row: max |baseline - reference| over the scores both hold finite (masked-out ones are -inf)."""
     finite = torch.isfinite(reference) & torch.isfinite(baseline)
-    return float((baseline - reference)[finite].abs().max()) if bool(finite.any()) else 0.0
+    return torch.where(finite, baseline - reference, 0.0).abs().amax(-1)
 
 
 def drop_tokens(tensor: torch.Tensor, excluded: set[int], tokens: int) -> torch.Tensor:

@@ -120,8 +120,23 @@ def test_a_mostly_undecidable_draw_is_redrawn_and_said(monkeypatch, zoo):
     assert len(seeds) == 3 and len(set(seeds)) == 3 and report.seed == seeds[-1]
     assert report.layers[-1].excluded_tokens == 1
     assert any("inputs redrawn 2x" in note for note in report.notes)
+    assert report.passed and not any("inconclusive" in note for note in report.notes)
 
     shares = iter([12])
     seeds.clear()
     pinned = align_module.align(src, dtype="fp32", options=align_module.AlignOptions(batch=2, seq_len=8, seed=5))
     assert seeds == [5] and not any("redrawn" in note for note in pinned.notes)
+    # 12 of 16 tokens undecidable and no redraw allowed: too few judged, so the pass is withdrawn
+    assert not pinned.passed and any(note.startswith("inconclusive, so not passed: 75%") for note in pinned.notes)
+
+
+def test_one_tokens_rounding_excuses_only_that_token():
+    """A wide router's largest scores carry the largest errors; one token's must not excuse the whole call."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    tokens, experts = 5, 8
+    ref = 0.2 * torch.rand(tokens, experts, generator=gen, dtype=torch.float64)
+    ref[:, :3] = torch.tensor([0.9, 0.5, 0.5 - 1e-3], dtype=torch.float64)  # every token: margin 1e-3 after expert 1
+    base = ref + 1e-5 * (torch.rand(tokens, experts, generator=gen, dtype=torch.float64) - 0.5)
+    base[3, 0] += 0.05  # token 3's top score rounds badly
+    flips = routing_flips(_recording(ref), _recording(base), _recording(base), tokens, ratio=2.0)
+    assert flips.excused == {1: {3}} and not flips.clear
