@@ -17,6 +17,7 @@ correctness never depends on the block following the trace.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from operators.recognition import Component
 
+_FRAMES_TO_BLOCK = 8  # hook -> Module._call_impl / _wrapped_call_impl -> the block's forward (and its wrappers)
 # How ``a + b`` reaches a TorchFunctionMode differs across torch versions; every spelling counts.
 _ADDS = frozenset({torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add})
 
@@ -130,9 +132,23 @@ class ResidualFusion:
     def _returned(self, name: str):
         def hook(module, args, output) -> None:
             self._close()
-            self._open(name)
+            if self._called_from_block():
+                self._open(name)
 
         return hook
+
+    def _called_from_block(self) -> bool:
+        """Whether the child returned into the block's own forward (not a call from elsewhere, which would
+        leave the mode on the stack with no block hook to take it off).  The forward's frame is a few
+        frames up, past ``Module.__call__``; it may be the class forward run by a checkpoint recompute."""
+        frame = sys._getframe(2)
+        for _ in range(_FRAMES_TO_BLOCK):
+            if frame is None:
+                return False
+            if frame.f_locals.get("self") is self.block:
+                return True
+            frame = frame.f_back
+        return False
 
     def _block_edge(self, module, *_) -> None:
         """Block entry or exit: no window stays open, and a sum nobody consumed was a miss."""

@@ -180,6 +180,8 @@ def test_a_block_off_the_traced_path_runs_unfused_and_counts_the_miss():
         assert handle.residual_fusion() == {"pairs": 1, "fused": 1, "missed": 1, "idle": 0}
         block.detour = False
         block.norm(x)  # the norm called outside its block is neither fused nor a miss
+        block.branch(x)  # nor does its opener, called from outside, leave the mode on the stack
+        assert torch._C._len_torch_function_stack() == 0
         assert handle.residual_fusion() == {"pairs": 1, "fused": 1, "missed": 1, "idle": 0}
         with pytest.raises(RuntimeError):
             block(x[..., :5])  # fails inside a child: the mode must not stay on the stack
