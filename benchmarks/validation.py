@@ -217,6 +217,7 @@ def main() -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama-1b")
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal at tiny width")
     parser.add_argument("--soak-steps", type=int, default=None, help="default: 500 (llama-1b), 100 (qwen3-moe), 20 (--tiny)")
+    parser.add_argument("--bench-steps", type=int, default=5, help="timed training steps per variant in the bench")
     parser.add_argument("--skip", nargs="*", default=[], choices=STAGES, help="stages to skip")
     parser.add_argument("--ops-limit", type=int, default=None,
                         help="seconds allowed for the operators stage (default 240 llama-1b, 300 qwen3-moe)")
@@ -281,7 +282,7 @@ def main() -> int:
             run.stage("alignment_fp32", lambda: align(src, plan, dtype="fp32", device=device, options=fp32_options).to_dict(),
                       runs_adapted_model=True)
     if "bench" not in args.skip:
-        options = BenchOptions(dtype="bf16", seq_len=sizes.bench_seq, batch=sizes.bench_batch, steps=5, warmup=2, decode_tokens=16)
+        options = BenchOptions(dtype="bf16", seq_len=sizes.bench_seq, batch=sizes.bench_batch, steps=args.bench_steps, warmup=2, decode_tokens=16)
         run.stage("bench", lambda: bench(src, plan, device=device, options=options).to_dict(), runs_adapted_model=True)
     if "soak" not in args.skip:
         run.stage("soak", lambda: _soak(soak, src, plan, device, soak_steps, sizes.soak_seq, sizes.soak_batch), runs_adapted_model=True)

@@ -2,7 +2,8 @@
 
 Only used on CUDA: each candidate's replacement forward (plus backward when training) runs on a
 copy of the real module at a representative token count; the median of CUDA-event timings
-decides.  Results are cached per (device name, kind, variant, dtype, tokens) in
+decides.  A candidate without a replacement forward is the module's own forward: the path the model
+already takes (an MoE block on transformers' grouped GEMM, say) competes with the kernels.  Results are cached per (device name, kind, variant, dtype, tokens) in
 ``$ADAPT_CACHE/kernel_bench.json`` (default ``~/.cache/adapt``).
 """
 
@@ -32,33 +33,44 @@ def _key(comp: Component, target: Target) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-def fastest(options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module | None = None) -> KernelOption:
-    """The fastest option (cached); without a module to time, the first option in provider order."""
+def fastest(options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module | None = None) -> tuple[KernelOption, dict[str, float]]:
+    """The fastest option and the timings (ms) that chose it (cached); without a module to time, the
+    first option in provider order and no timings."""
     if module is None or not torch.cuda.is_available() or "width" not in comp.variant:
-        return options[0]
+        return options[0], {}
     path = _cache_path()
     cache = json.loads(path.read_text()) if path.is_file() else {}
     key = _key(comp, target)
-    if key in cache:
-        by_name = {f"{o.provider}:{o.kernel}": o for o in options}
-        if cache[key]["winner"] in by_name:
-            return by_name[cache[key]["winner"]]
+    by_name = {_name(o): o for o in options}
+    if key in cache and set(cache[key]["ms"]) == set(by_name):
+        return by_name[cache[key]["winner"]], cache[key]["ms"]
+    timings = measure(options, comp, target, module)
+    winner = min(timings, key=timings.get)
+    cache[key] = {"winner": winner, "ms": timings}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cache, indent=1))
+    return by_name[winner], timings
+
+
+def _name(option: KernelOption) -> str:
+    return f"{option.provider}:{option.kernel}"
+
+
+def measure(options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module) -> dict[str, float]:
+    """Median ms of each option's forward (+ backward when training) on a CUDA copy of ``module``."""
     dtype = getattr(torch, target.dtype)
     timings = {}
     for opt in options:
         mod = copy.deepcopy(module).to("cuda", dtype)
         fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
-        x = torch.randn(TOKENS, comp.variant["width"], device="cuda", dtype=dtype, requires_grad=target.training)
-        timings[f"{opt.provider}:{opt.kernel}"] = _time(lambda fwd=fwd, x=x: _step(fwd, x, target.training))
-    winner = min(timings, key=timings.get)
-    cache[key] = {"winner": winner, "ms": timings}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cache, indent=1))
-    return next(o for o in options if f"{o.provider}:{o.kernel}" == winner)
+        x = torch.randn(1, TOKENS, comp.variant["width"], device="cuda", dtype=dtype, requires_grad=target.training)
+        timings[_name(opt)] = _time(lambda fwd=fwd, x=x: _step(fwd, x, target.training))
+    return timings
 
 
 def _step(fwd, x, training: bool) -> None:
     out = fwd(x)
+    out = out[0] if isinstance(out, tuple) else out  # MoE blocks may return (hidden, router logits)
     if training:
         out.float().sum().backward()
 

@@ -26,6 +26,8 @@ from operators.registry import KernelOption, Target, provider_status, providers
 STATUSES = ("fused", "native", "decomposed", "generated", "unsupported")
 # Kinds recognised on the path of another component (the add before a norm, the rope inside an attention).
 _SHARED_PATH_KINDS = ("residual_add_norm", "rotary_application")
+# Kinds whose module maps hidden states to hidden states: kernels are timed against the module's own forward.
+_TIMED_KINDS = ("rms_norm", "layer_norm", "gated_mlp", "mlp", "moe")
 
 
 @dataclass
@@ -121,24 +123,29 @@ def _choose(comp: Component, provs, profile: BackendProfile, target: Target, mod
                 options.append(opt)
     if not options:
         return KernelChoice(comp.module, comp.kind, comp.variant, None, None, "native", comp.confirmed, note="no provider kernel; runs as traced")
-    best = _rank(options, comp, target, model.get_submodule(comp.module) if model is not None else None)
-    return KernelChoice(comp.module, comp.kind, comp.variant, best.provider, best.kernel, best.status, comp.confirmed, patch=best.make_forward is not None, note=best.note)
+    best, timings = _rank(options, comp, target, model.get_submodule(comp.module) if model is not None else None)
+    note = "; ".join(filter(None, [best.note, "timed here: " + ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) if timings else ""]))
+    return KernelChoice(comp.module, comp.kind, comp.variant, best.provider, best.kernel, best.status, comp.confirmed, patch=best.make_forward is not None, note=note)
 
 
 def _codegen_language(target: Target) -> str:
     return "Triton" if target.device == "cuda" else "C++/OpenMP"
 
 
-def _rank(options: list[KernelOption], comp: Component, target: Target, module: nn.Module | None) -> KernelOption:
+def _rank(options: list[KernelOption], comp: Component, target: Target, module: nn.Module | None) -> tuple[KernelOption, dict[str, float]]:
+    """The preferred provider's kernel; else, on CUDA, the fastest measured - the module's own traced
+    path competing where it maps hidden states to hidden states; else the first fused option."""
     fused = [o for o in options if o.status == "fused"] or options
     preferred = [o for o in fused if o.provider in target.prefer]
     if preferred:
-        return preferred[0]
-    if len(fused) > 1 and target.device == "cuda":
+        return preferred[0], {}
+    traced = [o for o in options if o.status == "native" and o.make_forward is None] if comp.kind in _TIMED_KINDS else []
+    candidates = fused + [o for o in traced if o not in fused]
+    if len(candidates) > 1 and target.device == "cuda":
         from operators.benchmark import fastest
 
-        return fastest(fused, comp, target, module)
-    return fused[0]
+        return fastest(candidates, comp, target, module)
+    return fused[0], {}
 
 
 def _escalate_to_generated(need: set[str], choices: list[KernelChoice]) -> None:

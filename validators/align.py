@@ -271,17 +271,36 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
         report.layers.append(routed_judge(key, where.block, where.component, ref, cand_rec.outputs[key], base_rec.outputs[key]))
     report.layers.append(routed_judge("logits", None, None, ref_out, cand_out, base_out))
     if options.backward:
-        skipped = flips.excluded_from(None)
-        if skipped:
-            # Gradients again, the undecidable tokens' loss terms left out of all three models' losses.
+        undecided = flips.excluded_from(None)
+        if undecided:
+            # Gradients again without the loss terms that can see an undecidable token: its own, and those of the
+            # later positions of its sequence, which attend to its state in every block after the flip.
+            seq = ids.shape[-1]
+            skipped = {row * seq + pos for row, first in _first_positions(undecided, seq).items() for pos in range(first, seq)}
+            if len(skipped) == ids.numel():
+                report.notes.append("inconclusive, so not passed: every loss term sees a token whose expert choice is "
+                                    f"undecidable in {dtype_name}; gradients were not compared")
+                _finish(report, started)
+                report.passed = False
+                return report
             for model, inputs in ((reference, ids), (baseline, ids.to(device)), (candidate, ids.to(device))):
                 _forward(model, inputs, True, vocab, skip_tokens=skipped)
-            report.notes.append(f"gradients compared with the loss terms of the {len(skipped)} undecidable token(s) left out")
+            report.notes.append(f"gradients compared without the loss terms of the {len(undecided)} undecidable token(s) "
+                                f"and of the later positions that attend to them ({len(skipped)} of {ids.numel()} terms left out)")
         report.gradients = _compare_gradients(reference, baseline, candidate, limits)
         if options.parity_steps > 0:
             report.parity = _loss_parity(baseline, candidate, options, seed, vocab, device, dtype_name)
     _finish(report, started)
     return report
+
+
+def _first_positions(tokens: set[int], seq: int) -> dict[int, int]:
+    """Flat batch*seq indices -> for each sequence holding any, its earliest position among them."""
+    first: dict[int, int] = {}
+    for token in tokens:
+        row, pos = divmod(token, seq)
+        first[row] = min(pos, first.get(row, seq))
+    return first
 
 
 def _forward(model: nn.Module, ids: torch.Tensor, backward: bool, vocab: int, skip_tokens: set[int] = frozenset()):
@@ -299,9 +318,12 @@ def _forward(model: nn.Module, ids: torch.Tensor, backward: bool, vocab: int, sk
 
 def _compare_gradients(reference, baseline, candidate, limits: Thresholds) -> list[LayerResult]:
     """Per-parameter gradient agreement.  Gradients compound every forward error, so the absolute
-    limit is relaxed 4x; the ratio to the unadapted model's gradient error is what discriminates.
-    Gradients that vanish in exact arithmetic are measured against 1e-3 of the global gradient norm."""
-    grad_limits = dataclasses.replace(limits, max_rel_err=min(1.0, 4 * limits.max_rel_err), min_cosine=1 - 4 * (1 - limits.min_cosine))
+    limit is relaxed 4x and the ratio to the unadapted model's gradient error 2x: a ratio of two
+    compounded errors spreads wider than a forward tensor's (bf16 router-weight gradients of a correct
+    MoE plan measured 2.2-3.3 on some fresh draws).  Gradients that vanish in exact arithmetic are
+    measured against 1e-3 of the global gradient norm."""
+    grad_limits = dataclasses.replace(limits, max_rel_err=min(1.0, 4 * limits.max_rel_err), min_cosine=1 - 4 * (1 - limits.min_cosine),
+                                      max_err_ratio=2 * limits.max_err_ratio)
     blocks = find_blocks(reference)
     block_of = {id(p): i for i, b in enumerate(blocks.blocks) for p in b.parameters()}
     base_params = dict(baseline.named_parameters())

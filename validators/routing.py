@@ -8,10 +8,11 @@ and the draw, not of the kernels: it happens in the unadapted model too, on othe
 
 So every ``topk`` a block component calls is recorded (a ``TorchFunctionMode``; no class names,
 no per-model tables).  A token is *undecidable* in the dtype when the reference's margin between its
-last chosen and first unchosen score is within the rounding the unadapted model shows on that
-token's own scores (``max |baseline - reference|`` over the token's row, times the thresholds'
-``max_err_ratio``): a row's rounding, not the call's, since the largest scores of a wide router
-carry the largest absolute errors and would excuse every token of the call.
+last chosen and first unchosen score is within the rounding the unadapted model shows on such
+boundary scores: ``max |baseline - reference|`` over every token's last-chosen and first-unchosen
+score in the call, times the thresholds' ``max_err_ratio``.  Boundary scores only, since the top
+scores of a wide softmax router carry far larger absolute errors and would excuse every token;
+the whole call, since one token's two scores are too few to estimate the rounding from.
 Undecidable tokens are left out of the error metrics of that block and every later tensor (their
 path may differ from there on), counted in each affected ``LayerResult`` and in the notes, whether or
 not a flip was seen: a kernel may route inside its own code while the module's ``topk`` still runs,
@@ -124,7 +125,7 @@ class RoutingFlips:
         for block, count in sorted(self.clear.items()):
             margin, rounding = self.clear_margin[block]
             out.append(f"block {block}: {count} token(s) routed differently on a clear router margin "
-                       f"(smallest {margin:.3g} > that token's rounding {rounding:.3g}; judged, not excused)")
+                       f"(smallest {margin:.3g} > rounding {rounding:.3g}; judged, not excused)")
         return out
 
 
@@ -141,9 +142,9 @@ def routing_flips(
             continue
         per_token = ref.scores.shape[0] // tokens
         block = reference.block_of.get(key[0])
-        top = ref.scores.topk(k + 1, dim=-1).values
-        margin = (top[:, k - 1] - top[:, k]).nan_to_num(nan=0.0)  # -inf vs -inf (masked out) is a tie
-        rounding = ratio * _rounding(ref.scores, base.scores)
+        top = ref.scores.topk(k + 1, dim=-1)
+        margin = (top.values[:, k - 1] - top.values[:, k]).nan_to_num(nan=0.0)  # -inf vs -inf (masked out) is a tie
+        rounding = ratio * _boundary_rounding(ref.scores, base.scores, top.indices[:, k - 1 :])
         near = margin <= rounding
         undecided = {row // per_token for row in near.nonzero().flatten().tolist()} - tainted
         if undecided:
@@ -153,16 +154,18 @@ def routing_flips(
             for row in wrong.nonzero().flatten().tolist():
                 if row // per_token not in tainted:
                     flips.clear[block] = flips.clear.get(block, 0) + 1
-                    if float(margin[row]) < flips.clear_margin.get(block, (float("inf"), 0.0))[0]:
-                        flips.clear_margin[block] = (float(margin[row]), float(rounding[row]))
+                    smallest = min(float(margin[row]), flips.clear_margin.get(block, (float("inf"), 0.0))[0])
+                    flips.clear_margin[block] = (smallest, rounding)
         tainted |= undecided
     return flips
 
 
-def _rounding(reference: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
-    """Per row: max |baseline - reference| over the scores both hold finite (masked-out ones are -inf)."""
-    finite = torch.isfinite(reference) & torch.isfinite(baseline)
-    return torch.where(finite, baseline - reference, 0.0).abs().amax(-1)
+def _boundary_rounding(reference: torch.Tensor, baseline: torch.Tensor, boundary: torch.Tensor) -> float:
+    """max |baseline - reference| over the ``boundary`` scores (rows x 2 indices) both hold finite
+    (masked-out ones are -inf)."""
+    ref, base = reference.gather(1, boundary), baseline.gather(1, boundary)
+    finite = torch.isfinite(ref) & torch.isfinite(base)
+    return float((base - ref)[finite].abs().max()) if bool(finite.any()) else 0.0
 
 
 def drop_tokens(tensor: torch.Tensor, excluded: set[int], tokens: int) -> torch.Tensor:

@@ -328,6 +328,7 @@ def _moe(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool
         "num_experts": bank[0][2][0] if bank else 0,
         "shared_experts": shared,
         "router": router[0],
+        "width": pat.last_dim(rec.input_shapes),
     }
     if not can_probe:
         return Component(rec.path, "moe", base, False, "pattern only (meta tensors)")
@@ -335,6 +336,7 @@ def _moe(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool
     if variant is None:
         return Component(rec.path, "moe", base, False, "routing pattern found, float64 reference did not match")
     variant.pop("kind")
+    variant["width"] = base["width"]
     return Component(rec.path, "moe", variant, True, "float64 match against the generic routed-MoE reference")
 
 
