@@ -3,8 +3,9 @@
 Only used on CUDA: each candidate's replacement forward (plus backward when training) runs on a
 copy of the real module at a representative token count; the median of CUDA-event timings
 decides.  A candidate without a replacement forward is the module's own forward: the path the model
-already takes (an MoE block on transformers' grouped GEMM, say) competes with the kernels.  Results are cached per (device name, kind, variant, dtype, tokens) in
-``$ADAPT_CACHE/kernel_bench.json`` (default ``~/.cache/adapt``).
+already takes (an MoE block on transformers' grouped GEMM, say) competes with the kernels.  Results
+are cached per (device name, kind, variant, dtype, tokens) in ``$ADAPT_CACHE/kernel_bench.json``
+(default ``~/.cache/adapt``).
 """
 
 from __future__ import annotations
