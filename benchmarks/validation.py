@@ -218,6 +218,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal at tiny width")
     parser.add_argument("--soak-steps", type=int, default=None, help="default: 500 (llama-1b), 100 (qwen3-moe), 20 (--tiny)")
     parser.add_argument("--bench-steps", type=int, default=5, help="timed training steps per variant in the bench")
+    parser.add_argument("--unpatched", nargs="*", default=[], metavar="KIND",
+                        help="component kinds the kernel plan leaves as traced (to isolate what a patch costs or saves)")
     parser.add_argument("--skip", nargs="*", default=[], choices=STAGES, help="stages to skip")
     parser.add_argument("--ops-limit", type=int, default=None,
                         help="seconds allowed for the operators stage (default 240 llama-1b, 300 qwen3-moe)")
@@ -257,6 +259,9 @@ def main() -> int:
 
             report = run_ops(src, onnx=False, check_patch=chosen.check_patch)
             plan = report.plan
+            for choice in plan.components:
+                if choice.kind in args.unpatched and choice.patch:
+                    choice.patch, choice.note = False, "left as traced (--unpatched)"
             reused = sum("probed on" in c.evidence for c in report.recognition.components)
             components = [{"module": c.module, "kind": c.kind, "status": c.status, "patch": c.patch, "provider": c.provider,
                            "kernel": c.kernel, "confirmed": c.confirmed, "note": c.note} for c in plan.components]
