@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -337,23 +336,9 @@ def moe_summary(plan, components: list[dict[str, Any]], expected: int) -> dict[s
 # Markdown
 # ---------------------------------------------------------------------------------------------
 
-_PATCH_NOTE = re.compile(r"^kernel plan patched (\d+) modules: (.*)$", re.DOTALL)
-_PATCH_ITEM = re.compile(r"^(\S+): (\S+/.+)$")
-
-
 def summarise_notes(notes: list[str]) -> list[str]:
-    """Notes as Markdown lines: a ``module: provider/kernel`` list becomes counts per kernel; others verbatim."""
-    lines = []
-    for note in notes:
-        match = _PATCH_NOTE.match(note)
-        items = match.group(2).split(", ") if match else []
-        parsed = [_PATCH_ITEM.match(item) for item in items]
-        if match and parsed and all(parsed):
-            counts = Counter(m.group(2) for m in parsed)
-            lines.append(f"- kernel plan patched {match.group(1)} modules: " + ", ".join(f"{n}× {k}" for k, n in counts.most_common()))
-        else:
-            lines.append(f"- {note}")
-    return lines
+    """Notes as Markdown list items (the patch note already counts modules per kernel)."""
+    return [f"- {note}" for note in notes]
 
 
 def _moe_lines(r: dict) -> list[str]:

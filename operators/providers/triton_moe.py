@@ -15,6 +15,7 @@ up front by ``unsupported_reason`` and the component stays native; the forward n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from operators.recognition import Component
+from operators.recognition import Component, local_path
 
 GLU_KERNELS = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh": ("geglu", "tanh")}
 SCORINGS = ("softmax", "sigmoid")
@@ -99,7 +100,7 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
     reason = unsupported_reason(v)
     if reason:
         raise ValueError(f"{component.module}: {reason}")
-    local = _relative_to(component.module)
+    local = functools.partial(local_path, base=component.module)
     router_path = local(v["router"])
     gate_up_path, down_path = local(v["gate_up_bank"]), local(v["down_bank"])
     shared_path = local(v["shared_experts"]) if v.get("shared_experts") else None
@@ -144,14 +145,3 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
 
 
-def _relative_to(base: str) -> Callable[[str], str]:
-    """Recognition records absolute dotted paths; the forward resolves them below the patched module."""
-
-    def local(path: str) -> str:
-        if path == base:
-            return ""
-        if base and not path.startswith(base + "."):
-            raise ValueError(f"{path} is not inside the MoE module {base}")
-        return path[len(base) + 1 :] if base else path
-
-    return local

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from operators.recognition import Component
+from operators.recognition import Component, local_path
 
 _FRAMES_TO_BLOCK = 8  # hook -> Module._call_impl / _wrapped_call_impl -> the block's forward (and its wrappers)
 # How ``a + b`` reaches a TorchFunctionMode differs across torch versions; every spelling counts.
@@ -197,18 +197,14 @@ class InstalledPair:
             _FUSIONS.pop(fusion.block, None)
 
 
-def _relative(path: str, block_path: str) -> str:
-    return path[len(block_path) + 1 :] if block_path else path
-
-
 def install_pair(block: nn.Module, component: Component) -> InstalledPair:
     """Set up the (add -> norm) pair of ``component`` in ``block`` (the module named by ``add_in``).
 
     The caller installs ``forward`` on the norm; pairs of one block share its hooks and mode.
     """
     v = component.variant
-    norm = block.get_submodule(_relative(component.module, v["add_in"]))
-    after = _relative(v["add_after"], v["add_in"])
+    norm = block.get_submodule(local_path(component.module, v["add_in"]))
+    after = local_path(v["add_after"], v["add_in"])
     fusion = _FUSIONS.get(block)
     if fusion is None:
         fusion = _FUSIONS[block] = ResidualFusion(block)

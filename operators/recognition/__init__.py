@@ -79,6 +79,15 @@ class Component:
         return json_ready(dataclasses.asdict(self))
 
 
+def local_path(path: str, base: str) -> str:
+    """Recognition records absolute dotted paths; a patch resolves them below the module ``base`` it installs on."""
+    if path == base:
+        return ""
+    if base and not path.startswith(base + "."):
+        raise ValueError(f"{path} is not inside {base}")
+    return path[len(base) + 1 :] if base else path
+
+
 @dataclass
 class Recognition:
     components: list[Component]
