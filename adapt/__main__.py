@@ -1,5 +1,5 @@
 import sys
 
-from adapt.cli import main
+from adapt.app.cli import main
 
 sys.exit(main())

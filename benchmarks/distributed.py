@@ -64,12 +64,12 @@ def worker(case: str, source: str, out: str, steps: int, seq_len: int) -> None:
     """Inside torchrun: train ``steps`` steps of one case with adapt's trainer and save its metrics."""
     import torch.distributed as dist
 
-    from parallel_planner.distributed.runner import (
+    from adapt.runtime.runner import (
         init_distributed,
         load_for_training,
         prepare,
     )
-    from parallel_planner.distributed.trainer import TrainConfig, set_determinism
+    from adapt.runtime.trainer import TrainConfig, set_determinism
     from parallel_planner.plan import ParallelPlan
 
     _, overrides = {**PARITY_CASES, **THROUGHPUT_CASES}[case]
@@ -126,8 +126,8 @@ def launch(case: str, source: Path, steps: int, seq_len: int, scratch: Path) -> 
 
 
 def planner_prediction(source: Path, overrides: dict, seq_len: int) -> float | None:
-    from adapt.errors import BadInput
-    from adapt.intake import inspect
+    from adapt.core.errors import BadInput
+    from adapt.model.intake import inspect
     from parallel_planner.cluster import make_cluster
     from parallel_planner.search import plan_parallel
     from parallel_planner.workload import Workload
@@ -182,7 +182,7 @@ def _last_line(error: str | None) -> str:
     if not error:
         return ""
     lines = error.splitlines()
-    found = [ln for ln in lines if "adapt.errors" in ln] or [ln for ln in lines if "Error:" in ln]
+    found = [ln for ln in lines if "adapt.core.errors" in ln] or [ln for ln in lines if "Error:" in ln]
     return (found[-1] if found else lines[-1]).replace("|", "/").strip()[:160]
 
 

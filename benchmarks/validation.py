@@ -232,7 +232,7 @@ def main() -> int:
     soak_steps = args.soak_steps or sizes.soak_steps
     moe_blocks = chosen.moe_blocks(args.tiny)
 
-    from adapt.intake import resolve_source
+    from adapt.model.intake import resolve_source
     from validators.align import AlignOptions, align
     from validators.environment import check_environment
     from validators.soak import soak

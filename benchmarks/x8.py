@@ -10,7 +10,7 @@ layout; EP8 and EP4 x FSDP2 on an MoE model):
 Every layout is the plan the planner itself emits for that pinned layout (``plan_parallel(fixed=...)``), so
 the prediction and the measurement describe the same thing.  The realisation refuses to split tied
 embeddings over pipeline stages, so the PP layout trains the same Llama shape untied (own reference).  Each runs under ``torchrun`` through
-``parallel_planner.distributed.runner.prepare`` and adapt's trainer, from the same seed and the same global
+``adapt.runtime.runner.prepare`` and adapt's trainer, from the same seed and the same global
 batches as a one-process reference; per-step losses (and on CPU the gathered final weights) are compared.
 CUDA mode then times each block of the model on one GPU, writes that in the planner's calibration format,
 re-predicts every layout with it and reports the prediction error before and after.
@@ -39,14 +39,14 @@ from transformers import AutoConfig
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from adapt.errors import BadInput
-from adapt.intake import build_spec, inspect, load_model, resolve_source
+from adapt.core.errors import BadInput
+from adapt.model.intake import build_spec, inspect, load_model, resolve_source
 from parallel_planner.calibration import load_calibration
 from parallel_planner.catalog import gpu_type
 from parallel_planner.cluster import make_cluster
-from parallel_planner.distributed import checkpoint
-from parallel_planner.distributed.runner import init_distributed, prepare
-from parallel_planner.distributed.trainer import TrainConfig, set_determinism
+from adapt.runtime import checkpoint
+from adapt.runtime.runner import init_distributed, prepare
+from adapt.runtime.trainer import TrainConfig, set_determinism
 from parallel_planner.plan import ParallelPlan
 from parallel_planner.profile import profile_model
 from parallel_planner.search import plan_parallel

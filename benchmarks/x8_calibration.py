@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from adapt.intake import load_model, resolve_source
-from parallel_planner.distributed.model_parts import find_parts, head_geometry
+from adapt.model.intake import load_model, resolve_source
+from adapt.runtime.model_parts import find_parts, head_geometry
 
 
 def time_blocks(model, blocks, batch, repeats: int) -> list[tuple[float, float]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from adapt.zoo import build_tiny_checkpoint  # noqa: E402
+from adapt.model.zoo import build_tiny_checkpoint  # noqa: E402
 
 EXAMPLES = {"tiny-llama": "llama"}
 HERE = Path(__file__).resolve().parent

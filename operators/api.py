@@ -100,16 +100,16 @@ def build_inventory(model_or_spec: Any, *, seq_len: int = 24, backward: bool = T
 
     Accepts an ``nn.Module``, a ``ModelSource``, or a ``ModelSpec`` (its ``source`` is re-read config-only).
     """
-    from adapt.spec import ModelSpec
+    from adapt.core.spec import ModelSpec
 
     model = model_or_spec
     if isinstance(model_or_spec, ModelSpec):
-        from adapt.intake import build_meta_model, resolve_source
+        from adapt.model.intake import build_meta_model, resolve_source
 
         source = resolve_source(model_or_spec.source, config_only=True, trust_remote_code=trust_remote_code)
         model = build_meta_model(source)
     elif not isinstance(model_or_spec, nn.Module):
-        from adapt.intake import build_meta_model
+        from adapt.model.intake import build_meta_model
 
         model = build_meta_model(model_or_spec)
     if next(model.parameters()).device.type == "meta":
@@ -132,7 +132,7 @@ def run_ops(
 
     Writes ``ops.json`` (and generated kernel sources, ``model.onnx``) to ``out_dir`` when given.
     """
-    from adapt.intake import build_meta_model, load_model, resolve_source
+    from adapt.model.intake import build_meta_model, load_model, resolve_source
 
     start = time.perf_counter()
     source = resolve_source(str(src), config_only=config_only, trust_remote_code=trust_remote_code) if isinstance(src, (str, Path)) else src

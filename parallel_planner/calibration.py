@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 from parallel_planner.cluster import Cluster
 from parallel_planner.profile import ModelProfile
 from parallel_planner.workload import Workload

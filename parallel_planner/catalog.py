@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 
 GIB = 1024**3
 

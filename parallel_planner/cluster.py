@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 from parallel_planner.catalog import GIB, GPU_CATALOG, GpuType, gpu_type
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adapt.errors import BadInput
-from adapt.spec import BlockSpec, ModelSpec
+from adapt.core.errors import BadInput
+from adapt.core.spec import BlockSpec, ModelSpec
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from adapt.spec import (
+from adapt.core.spec import (
     SCHEMA_VERSION,
     AttentionSpec,
     BlockSpec,
@@ -243,7 +243,7 @@ def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
 
     from transformers import DeepseekV3Config
 
-    from adapt.intake import inspect
+    from adapt.model.intake import inspect
 
     cases = [
         ("DeepSeek-V3 (671B MoE, MLA), 2048 x H800", DeepseekV3Config(), "h800", 2048, 4096, 15360),
@@ -262,7 +262,7 @@ def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
             started = time.perf_counter()
             result = plan_parallel(spec, make_cluster(gpu, gpus), Workload(seq, batch))
             plan_s = time.perf_counter() - started
-            command = [sys.executable, "-m", "adapt.cli", "plan", path, "--config-only", "--gpu", gpu, "--gpus",
+            command = [sys.executable, "-m", "adapt.app.cli", "plan", path, "--config-only", "--gpu", gpu, "--gpus",
                        str(gpus), "--seq", str(seq), "--global-batch", str(batch), "--json"]
             cold = []
             for _ in range(cold_runs):

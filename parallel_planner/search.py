@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adapt.errors import BadInput
-from adapt.spec import ModelSpec
+from adapt.core.errors import BadInput
+from adapt.core.spec import ModelSpec
 from parallel_planner.calibration import Calibration, compute_scale
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
@@ -422,7 +422,7 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
 
 def launch_command(plan: ParallelPlan, cluster: Cluster, source: str) -> str:
     """The command ``adapt launch`` would print for this plan (``plan.json`` = this answer, saved)."""
-    from parallel_planner.distributed.launch import (
+    from adapt.runtime.launch import (
         LaunchConfig,
         render,
         torchrun_command,

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from adapt.errors import AdaptError, BadInput, CheckFailed
-from adapt.source import ModelSource
-from adapt.spec import ModelSpec
+from adapt.core.errors import AdaptError, BadInput, CheckFailed
+from adapt.core.source import ModelSource
+from adapt.core.spec import ModelSpec
 
 
 @contextlib.contextmanager
@@ -43,7 +43,7 @@ def one_intra_op_thread() -> Iterator[None]:
 
 def describe(src: ModelSource, seq_len: int | None) -> ModelSpec:
     """The spec intake builds, probed on one thread."""
-    from adapt.intake import build_spec
+    from adapt.model.intake import build_spec
 
     with one_intra_op_thread():
         return build_spec(src, seq_len=seq_len)

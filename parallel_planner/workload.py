@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 
 # fp32 bytes of optimizer state per parameter (Adam: two moments; SGD/Lion: one; Adafactor: factored, ~0).
 OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4, "adafactor": 0}

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 from reports.schema import summary
 
 _SECTIONS = {

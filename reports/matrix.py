@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 
-from adapt.pipeline.options import STAGE_NAMES
+from adapt.app.pipeline.options import STAGE_NAMES
 from reports.schema import stage, summary
 from reports.tables import format_number, to_markdown
 

@@ -13,7 +13,7 @@ Top level (schema_version 1)::
     stages          list, one per pipeline stage in order:
         name, status (passed|failed|error|blocked|skipped|interrupted|pending), verdict (one line),
         key, duration_s, cached, error, error_kind,
-        summary   the normalised fields the tables and plots use (see adapt.pipeline.summaries)
+        summary   the normalised fields the tables and plots use (see adapt.app.pipeline.summaries)
         result    the stage's own to_dict(), unchanged
         result_type
 """
@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from adapt.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
+from adapt.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
 
 REPORT_SCHEMA = "adapt.report"
 REPORT_SCHEMA_VERSION = 1
@@ -54,7 +54,7 @@ def exit_code_for(stages: list[dict[str, Any]]) -> int:
 
 def build_report(records: list[Any], options: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     """Assemble report.json from the stage records (StageRecord or their dicts) of one run."""
-    from adapt.pipeline.store import adapt_version, to_jsonable
+    from adapt.app.pipeline.store import adapt_version, to_jsonable
 
     stages = [r.to_dict() if hasattr(r, "to_dict") else dict(r) for r in records]
     return to_jsonable(

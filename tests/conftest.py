@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from adapt.zoo import ZOO_NAMES, build_tiny_checkpoint
+from adapt.model.zoo import ZOO_NAMES, build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

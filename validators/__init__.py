@@ -8,7 +8,7 @@ Each stage takes the previous stages' results and returns a dataclass with ``pas
 - ``bench(src, kernel_plan, device, options=BenchOptions()) -> ThroughputReport`` (with planner calibration)
 - ``soak(src, kernel_plan, steps, ckpt_every, ...) -> SoakReport``
 
-Names are imported on first use: the ``pytest11`` plugin in ``validators.pytest_plugin`` loads this
+Names are imported on first use: the ``pytest11`` plugin in ``adapt.app.pytest_plugin`` loads this
 package in every pytest run, which must not pay for torch unless ``--adapt-model`` is given.
 """
 

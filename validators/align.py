@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 from validators.compare import (
     LayerResult,
     Thresholds,
@@ -206,7 +206,7 @@ def _undecidable_share(report: AlignmentReport, options: AlignOptions) -> float:
 
 
 def _full_align(src, dtype_name, device, limits, transform, options, seed) -> AlignmentReport:
-    from adapt.skeleton import build_skeleton, load_model
+    from adapt.model.skeleton import build_skeleton, load_model
 
     started = time.perf_counter()
     dtype = parse_dtype(dtype_name)

@@ -48,7 +48,7 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, 
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    from adapt.errors import BadInput
+    from adapt.core.errors import BadInput
 
     if name not in DTYPES:
         raise BadInput(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 
 
 def _structure(module: nn.Module) -> tuple:

@@ -1,7 +1,7 @@
 """Single-process training through the distributed engineer's trainer (a plan of world size 1).
 
 Bench and soak measure the loop that ``adapt train`` runs, not a private one: the model is
-parallelised by ``parallel_planner.distributed`` under a one-rank plan and stepped by its
+parallelised by ``adapt.runtime`` under a one-rank plan and stepped by its
 ``Trainer`` (AdamW, clipping, warm-up/decay, DCP checkpoints).
 """
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 from parallel_planner.plan import ParallelPlan
 
 
@@ -36,8 +36,8 @@ def one_rank_plan(seq_len: int, batch: int, precision: str) -> ParallelPlan:
 
 def prepare_run(model: nn.Module, seq_len: int, batch: int, precision: str, steps: int, seed: int, deterministic: bool, lr: float = 3e-4):
     """A ``TrainingRun`` (trainer + parallelised model) for ``model`` on this one device."""
-    from parallel_planner.distributed.runner import prepare
-    from parallel_planner.distributed.trainer import TrainConfig
+    from adapt.runtime.runner import prepare
+    from adapt.runtime.trainer import TrainConfig
 
     ensure_single_process_group()
     config = TrainConfig(steps=steps, lr=lr, warmup_steps=min(10, max(1, steps // 10)), seed=seed, deterministic=deterministic)

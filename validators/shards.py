@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 
 
 class CorruptWeights(RuntimeError):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 from validators.align import check_device, kernel_plan_transform
 from validators.compare import parse_dtype
 
@@ -132,7 +132,7 @@ class CheckpointStore:
         return self.root / pointer.read_text().strip() if pointer.is_file() else None
 
     def save(self, run, step: int) -> None:
-        from parallel_planner.distributed import checkpoint
+        from adapt.runtime import checkpoint
 
         target = self.root / f"step-{step:08d}"
         checkpoint.save(target, run.pmodel, run.trainer.optimizers, step)
@@ -145,7 +145,7 @@ class CheckpointStore:
         os.replace(tmp, self.root / "latest")
 
     def restore(self, run) -> int:
-        from parallel_planner.distributed import checkpoint
+        from adapt.runtime import checkpoint
 
         target = self.latest()
         step = checkpoint.load(target, run.pmodel, run.trainer.optimizers)
@@ -191,7 +191,7 @@ def soak(
     original run (it shapes the learning-rate schedule).
     """
     from validators.session import prepare_run
-    from adapt.skeleton import load_model
+    from adapt.model.skeleton import load_model
 
     options = SoakOptions(steps, minutes, ckpt_every, ckpt_dir, dtype, seq_len, batch_size, seed, deterministic)
     check_device(device)

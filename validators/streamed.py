@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from adapt.errors import BadInput
-from adapt.skeleton import build_skeleton
+from adapt.core.errors import BadInput
+from adapt.model.skeleton import build_skeleton
 from validators.align import AlignmentReport, _finish, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
 from validators.modules import (

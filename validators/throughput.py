@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from adapt.errors import BadInput
-from adapt.skeleton import quiet_transformers
+from adapt.core.errors import BadInput
+from adapt.model.skeleton import quiet_transformers
 from validators.align import check_device, kernel_plan_transform
 from validators.compare import parse_dtype
 from validators.modules import find_blocks, first_tensor
@@ -124,7 +124,7 @@ def train_flops_per_token(spec, layers: int, seq_len: int) -> float:
 
 def load_for_bench(src, dtype: torch.dtype, device: str, max_layers: int | None, notes: list[str]) -> nn.Module:
     """The model, or its first ``max_layers`` blocks at real width loaded straight from the shards."""
-    from adapt.skeleton import build_skeleton, load_model
+    from adapt.model.skeleton import build_skeleton, load_model
 
     if max_layers is None:
         return load_model(src, dtype, device, notes)
@@ -148,7 +148,7 @@ def load_for_bench(src, dtype: torch.dtype, device: str, max_layers: int | None,
 
 
 def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptions | None = None, transform=None) -> ThroughputReport:
-    from adapt.intake import build_spec
+    from adapt.model.intake import build_spec
 
     options = options or BenchOptions()
     check_device(device)

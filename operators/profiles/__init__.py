@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 
 PROFILE_DIR = Path(__file__).parent
 

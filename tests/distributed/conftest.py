@@ -24,7 +24,7 @@ VARIANTS = {
 def _build_variant(base: str, overrides: dict, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from adapt.zoo import make_config
+    from adapt.model.zoo import make_config
 
     config = make_config(base)
     for key, value in overrides.items():

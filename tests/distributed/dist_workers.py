@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel_planner.distributed import checkpoint
-from parallel_planner.distributed.runner import prepare
-from parallel_planner.distributed.trainer import TrainConfig
+from adapt.runtime import checkpoint
+from adapt.runtime.runner import prepare
+from adapt.runtime.trainer import TrainConfig
 from parallel_planner.plan import ParallelPlan
 
 STEPS = 5
@@ -93,7 +93,7 @@ def load(models: dict[str, str], name: str) -> torch.nn.Module:
 
 def spec_of(models: dict[str, str], name: str, model: torch.nn.Module):
     """The intake's ModelSpec: head geometry for models whose config uses its own field names."""
-    from adapt.intake import build_spec, resolve_source
+    from adapt.model.intake import build_spec, resolve_source
 
     return build_spec(resolve_source(models[name], trust_remote_code=True), model=model)
 
@@ -173,8 +173,8 @@ def cp_plumbing_case(models: dict[str, str]) -> dict:
     """Context parallelism on CPU: the guard refuses; the sequence sharding the trainer uses is checked."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from adapt.errors import BadInput
-    from parallel_planner.distributed.context_parallel import (
+    from adapt.core.errors import BadInput
+    from adapt.runtime.context_parallel import (
         context_parallel_batch,
         position_ids_for,
     )

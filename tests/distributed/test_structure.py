@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from adapt.errors import BadInput
-from parallel_planner.distributed.data import SyntheticTokens, TokenFile
-from parallel_planner.distributed.launch import LaunchConfig, torchrun_command
-from parallel_planner.distributed.model_parts import find_parts
-from parallel_planner.distributed.pipeline import stage_block_counts
-from parallel_planner.distributed.tensor_parallel import check_tensor_parallel
-from parallel_planner.distributed.trainer import TrainConfig, lr_lambda
+from adapt.core.errors import BadInput
+from adapt.runtime.data import SyntheticTokens, TokenFile
+from adapt.runtime.launch import LaunchConfig, torchrun_command
+from adapt.runtime.model_parts import find_parts
+from adapt.runtime.pipeline import stage_block_counts
+from adapt.runtime.tensor_parallel import check_tensor_parallel
+from adapt.runtime.trainer import TrainConfig, lr_lambda
 from parallel_planner.plan import ParallelPlan
 
 
@@ -133,7 +133,7 @@ def test_learning_rate_warms_up_then_decays_to_floor():
 
 def test_pipeline_split_refuses_a_forward_with_extra_work(zoo):
     """Gemma-2 soft-caps its logits after the head: splitting would silently drop that."""
-    from parallel_planner.distributed.pipeline import (
+    from adapt.runtime.pipeline import (
         capture_block_context,
         check_decomposition,
     )

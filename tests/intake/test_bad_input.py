@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from adapt.cli import main
-from adapt.errors import BadInput
-from adapt.intake import load_model, resolve_source
+from adapt.app.cli import main
+from adapt.core.errors import BadInput
+from adapt.model.intake import load_model, resolve_source
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

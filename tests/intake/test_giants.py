@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from adapt.intake import inspect
+from adapt.model.intake import inspect
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_llama_405b_counts(giants):
 def test_deepseek_v3_inspect_stays_small(giants):
     """The CLI builds the 671B skeleton on the meta device: peak RSS stays far under 2 GB."""
     code = (
-        "import resource, sys, json; from adapt.cli import main; rc = main(['inspect', sys.argv[1], '--json']);"
+        "import resource, sys, json; from adapt.app.cli import main; rc = main(['inspect', sys.argv[1], '--json']);"
         "print(json.dumps({'rss_kb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr)"
     )
     proc = subprocess.run(

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from adapt.intake import load_model, resolve_source
+from adapt.model.intake import load_model, resolve_source
 
 
 def test_remote_code_non_persistent_buffer_is_computed_not_garbage(zoo, tmp_path):
@@ -23,7 +23,7 @@ def test_remote_code_non_persistent_buffer_is_computed_not_garbage(zoo, tmp_path
     )
     # A fresh interpreter: transformers caches remote-code classes per process.
     code = (
-        "import sys, torch; from adapt.intake import load_model, resolve_source; notes = [];"
+        "import sys, torch; from adapt.model.intake import load_model, resolve_source; notes = [];"
         "m = load_model(resolve_source(sys.argv[1], trust_remote_code=True), notes=notes);"
         "assert torch.equal(m.trunk.tone, torch.arange(6.0) * 0.5 + 1), m.trunk.tone;"
         "assert all('tone' in n for n in notes), notes; print('ok', notes)"
@@ -48,8 +48,8 @@ def test_persistent_buffers_keep_their_checkpoint_values(zoo, tmp_path):
 def test_a_model_larger_than_memory_is_refused_before_allocation(zoo, monkeypatch):
     import pytest
 
-    import adapt.skeleton as skeleton
-    from adapt.errors import BadInput
+    import adapt.model.skeleton as skeleton
+    from adapt.core.errors import BadInput
 
     src = resolve_source(str(zoo("llama")))
     need, _ = skeleton.parameter_bytes(src, torch.float32)

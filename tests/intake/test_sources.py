@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from adapt.cli import main
-from adapt.intake import inspect, resolve_source
+from adapt.app.cli import main
+from adapt.model.intake import inspect, resolve_source
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import math
 import pytest
 from safetensors import safe_open
 
-from adapt.intake import inspect
-from adapt.spec import ModelSpec
+from adapt.model.intake import inspect
+from adapt.core.spec import ModelSpec
 
 
 def spec_of(zoo, name: str) -> ModelSpec:
@@ -22,7 +22,7 @@ def test_params_total_equals_checkpoint_parameter_elements(zoo_model):
     ck = spec.checkpoint
     assert ck is not None and not ck.missing and not ck.shape_mismatches
     # Buffers saved beside parameters (position ids, routing correction biases) are not parameters.
-    from adapt.intake import build_meta_model, resolve_source
+    from adapt.model.intake import build_meta_model, resolve_source
 
     model = build_meta_model(resolve_source(str(path), trust_remote_code=(name == "custom")))
     buffer_names = {n for n, _ in model.named_buffers()}

@@ -6,7 +6,7 @@ from functools import cache
 
 import torch
 
-from adapt.intake import load_model, resolve_source
+from adapt.model.intake import load_model, resolve_source
 from operators import plan_kernels, recognise
 from operators.inventory import trace_model
 from operators.profiles import load_profile

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from adapt.cli import main
+from adapt.app.cli import main
 
 
 def run_cli(capsys, *argv):

@@ -48,7 +48,7 @@ def test_llama_inventory_records_owners_shapes_and_core_flags(zoo):
 
 
 def test_deepseek_v3_config_only_inventory_is_fast_and_allocates_no_weights(tmp_path):
-    from adapt.intake import build_meta_model, resolve_source
+    from adapt.model.intake import build_meta_model, resolve_source
 
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3_CONFIG))
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

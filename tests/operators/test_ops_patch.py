@@ -13,8 +13,8 @@ import pytest
 import torch
 from ops_testlib import planned
 
-from adapt.errors import BadInput
-from adapt.zoo import ZOO_NAMES
+from adapt.core.errors import BadInput
+from adapt.model.zoo import ZOO_NAMES
 from operators import apply_kernel_plan, check_kernel_plan, load_profile
 from operators.mapping import STATUSES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from adapt.cli import main
+from adapt.app.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
 

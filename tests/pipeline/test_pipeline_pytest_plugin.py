@@ -21,7 +21,7 @@ def _pytest(cwd, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_plugin_is_registered_as_pytest11_entry_point():
-    assert "validators.pytest_plugin" in {ep.value for ep in entry_points(group="pytest11")}
+    assert "adapt.app.pytest_plugin" in {ep.value for ep in entry_points(group="pytest11")}
 
 
 def test_one_item_per_tensor_and_a_broken_kernel_fails_exactly_its_items(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from pipeline_broken_kernel import BROKEN_MODULE, broken_apply_kernel_plan
 from pipeline_helpers import EXAMPLE, adapt_run, cli, load, statuses
 
-from adapt.pipeline import STAGE_NAMES, source_fingerprint
+from adapt.app.pipeline import STAGE_NAMES, source_fingerprint
 from reports import load_report
 
 
@@ -156,7 +156,7 @@ def test_broken_kernel_fails_and_junit_names_the_block(tmp_path, monkeypatch):
 
 def test_require_returns_the_function_not_a_same_named_submodule():
     import validators.align  # noqa: F401 - makes ``validators.align`` the submodule attribute
-    from adapt.pipeline.stages import StageUnavailable, require
+    from adapt.app.pipeline.stages import StageUnavailable, require
 
     assert callable(require("validators", "align", "validators.align"))
     with pytest.raises(StageUnavailable, match="does not provide no_such_stage"):

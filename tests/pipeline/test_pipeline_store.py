@@ -9,7 +9,7 @@ import shutil
 import pytest
 from pipeline_helpers import EXAMPLE, adapt_run, load
 
-from adapt.pipeline.store import atomic_write_text, source_fingerprint, stage_key
+from adapt.app.pipeline.store import atomic_write_text, source_fingerprint, stage_key
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
@@ -72,7 +72,7 @@ def test_torch_globals_a_stage_changes_are_restored():
     import torch
     import torch.distributed as dist
 
-    from adapt.pipeline.runner import TorchGlobals
+    from adapt.app.pipeline.runner import TorchGlobals
 
     if dist.is_initialized():  # left by an earlier test in this process (soak joins a one-rank group)
         dist.destroy_process_group()

@@ -22,7 +22,7 @@ def deepseek_v3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def deepseek_v3_spec(deepseek_v3_dir):
-    from adapt.intake import inspect
+    from adapt.model.intake import inspect
 
     return inspect(str(deepseek_v3_dir), config_only=True)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from adapt.cli import main
-from adapt.errors import BadInput
+from adapt.app.cli import main
+from adapt.core.errors import BadInput
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import make_cluster
 from parallel_planner.layout import FIELDS, Candidates, split_layers
@@ -79,7 +79,7 @@ def test_activation_model_matches_bytes_saved_by_an_moe_layer(tmp_path):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
 
-    from adapt.intake import inspect
+    from adapt.model.intake import inspect
 
     seq = 256
     config = MixtralConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
@@ -125,7 +125,7 @@ def test_hsdp_shards_states_over_one_group_and_reduces_across_replicas():
 
 
 def test_moe_imbalance_slows_experts_and_all_to_all_and_fills_the_busiest_rank():
-    from adapt.spec import MLPSpec
+    from adapt.core.spec import MLPSpec
 
     h, f, experts, top_k = 1024, 1408, 16, 2
     dense = decoder_spec(layers=4, hidden=h, ffn=f)  # unaffected by the knob
@@ -154,7 +154,7 @@ def test_moe_imbalance_slows_experts_and_all_to_all_and_fills_the_busiest_rank()
 
 
 def test_cold_spec_from_the_worker_is_the_in_process_spec(deepseek_v3_dir, deepseek_v3_spec, tmp_path):
-    from adapt.source import resolve_source
+    from adapt.core.source import resolve_source
     from parallel_planner.spec_worker import describe, describe_in_worker
 
     from parallel_planner.spec_worker import _answer

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from adapt.errors import BadInput
+from adapt.core.errors import BadInput
 from parallel_planner.calibration import load_calibration
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import make_cluster

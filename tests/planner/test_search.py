@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from adapt.cli import main
-from adapt.errors import BadInput
+from adapt.app.cli import main
+from adapt.core.errors import BadInput
 from parallel_planner.cluster import (
     cluster_from_environment,
     load_cluster_file,
@@ -70,7 +70,7 @@ def test_deepseek_v3_on_2048_h800_respects_every_constraint(deepseek_v3_spec):
 
 
 def test_tiny_moe_mla_checkpoint_plans(zoo):
-    from adapt.intake import inspect
+    from adapt.model.intake import inspect
 
     spec = inspect(str(zoo("deepseek_v3")))
     result = plan_parallel(spec, make_cluster("h100", 8), Workload(256, 64), top_k=2)

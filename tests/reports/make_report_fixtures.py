@@ -11,8 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from adapt.cli import main
-from adapt.zoo import build_tiny_checkpoint
+from adapt.app.cli import main
+from adapt.model.zoo import build_tiny_checkpoint
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parents[1] / "examples" / "tiny-llama"

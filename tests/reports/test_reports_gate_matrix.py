@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from adapt.cli import main
+from adapt.app.cli import main
 from reports.schema import summary
 
 

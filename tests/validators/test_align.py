@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 from helpers import first_norm, poison_output, scale_norm_output, swap_router_rows
 
-from adapt.intake import resolve_source
-from adapt.skeleton import build_skeleton
-from adapt.zoo import ZOO_NAMES
+from adapt.model.intake import resolve_source
+from adapt.model.skeleton import build_skeleton
+from adapt.model.zoo import ZOO_NAMES
 from validators.align import AlignOptions, align
 from validators.modules import find_blocks
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from adapt.intake import resolve_source
+from adapt.model.intake import resolve_source
 from parallel_planner.calibration import load_calibration
 from parallel_planner.plan import ParallelPlan
 from validators.environment import check_environment
@@ -72,7 +72,7 @@ def test_environment_lists_problems():
 
 
 def test_cli_contract(zoo, capsys):
-    from adapt.cli import main
+    from adapt.app.cli import main
 
     code = main(["align", str(zoo("qwen2")), "--dtype", "fp32", "--no-backward", "--seq", "8", "--json"])
     data = json.loads(capsys.readouterr().out)

@@ -100,7 +100,7 @@ def test_a_mostly_undecidable_draw_is_redrawn_and_said(monkeypatch, zoo):
     three times) and says so; a pinned seed is never redrawn."""
     import importlib
 
-    from adapt.intake import resolve_source
+    from adapt.model.intake import resolve_source
     from validators.compare import LayerResult
 
     align_module = importlib.import_module("validators.align")  # the package exposes the function under this name

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from adapt.intake import resolve_source
+from adapt.model.intake import resolve_source
 from validators.modules import find_blocks
 from validators.soak import soak
 
@@ -19,7 +19,7 @@ STEPS, EVERY = 40, 8
 
 
 def _cmd(src, ckpt) -> list[str]:
-    return [sys.executable, "-m", "adapt.cli", "soak", str(src), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
+    return [sys.executable, "-m", "adapt.app.cli", "soak", str(src), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
             "--ckpt-dir", str(ckpt), "--dtype", "fp32", "--seq", "64", "--batch", "4", "--no-kernels", "--json"]
 
 
@@ -79,7 +79,7 @@ def test_leak_verdict_separates_a_leaking_run_from_a_healthy_one(zoo):
 
 
 def test_soak_rejects_bad_arguments(zoo, tmp_path):
-    from adapt.cli import main
+    from adapt.app.cli import main
 
     assert main(["soak", str(zoo("llama")), "--steps", "0"]) == 2
     assert main(["soak", str(zoo("llama")), "--steps", "3", "--ckpt-every", "2"]) == 2  # no --ckpt-dir

@@ -13,9 +13,9 @@ import torch
 from helpers import first_norm, scale_norm_output
 from safetensors.torch import load_file, save_file
 
-from adapt.errors import BadInput
-from adapt.intake import resolve_source
-from adapt.skeleton import build_skeleton, load_model
+from adapt.core.errors import BadInput
+from adapt.model.intake import resolve_source
+from adapt.model.skeleton import build_skeleton, load_model
 from validators.align import AlignOptions, align
 from validators.modules import find_blocks
 from validators.shards import ShardReader
@@ -128,7 +128,7 @@ def test_streamed_peak_memory_stays_below_the_weights(tmp_path):
     weight_bytes = _write_wide_llama(ckpt, layers=20, hidden=1024, ffn=4096)
     budget = 900 * 2**20
     assert weight_bytes > budget * 1.3  # the checkpoint alone does not fit in the budget
-    cmd = [sys.executable, "-m", "adapt.cli", "align", str(ckpt), "--streamed", "--dtype", "bf16",
+    cmd = [sys.executable, "-m", "adapt.app.cli", "align", str(ckpt), "--streamed", "--dtype", "bf16",
            "--no-kernels", "--seq", "16", "--batch", "1", "--json"]
     log, result = tmp_path / "stderr.txt", tmp_path / "stdout.json"
     with open(log, "wb") as err, open(result, "wb") as out:

@@ -1,0 +1,196 @@
+"""``adapt plan``: lay a model out on a cluster (TP/PP/DP/CP/EP, ZeRO, recompute, batching) before a GPU-hour."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from adapt.app.commands.inspect import add_source_flags
+from adapt.core.errors import BadInput
+from adapt.core.spec import ModelSpec
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("plan", help="search parallel layouts: memory per GPU, step time, tokens/s, MFU")
+    add_source_flags(parser)
+    cluster = parser.add_argument_group("cluster (a catalogue GPU, a cluster file, or this machine)")
+    cluster.add_argument("--gpu", default=None, help="GPU type: a100, h100, h800, h200, b200, mi300x, or 'local' (measured)")
+    cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs")
+    cluster.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
+    cluster.add_argument("--cluster", metavar="FILE", help="cluster description (YAML or TOML) instead of --gpu/--gpus")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--seq", type=int, required=True, help="sequence length")
+    batch = work.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    work.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    work.add_argument("--mode", choices=("train", "inference"), default="train")
+    work.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, lion or adafactor (state size)")
+    work.add_argument("--moe-imbalance", type=float, default=1.1,
+                      help="routed tokens on the busiest expert-parallel rank over the mean (default 1.1)")
+    parser.add_argument("--fixed", metavar="K=V,...", help="evaluate this layout, e.g. 'tp=8,pp=16,dp=64,zero=1,recompute=none'")
+    parser.add_argument("--calibration", metavar="FILE", help="measured per-block timings (see parallel_planner.calibration)")
+    parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    parser.add_argument("--no-cache", action="store_true", help="rebuild the model spec instead of reusing a cached one")
+    parser.set_defaults(func=run)
+
+
+# Intake modules whose code shapes a ModelSpec: a cached spec is reused only while they are unchanged.
+_INTAKE_MODULES = ("model/intake.py", "model/structure.py", "model/skeleton.py", "core/source.py", "core/checkpoint.py",
+                   "core/spec.py")
+
+
+class SpecLoader:
+    """The model's spec: a ModelSpec JSON as given, else intake's, cached by checkpoint content.
+
+    Describing a config-only giant costs seconds of torch/transformers start-up; a process that has not
+    imported torch (the CLI) leaves that to a worker (``parallel_planner.spec_worker``), sets the planner
+    up meanwhile, and never imports torch itself.  The cache (``$ADAPT_CACHE_DIR``, default
+    ``~/.cache/adapt/specs``) lets re-planning the same checkpoint skip it; its key covers the config,
+    weight headers, flags, transformers version and the intake code itself.
+    """
+
+    def __init__(self, args: argparse.Namespace):
+        self._spec: ModelSpec | None = None
+        self._worker = None
+        path = Path(args.source)
+        if path.suffix == ".json" and path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise BadInput(f"{path}: not readable JSON ({err})") from None
+            if isinstance(data, dict) and "schema_version" in data and "blocks" in data:
+                self._spec = ModelSpec.from_dict(data)
+                return
+        from adapt.core.source import resolve_source
+
+        src = resolve_source(args.source, config_only=args.config_only, trust_remote_code=args.trust_remote_code,
+                             allow_pickle=args.allow_pickle)
+        digest = hashlib.sha256(f"{src.content_hash()}|seq={args.seq}|{metadata.version('transformers')}".encode())
+        package = Path(__file__).resolve().parents[2]
+        for name in _INTAKE_MODULES:
+            digest.update((package / name).read_bytes())
+        cache = Path(os.environ.get("ADAPT_CACHE_DIR", Path.home() / ".cache" / "adapt")) / "specs"
+        self._cached = cache / f"{digest.hexdigest()[:32]}.json"
+        if self._cached.is_file() and not args.no_cache:
+            self._spec = ModelSpec.from_dict(json.loads(self._cached.read_text()))
+            return
+        from parallel_planner.spec_worker import WorkerSpec, describe
+
+        if "torch" in sys.modules:
+            self._spec = self._store(describe(src, args.seq))
+        else:
+            self._worker = WorkerSpec(src, args.seq)
+
+    def result(self) -> ModelSpec:
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            self._spec = self._store(worker.result())
+        assert self._spec is not None
+        return self._spec
+
+    def cancel(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+
+    def _store(self, spec: ModelSpec) -> ModelSpec:
+        try:
+            self._cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = self._cached.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(spec.to_json(indent=None))
+            partial.replace(self._cached)
+        except OSError:
+            pass  # a read-only home only costs the next run its speed
+        return spec
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise BadInput("--top must be at least 1")
+    spec_loader = SpecLoader(args)  # a cold spec is described in a worker while the planner sets up here
+    try:
+        cluster, workload, calibration = _cluster_and_workload(args)
+    except BaseException:
+        spec_loader.cancel()
+        raise
+    from parallel_planner.search import plan_parallel
+
+    spec = spec_loader.result()
+    result = plan_parallel(spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration)
+    if args.fixed and not result.best.fits:
+        best = result.best
+        raise BadInput(
+            f"the fixed layout does not fit: {best.memory_gib_per_gpu:.1f} GiB per GPU needed, "
+            f"{best.usable_memory_gib:.1f} GiB usable on {cluster.gpu.name} "
+            f"(activations {best.memory_breakdown['activations']:.1f} GiB)"
+        )
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print(result, spec)
+    return 0
+
+
+def _cluster_and_workload(args: argparse.Namespace):
+    from parallel_planner.calibration import load_calibration
+    from parallel_planner.cluster import load_cluster_file, local_cluster, make_cluster
+    from parallel_planner.search import plan_parallel  # noqa: F401 - imported while a spec worker runs
+    from parallel_planner.workload import Workload
+
+    if args.cluster:
+        cluster = load_cluster_file(args.cluster)
+    elif args.gpu == "local":
+        cluster = local_cluster()
+    elif args.gpu and args.gpus:
+        cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
+    else:
+        raise BadInput("say where to run: --gpu TYPE --gpus N, --cluster FILE, or --gpu local")
+    options = dict(mode=args.mode, precision=args.precision, optimizer=args.optimizer, moe_imbalance=args.moe_imbalance)
+    if args.global_batch_tokens:
+        workload = Workload.from_tokens(args.seq, args.global_batch_tokens, **options)
+    else:
+        workload = Workload(args.seq, args.global_batch, **options)
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    return cluster, workload, calibration
+
+
+def _print(result, spec: ModelSpec) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    c = result.cluster
+    console.print(
+        f"[bold]{spec.source}[/bold] on {c['num_gpus']} x {c['gpu']['name']} ({c['gpus_per_node']}/node): "
+        f"{result.searched:,} layouts scored, {result.feasible:,} fit"
+        + (f"; fixed {result.fixed}" if result.fixed else "")
+    )
+    table = Table()
+    for col in ("#", "tp", "pp", "dp (replicas x shard)", "cp", "ep", "zero", "recompute", "mbs", "vpp/schedule", "GiB/GPU", "step s",
+                "tokens/s", "MFU", "HFU"):
+        table.add_column(col, justify="right")
+    for p in result.plans:
+        plan = p.plan
+        table.add_row(
+            str(p.rank), str(plan.tp), str(plan.pp),
+            f"{plan.dp_replicate}x{plan.dp_shard}" if plan.dp_replicate > 1 and plan.dp_shard > 1 else str(plan.dp),
+            str(plan.cp), str(plan.ep), str(plan.zero),
+            plan.recompute, str(plan.micro_batch), f"{plan.vpp} {plan.pp_schedule}" if plan.pp > 1 else "-",
+            f"{p.memory_gib_per_gpu:.1f}", f"{p.step_time_s:.3f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.hfu:.1%}",
+        )
+    console.print(table)
+    best = result.best
+    console.print("memory of the best plan (GiB, fullest stage): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in best.memory_breakdown.items()) + f" of {best.usable_memory_gib:.1f} usable")
+    console.print("step time parts (s): " + ", ".join(f"{k} {v:.4f}" for k, v in best.time_breakdown.items()))
+    console.print(f"binding constraint: {result.binding_constraint}")
+    for note in result.notes:
+        console.print(f"note: {note}")
+    console.print(f"launch: {best.torchrun}")

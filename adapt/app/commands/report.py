@@ -1,0 +1,50 @@
+"""``adapt report``: re-render a run's reports, or build the compatibility matrix over several runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from adapt.core.errors import BadInput
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("report", help="render reports from report.json (matrix over several runs)")
+    sub = p.add_subparsers(dest="report_command", metavar="KIND")
+    m = sub.add_parser("matrix", help="compatibility matrix (models × stages, coverage, speedup) in Markdown and HTML")
+    m.add_argument("run_dirs", nargs="+", help="run directories (or report.json files) of `adapt run`")
+    m.add_argument("--out", default="matrix", help="output path stem: writes STEM.md and STEM.html (default: matrix)")
+    m.set_defaults(func=handle_matrix)
+    r = sub.add_parser("render", help="rewrite report.md, report.html and junit.xml from a run's report.json")
+    r.add_argument("run_dir", help="run directory (or its report.json)")
+    r.set_defaults(func=handle_render)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def handle_matrix(args: argparse.Namespace) -> int:
+    from adapt.app.pipeline.store import atomic_write_text
+    from reports import load_report
+    from reports.matrix import build_matrix, render_matrix_html, render_matrix_markdown
+
+    reports = [load_report(path) for path in args.run_dirs]
+    df = build_matrix(reports)
+    stem = Path(args.out)
+    if stem.suffix in (".md", ".html"):
+        stem = stem.with_suffix("")
+    md = atomic_write_text(stem.with_suffix(".md"), render_matrix_markdown(df))
+    page = atomic_write_text(stem.with_suffix(".html"), render_matrix_html(df))
+    print(render_matrix_markdown(df))
+    print(f"wrote {md} and {page}")
+    return 0
+
+
+def handle_render(args: argparse.Namespace) -> int:
+    from reports import load_report, write_reports
+
+    path = Path(args.run_dir)
+    out_dir = path if path.is_dir() else path.parent
+    if not out_dir.exists():
+        raise BadInput(f"{path}: no such run directory")
+    written = write_reports(load_report(path), out_dir, formats=("md", "html", "junit"))
+    print("wrote " + ", ".join(str(p) for p in written.values()))
+    return 0

@@ -1,0 +1,1 @@
+"""Model layer: intake (checkpoint to ModelSpec), structure, skeletons and the tiny test zoo."""

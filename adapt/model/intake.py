@@ -1,0 +1,408 @@
+"""Intake: ModelSource -> (meta skeleton, checkpoint headers) -> ModelSpec.
+
+Public entry points used by every later stage:
+``resolve_source``, ``load_config``, ``build_meta_model``, ``load_model``, ``build_spec``, ``inspect``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+from torch import nn
+
+from adapt.core.checkpoint import cross_check, read_checkpoint
+from adapt.core.errors import BadInput
+from adapt.model.skeleton import quiet_transformers, build_meta_model, load_config, load_model
+from adapt.core.source import ModelSource, resolve_source
+from adapt.core.spec import (
+    SCHEMA_VERSION,
+    AttentionSpec,
+    BlockSpec,
+    CheckpointReport,
+    CostSpec,
+    MLPSpec,
+    ModelSpec,
+    NormSpec,
+    ParamCounts,
+)
+from adapt.model.structure import (
+    attention_window,
+    find_block_list,
+    interpret_attention,
+    interpret_mlp,
+    is_mlp_group,
+    probe_activation,
+    probe_norm,
+    split_block,
+)
+
+__all__ = [
+    "ModelSource", "resolve_source", "load_config", "build_meta_model", "load_model", "build_spec", "inspect",
+    "check_checkpoint",
+]  # fmt: skip
+
+DEFAULT_SEQ_LEN = 4096
+_HARMLESS_PARAM_FREE = (nn.Dropout, nn.Identity)
+
+
+def inspect(
+    text: str,
+    *,
+    config_only: bool = False,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    seq_len: int | None = None,
+) -> ModelSpec:
+    """Resolve, read and describe a checkpoint without loading its tensors."""
+    src = resolve_source(text, config_only=config_only, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    return build_spec(src, seq_len=seq_len)
+
+
+def check_checkpoint(src: ModelSource, model: nn.Module) -> CheckpointReport | None:
+    """Cross-check safetensors headers against the skeleton; shape mismatches are bad input."""
+    if src.config_only or not src.weight_files:
+        return None
+    if src.weight_format != "safetensors":
+        return CheckpointReport(format="pytorch_bin", files=[f.rsplit("/", 1)[-1] for f in src.weight_files])
+    tensors = read_checkpoint(src.weight_files)
+    report = cross_check(model, tensors, src.weight_files)
+    if report.shape_mismatches:
+        first = "; ".join(
+            f"{m['name']}: checkpoint {m['checkpoint']} vs config {m['model']}" for m in report.shape_mismatches[:3]
+        )
+        more = len(report.shape_mismatches) - 3
+        raise BadInput(
+            f"{src.text}: weights do not match the config: {first}" + (f" (and {more} more)" if more > 0 else "")
+        )
+    return report
+
+
+def build_spec(src: ModelSource, seq_len: int | None = None, model: nn.Module | None = None) -> ModelSpec:
+    """Describe the model from its meta skeleton (and cross-check the checkpoint when there is one)."""
+    config = load_config(src)
+    if model is None:
+        model = build_meta_model(src, config)
+    checkpoint = check_checkpoint(src, model)
+    with quiet_transformers():
+        return describe_model(model, config, src, seq_len=seq_len, checkpoint=checkpoint)
+
+
+def describe_model(
+    model: nn.Module, config, src: ModelSource | None = None, seq_len: int | None = None,
+    checkpoint: CheckpointReport | None = None,
+) -> ModelSpec:  # fmt: skip
+    embed = model.get_input_embeddings()
+    vocab, hidden = int(embed.weight.shape[0]), int(embed.weight.shape[1])
+    try:
+        blocks_path, block_list = find_block_list(model)
+    except ValueError as err:
+        raise BadInput(f"cannot describe this model: {err}") from None
+    block_ids = {id(p) for p in block_list.parameters()}
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    seq = seq_len or min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)
+    is_causal = bool(getattr(model, "can_generate", lambda: False)())
+
+    rope = _rope_info(model, config)
+    head_dim_hint = rope["rotary_dim"] if rope and rope.get("partial", 1.0) == 1.0 else None
+    has_final_norm = _has_final_norm(model, block_ids, hidden)
+    norm_cache: dict[tuple[type, int], NormSpec | None] = {}
+    unrecognized: list[str] = []
+    counts = ParamCounts()
+    blocks = []
+    for index, block in enumerate(block_list):
+        spec_block, block_counts = _describe_block(
+            block, index, f"{blocks_path}.{index}", config, hidden, head_dim_hint, has_final_norm, norm_cache,
+            unrecognized, rope is not None,
+        )  # fmt: skip
+        blocks.append(spec_block)
+        for key, value in block_counts.items():
+            setattr(counts, key, getattr(counts, key) + value)
+
+    _count_outside_blocks(model, block_ids, counts, hidden)
+    counts.total = sum(p.numel() for p in model.parameters())
+    counts.active_per_token = counts.total - sum(
+        round(c) for c in (_inactive_expert_params(b, block_list[b.index]) for b in blocks)
+    )
+    cost = _cost(model, blocks, counts, seq, hidden, vocab, is_causal, config)
+    dtype = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
+    return ModelSpec(
+        schema_version=SCHEMA_VERSION,
+        model_type=str(getattr(config, "model_type", "") or ""),
+        architectures=list(getattr(config, "architectures", None) or []),
+        source=src.text if src else "",
+        revision=src.revision if src else None,
+        dtype=dtype,
+        model_class=type(model).__name__,
+        is_causal=is_causal,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_layers=len(blocks),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=_tied(model),
+        rope=rope,
+        blocks=blocks,
+        params=counts,
+        cost=cost,
+        unrecognized=sorted(set(unrecognized)),
+        novelties=_novelties(blocks, sorted(set(unrecognized)), is_causal),
+        checkpoint=checkpoint,
+    )
+
+
+def _describe_block(
+    block, index, path, config, hidden, head_dim_hint, has_final_norm, norm_cache, unrecognized, has_rope
+) -> tuple[BlockSpec, dict[str, int]]:
+    parts = split_block(block)
+    owners = list(parts.projections)
+    moe_owners = [o for o in parts.banks if any(parts.banks[o])]
+    mlp_owners = [o for o in owners if o not in moe_owners and len(parts.projections[o]) <= 3
+                  and is_mlp_group(parts.projections[o], hidden)]  # fmt: skip
+    attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners]
+    module_of = dict(block.named_modules())
+
+    # Norms: probe each distinct (class, size) once. Narrow norms inside the attention owner are
+    # per-head QK norms or MLA's latent norms; they are classified once the head size is known.
+    block_norms: list[NormSpec] = []
+    attn_norm_sizes: list[int] = []
+    norm_params = attn_norm_params = 0
+    for npath, module, size in parts.norm_like:
+        key = (type(module), size)
+        if key not in norm_cache:
+            norm_cache[key] = probe_norm(module, size)
+        found = norm_cache[key]
+        n_params = sum(p.numel() for p in module.parameters())
+        if found is None:
+            unrecognized.append(f"{type(module).__name__} ({path}.{npath})")
+            continue
+        if npath.split(".", 1)[0] in attn_owners and size != hidden:
+            attn_norm_params += n_params
+            attn_norm_sizes.append(size)
+        else:
+            norm_params += n_params
+            if size == hidden:
+                block_norms.append(found)
+
+    activation = "unknown"
+    for fpath, module in parts.param_free:
+        if isinstance(module, _HARMLESS_PARAM_FREE) or list(module.buffers()):
+            continue
+        found_act = probe_activation(module)
+        if found_act and fpath.split(".", 1)[0] in (mlp_owners + moe_owners):
+            activation = activation if activation != "unknown" else found_act
+        elif not found_act:
+            unrecognized.append(f"{type(module).__name__} ({path}.{fpath})")
+    if activation == "unknown":
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        activation = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "swish": "silu"}.get(act, act) or "unknown"
+
+    attn_modules = [module_of[o] for o in attn_owners]
+    attention: AttentionSpec | None = None
+    attn_params = sum(p.params for o in attn_owners for p in parts.projections[o]) + attn_norm_params
+    if attn_owners:
+        group = [p for o in attn_owners for p in parts.projections[o]]
+        attention = interpret_attention(group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint)
+        attention.window = attention_window(attn_modules, config, index)
+        attention.causal = bool(getattr(attn_modules[0], "is_causal", True))
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        attention.softcap = float(softcap) if softcap else None
+        attention.qk_norm = attention.kind != "mla" and attention.head_dim in attn_norm_sizes
+        sinks = [s for (m, _, s) in parts.other_1d if m.split(".", 1)[0] in attn_owners and s == attention.num_heads]
+        attention.sinks = bool(sinks)
+        attn_params += sum(s for (m, _, s) in parts.other_1d if m.split(".", 1)[0] in attn_owners)
+
+    mlp_projs = [p for o in mlp_owners + moe_owners for p in parts.projections.get(o, [])]
+    banks = [b for o in moe_owners for b in parts.banks[o]]
+    if mlp_projs or banks:
+        mlp, bank_params, router_params = interpret_mlp(
+            mlp_projs, banks, [module_of[o] for o in moe_owners] + [m for o in moe_owners for m in module_of[o].modules()],
+            config, hidden, activation,
+        )  # fmt: skip
+    else:
+        mlp, bank_params, router_params = MLPSpec(kind="none", intermediate_size=0), 0, 0
+    mlp_params = sum(p.params for p in mlp_projs)
+
+    if len(block_norms) >= 4:
+        placement = "sandwich"
+    else:
+        placement = "pre" if has_final_norm else "post"
+    norm = block_norms[0] if block_norms else NormSpec(kind="none", placement="unknown")
+    norm = NormSpec(kind=norm.kind, placement=placement if block_norms else "unknown", eps=norm.eps, offset=norm.offset)
+
+    total = sum(p.numel() for p in block.parameters())
+    counted = attn_params + mlp_params + bank_params + norm_params
+    shared = mlp_params - router_params if mlp.kind == "moe" else 0
+    block_counts = {
+        "attention": attn_params,
+        "dense_mlp": mlp_params if mlp.kind != "moe" else 0,
+        "experts": bank_params,
+        "shared_experts": shared,
+        "router": router_params,
+        "norms": norm_params,
+        "other": total - counted,
+    }
+    active_bank = bank_params * mlp.top_k / mlp.num_experts if mlp.kind == "moe" and mlp.num_experts else 0
+    linear_flops = 2 * (
+        sum(p.shape[0] * p.shape[1] for o in attn_owners for p in parts.projections[o])
+        + sum(p.shape[0] * p.shape[1] for p in mlp_projs)
+        + int(active_bank)
+    )
+    attn_coeff = 0
+    if attention is not None:
+        attn_coeff = 2 * attention.num_heads * (attention.head_dim + attention.v_head_dim)
+    mixer = "unknown"
+    if attention is not None:
+        mixer = "sliding_attention" if attention.window else "full_attention"
+    return (
+        BlockSpec(
+            index=index, module=path, class_name=type(block).__name__, mixer=mixer, attention=attention, mlp=mlp,
+            norm=norm, positional="rope" if has_rope else "none", params=total,
+            params_active=total - (bank_params - int(active_bank)), linear_flops_per_token=linear_flops,
+            attention_flops_per_token_per_ctx=attn_coeff,
+        ),  # fmt: skip
+        block_counts,
+    )
+
+
+def _inactive_expert_params(block_spec: BlockSpec, block: nn.Module) -> float:
+    return block_spec.params - block_spec.params_active
+
+
+def _has_final_norm(model: nn.Module, block_ids: set[int], hidden: int) -> bool:
+    """Pre-norm models normalise after the last block; post-norm ones (BERT) do not."""
+    modules = dict(model.named_modules())
+    embedding_parents = {name.rsplit(".", 1)[0] if "." in name else "" for name, m in modules.items()
+                         if isinstance(m, nn.Embedding)}  # fmt: skip
+    # An embedding-side norm (BERT's embeddings.LayerNorm) is not a final norm, unless its parent is the
+    # trunk that also holds the blocks (GPT-2's ln_f next to wte and h).
+    embedding_parents = {p for p in embedding_parents
+                         if not any(id(q) in block_ids for q in modules[p].parameters())}  # fmt: skip
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own or any(id(p) in block_ids for p in own) or any(p.dim() != 1 for p in own):
+            continue
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if parent in embedding_parents:
+            continue
+        if all(p.numel() == hidden for p in own):
+            return True
+    return False
+
+
+def _count_outside_blocks(model: nn.Module, block_ids: set[int], counts: ParamCounts, hidden: int) -> None:
+    seen: set[int] = set(block_ids)
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            for p in module.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    counts.embeddings += p.numel()
+    if out_emb is not None:
+        for p in out_emb.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                counts.lm_head += p.numel()
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        for p in own:
+            seen.add(id(p))
+        if all(p.dim() == 1 for p in own) and all(p.numel() == hidden for p in own):
+            counts.norms += sum(p.numel() for p in own)
+        else:
+            counts.other += sum(p.numel() for p in own)
+
+
+def _tied(model: nn.Module) -> bool:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return out is not None and out.weight is model.get_input_embeddings().weight
+
+
+def _rope_info(model: nn.Module, config) -> dict | None:
+    """Rotary embedding facts: inv_freq buffers give the rotary dim; theta/scaling come from the config."""
+    dims = [int(b.shape[0]) * 2 for name, b in model.named_buffers() if name.endswith("inv_freq") and b.dim() == 1]
+    if not dims:
+        return None
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    return {
+        "rotary_dim": Counter(dims).most_common(1)[0][0],
+        "theta": theta,
+        "rope_type": params.get("rope_type", "default"),
+        "scaling": {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")} or None,
+        "partial": float(partial),
+    }
+
+
+def _avg_context(seq: int, window: int | None, causal: bool) -> float:
+    if not causal:
+        return float(seq)
+    if window and window < seq:
+        return (window * (window + 1) / 2 + (seq - window) * window) / seq
+    return seq / 2
+
+
+def _cost(model, blocks: list[BlockSpec], counts: ParamCounts, seq, hidden, vocab, is_causal, config) -> CostSpec:
+    linear = sum(b.linear_flops_per_token for b in blocks)
+    attention = sum(
+        int(b.attention_flops_per_token_per_ctx * _avg_context(seq, b.attention.window if b.attention else None, is_causal))
+        for b in blocks
+    )
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = 2 * math.prod(out.weight.shape) if out is not None else 0
+    forward = linear + attention + head
+    dtype = getattr(config, "dtype", None)
+    nbytes = dtype.itemsize if isinstance(dtype, torch.dtype) else 2  # checkpoint dtype; bf16 when unstated
+    kv = 0
+    if is_causal:
+        for b in blocks:
+            a = b.attention
+            if a is None:
+                continue
+            per_layer = a.kv_lora_rank + a.qk_rope_head_dim if a.kind == "mla" else a.num_kv_heads * (a.head_dim + a.v_head_dim)
+            kv += per_layer * nbytes
+    return CostSpec(
+        seq_len=seq, forward_flops_per_token=forward, train_flops_per_token=3 * forward, linear_flops_per_token=linear,
+        attention_flops_per_token=attention, lm_head_flops_per_token=head, kv_cache_bytes_per_token=kv,
+        kv_cache_dtype_bytes=nbytes,
+    )  # fmt: skip
+
+
+def _novelties(blocks: list[BlockSpec], unrecognized: list[str], is_causal: bool) -> list[str]:
+    """Features beyond a plain pre-norm MHA/SwiGLU decoder, worded for the report."""
+    notes: list[str] = []
+    n = len(blocks)
+    attn = [b.attention for b in blocks if b.attention]
+    kinds = Counter(a.kind for a in attn)
+    for kind, count in kinds.items():
+        if kind != "mha":
+            notes.append(f"{kind.upper()} attention in {count}/{n} blocks")
+    windows = [a.window for a in attn if a.window]
+    if windows:
+        notes.append(f"sliding-window attention (window {windows[0]}) in {len(windows)}/{n} blocks")
+    if any(a.softcap for a in attn):
+        notes.append(f"attention logit soft-capping at {attn[0].softcap}")
+    if any(a.sinks for a in attn):
+        notes.append("learned attention sinks")
+    if any(a.qk_norm for a in attn):
+        notes.append("QK normalisation")
+    moe = [b.mlp for b in blocks if b.mlp.kind == "moe"]
+    if moe:
+        m = moe[0]
+        shared = f", {m.num_shared_experts} shared" if m.num_shared_experts else ""
+        groups = f", grouped routing {m.topk_group}/{m.n_group}" if m.n_group > 1 else ""
+        notes.append(f"MoE in {len(moe)}/{n} blocks: {m.num_experts} experts, top-{m.top_k}{shared}{groups}")
+    if any(b.norm.offset for b in blocks):
+        notes.append("(1 + w) offset norm scaling")
+    placements = Counter(b.norm.placement for b in blocks)
+    for placement in placements:
+        if placement not in ("pre", "unknown"):
+            notes.append(f"{placement}-norm blocks")
+    if not is_causal:
+        notes.append("bidirectional (encoder) attention")
+    notes += [f"unrecognised component: {u}" for u in unrecognized]
+    return notes

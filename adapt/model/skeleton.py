@@ -1,0 +1,256 @@
+"""Build models through transformers' own classes: on the meta device for structure, or with real weights.
+
+The model class is chosen the way transformers itself would: the checkpoint's declared
+``architectures`` (or its ``auto_map`` with ``--trust-remote-code``), resolved through the
+Auto mappings.  Decoders get their causal-LM class; encoders get their base model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from adapt.core.errors import BadInput
+from adapt.core.source import ModelSource
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers logs advice about configs and generation on stdout/stderr; keep our output clean."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                yield
+            finally:
+                hf_logging.set_verbosity(previous)
+
+
+def load_config(src: ModelSource):
+    """The transformers config object; an unknown architecture is bad input, not a traceback."""
+    from transformers import AutoConfig
+
+    model_type = src.config_dict.get("model_type")
+    try:
+        with quiet_transformers():
+            return AutoConfig.from_pretrained(src.root, trust_remote_code=src.trust_remote_code)
+    except (ValueError, KeyError) as err:
+        import transformers
+
+        if src.config_dict.get("auto_map"):
+            raise BadInput(f"{src.config_path}: the checkpoint's own config code failed: {_first_line(err)}") from None
+        raise BadInput(
+            f"{src.config_path}: unknown architecture model_type={model_type!r}: transformers "
+            f"{transformers.__version__} does not know it and the checkpoint ships no model code (auto_map)"
+        ) from None
+    except OSError as err:
+        raise BadInput(f"{src.config_path}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def model_class(src: ModelSource, config):
+    """The transformers class to instantiate: causal LM for decoders, the base model for encoders."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    auto_map = src.config_dict.get("auto_map") or {}
+    if auto_map:
+        return AutoModelForCausalLM if "AutoModelForCausalLM" in auto_map else AutoModel
+    declared = list(getattr(config, "architectures", None) or [])
+    try:
+        causal_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        causal_cls = None
+    if causal_cls is None:
+        try:
+            MODEL_MAPPING[type(config)]
+        except KeyError:
+            raise BadInput(f"{src.config_path}: transformers has no model class for {type(config).__name__}") from None
+        return AutoModel
+    if declared and causal_cls.__name__ not in declared:
+        # The checkpoint declares a non-causal class (e.g. an encoder's base model).
+        import transformers
+
+        declared_cls = getattr(transformers, declared[0], None)
+        if declared_cls is not None and declared_cls is not causal_cls:
+            return AutoModel
+    return AutoModelForCausalLM
+
+
+def build_meta_model(src: ModelSource, config=None) -> torch.nn.Module:
+    """The full model on the meta device: real module tree and shapes, no memory for weights."""
+    config = config if config is not None else load_config(src)
+    cls = model_class(src, config)
+    dtype = _config_dtype(config)
+    try:
+        with quiet_transformers(), torch.device("meta"):
+            return cls.from_config(config, trust_remote_code=src.trust_remote_code, dtype=dtype)
+    except BadInput:
+        raise
+    except Exception as err:
+        raise BadInput(f"{src.config_path}: transformers could not build the model: {_first_line(err)}") from None
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def available_memory(device: str) -> int:
+    """Bytes that a new allocation can still get on ``device`` (host RAM for the CPU)."""
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_fits(src: ModelSource, need_bytes: int, device: str, what: str, hint: str) -> None:
+    """Refuse early, with the figures, what would otherwise die in the allocator or the OOM killer."""
+    have = available_memory(device)
+    if need_bytes > 0.9 * have:
+        raise BadInput(
+            f"{src.text}: {what} needs {need_bytes / 2**30:.1f} GiB but {device} has {have / 2**30:.1f} GiB available; {hint}"
+        )
+
+
+def parameter_bytes(src: ModelSource, dtype: torch.dtype) -> tuple[int, int]:
+    """(all parameters, the largest single parameter) in bytes at ``dtype``, from the meta skeleton."""
+    sizes = [p.numel() for p in build_meta_model(src).parameters()]
+    return sum(sizes) * dtype.itemsize, max(sizes, default=0) * 4  # construction initialises in float32
+
+
+def build_skeleton(src: ModelSource) -> nn.Module:
+    """The model class transformers would load, parameters on meta, buffers computed for real.
+
+    Parameters are created one at a time before moving to meta, so the largest one must fit.
+    """
+    config = load_config(src)
+    cls = model_class(src, config)
+    _, largest = parameter_bytes(src, torch.float32)
+    check_fits(src, largest, "cpu", "building the skeleton (its largest parameter)", "this model is too large to align here")
+    try:
+        with quiet_transformers(), parameters_on_meta():
+            model = cls.from_config(config, trust_remote_code=src.trust_remote_code, dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - remote model code can raise anything
+        raise BadInput(f"{src.text}: transformers could not build the model skeleton: {err}") from None
+    return model.eval()
+
+
+def restore_computed_buffers(model: nn.Module, src: ModelSource) -> list[str]:
+    """Copy the buffers that ``__init__`` computes into a loaded model where the loader left them unset.
+
+    transformers 5's loader materialises a remote-code model's non-persistent buffers (e.g. a
+    hand-written rotary ``inv_freq``) without computing them: their contents are whatever memory
+    held.  Returns the names it repaired, so callers can report it.
+    """
+    fresh = _computed_buffers(src, f"{src.content_hash()}:{src.trust_remote_code}")
+    repaired = []
+    for name, buf in model.named_buffers():
+        module_path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(module_path)
+        if leaf not in owner._non_persistent_buffers_set:
+            continue  # persistent buffers come from the checkpoint and are right as loaded
+        want = fresh.get(name)
+        if want is None or want.device.type == "meta" or want.shape != buf.shape:
+            continue
+        if not torch.equal(buf.detach().cpu(), want.to(buf.dtype)):
+            owner._buffers[leaf] = want.to(device=buf.device, dtype=buf.dtype)
+            repaired.append(name)
+    return repaired
+
+
+_BUFFER_CACHE: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _computed_buffers(src: ModelSource, content_hash: str) -> dict[str, torch.Tensor]:
+    """The buffers ``__init__`` computes, once per checkpoint content (building a skeleton costs seconds)."""
+    if content_hash not in _BUFFER_CACHE:
+        _BUFFER_CACHE.clear()
+        _BUFFER_CACHE[content_hash] = dict(build_skeleton(src).named_buffers())
+    return _BUFFER_CACHE[content_hash]
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Exact NaN/Inf check at the cost of one reduction: a sum is finite only if every term is.
+    Only a non-finite sum (a NaN/Inf, or a finite overflow) pays for the elementwise check."""
+    with torch.no_grad():
+        return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def load_model(
+    src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu", notes: list[str] | None = None
+) -> torch.nn.Module:
+    """The model with its real weights, through transformers' own loader (random init when config-only).
+
+    Safetensors load by default; pickled ``.bin`` weights only with ``allow_pickle`` (transformers
+    loads them with ``weights_only=True``).  Non-finite weights are refused, naming the tensors.
+    Buffers that ``__init__`` computes but the loader left unset are recomputed; what was repaired
+    is appended to ``notes``.
+    """
+    config = load_config(src)
+    cls = model_class(src, config)
+    total, _ = parameter_bytes(src, dtype)
+    check_fits(
+        src, total, device, f"loading the weights in {str(dtype).removeprefix('torch.')}",
+        "align it with --streamed, or bench a depth-truncated copy with --max-layers",
+    )
+    try:
+        with quiet_transformers():
+            if src.has_weights:
+                model = cls.from_pretrained(
+                    src.root,
+                    config=config,
+                    dtype=dtype,
+                    trust_remote_code=src.trust_remote_code,
+                    use_safetensors=src.weight_format == "safetensors",
+                )
+            else:
+                model = cls.from_config(config, dtype=dtype, trust_remote_code=src.trust_remote_code)
+    except BadInput:
+        raise
+    except Exception as err:
+        raise BadInput(f"{src.text}: transformers could not load the weights: {_first_line(err)}") from None
+    bad = [name for name, p in model.named_parameters() if not _all_finite(p)]
+    if bad:
+        raise BadInput(f"{src.text}: non-finite (NaN/Inf) values in weights: {', '.join(bad[:3])}")
+    if any(True for _ in model.buffers()):
+        repaired = restore_computed_buffers(model, src)
+        note = f"loader left computed buffers uninitialised, recomputed: {', '.join(repaired)}"
+        if repaired and notes is not None and note not in notes:
+            notes.append(note)
+    return model.to(device).eval()

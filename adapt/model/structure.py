@@ -1,0 +1,334 @@
+"""Derive the per-block structure of a model from its module tree and tensor shapes.
+
+No ``model_type`` or class-name tables: a block is one element of the model's repeated
+``ModuleList``; inside it, parametric leaves are grouped by the block child that owns them and
+classified by shape (2-D weights are projections, 3-D weights are expert banks, 1-D-only modules
+are norm candidates).  Norms and activations are confirmed by running a CPU copy of that one small
+module against reference formulas.  Head counts come from the attention module's own attributes or
+the config's standard names, cross-checked against projection shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from adapt.core.spec import AttentionSpec, MLPSpec, NormSpec
+
+# ---------------------------------------------------------------- leaf classification
+
+
+@dataclass
+class Projection:
+    path: str  # relative to the block
+    shape: tuple[int, int]  # weight shape as stored
+    bias: bool
+    params: int
+
+    def other_dim(self, hidden: int) -> int | None:
+        """The dimension that is not the model width (None when both are the width)."""
+        a, b = self.shape
+        if a == hidden and b == hidden:
+            return None
+        return b if a == hidden else a
+
+
+@dataclass
+class BlockParts:
+    projections: dict[str, list[Projection]] = field(default_factory=dict)  # by owning child
+    banks: dict[str, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)  # 3-D expert weights
+    norm_like: list[tuple[str, nn.Module, int]] = field(default_factory=list)  # (path, module, size)
+    param_free: list[tuple[str, nn.Module]] = field(default_factory=list)
+    other_1d: list[tuple[str, str, int]] = field(default_factory=list)  # (module path, param name, size)
+    buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's repeated blocks: the longest ModuleList of parametric, same-class modules."""
+    best: tuple[int, int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        classes = {type(m) for m in module}
+        n_params = sum(p.numel() for p in module.parameters())
+        if len(classes) != 1 or n_params == 0:
+            continue
+        key = (n_params, len(module))  # by size first: a block list contains any expert lists
+        if best is None or key > best[:2]:
+            best = (n_params, len(module), name, module)
+    if best is None:
+        raise ValueError("no repeated block list (ModuleList of identical parametric modules) found")
+    return best[2], best[3]
+
+
+def _is_expert_list(module: nn.Module) -> bool:
+    if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        return False
+    if len({type(m) for m in module}) != 1:
+        return False
+    shapes = [tuple(p.shape) for p in module[0].parameters()]
+    return len(shapes) >= 2 and all(len(s) == 2 for s in shapes)
+
+
+def _owner(path: str) -> str:
+    return path.split(".", 1)[0] if "." in path else ""
+
+
+def split_block(block: nn.Module) -> BlockParts:
+    parts = BlockParts()
+    skip: tuple[str, ...] = ()
+    for path, module in block.named_modules():
+        if skip and path.startswith(skip):
+            continue
+        if _is_expert_list(module):
+            # Experts kept as a list of identical MLPs: record them as 3-D banks, like fused experts.
+            for pname, p in module[0].named_parameters():
+                if p.dim() == 2:
+                    parts.banks.setdefault(_owner(path), []).append((f"{path}.{pname}", (len(module), *p.shape)))
+            skip = tuple(f"{path}.{i}." for i in range(len(module))) + tuple(f"{path}.{i}" for i in range(len(module)))
+            continue
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            if path and not list(module.children()):
+                parts.param_free.append((path, module))
+            continue
+        dims = {p.dim() for _, p in own}
+        if 3 in dims:
+            for pname, p in own:
+                if p.dim() == 3:
+                    parts.banks.setdefault(_owner(path), []).append((f"{path}.{pname}", tuple(p.shape)))
+            continue
+        weight2d = [(n, p) for n, p in own if p.dim() == 2]
+        if len(weight2d) == 1 and all(p.dim() <= 2 for _, p in own):
+            name, w = weight2d[0]
+            proj = Projection(
+                path=path,
+                shape=(int(w.shape[0]), int(w.shape[1])),
+                bias=any(p.dim() == 1 for _, p in own),
+                params=sum(p.numel() for _, p in own),
+            )
+            parts.projections.setdefault(_owner(path), []).append(proj)
+        elif dims == {1}:
+            sizes = {p.numel() for _, p in own}
+            if len(own) <= 2 and len(sizes) == 1:
+                parts.norm_like.append((path, module, sizes.pop()))
+            else:
+                parts.other_1d += [(path, n, p.numel()) for n, p in own]
+        else:
+            parts.other_1d += [(path, n, p.numel()) for n, p in own]
+    for name, buf in block.named_buffers():
+        parts.buffers[name] = tuple(buf.shape)
+    return parts
+
+
+# ---------------------------------------------------------------- numeric probes
+
+
+def _materialise(module: nn.Module) -> nn.Module | None:
+    """A CPU float64 copy of one small module with fresh random parameters, or None if impossible."""
+    if sum(p.numel() for p in module.parameters()) > 50_000_000:
+        return None
+    try:
+        clone = copy.deepcopy(module).to_empty(device="cpu").to(torch.float64)
+    except Exception:
+        return None
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.25)
+    return clone
+
+
+def probe_norm(module: nn.Module, size: int) -> NormSpec | None:
+    """Which normalisation ``module`` computes (RMS or Layer, with (1+w) offset), by running it."""
+    clone = _materialise(module)
+    if clone is None:
+        return None
+    gen = torch.Generator().manual_seed(99)
+    params = list(clone.parameters())
+    w, b = params[0], (params[1] if len(params) > 1 else None)
+    # Two input scales: at small magnitude the eps term matters, so eps placement is tested too.
+    # Modules that compute internally in float32 agree with the float64 formulas to ~1e-6 relative.
+    matches: set[tuple[str, float, float]] | None = None
+    for scale in (2.0, 0.02):
+        x = (torch.randn(3, 5, size, generator=gen, dtype=torch.float64) + 0.35) * scale
+        try:
+            with torch.no_grad():
+                y = clone(x)
+        except Exception:
+            return None
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+            return None
+        y = y.to(torch.float64)
+        found = set()
+        for eps in _eps_candidates(module):
+            rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            centred = x - x.mean(-1, keepdim=True)
+            ln = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+            for kind, base in (("rmsnorm", rms), ("layernorm", ln)):
+                for offset in (0.0, 1.0):
+                    ref = base * (w + offset) + (b if b is not None else 0)
+                    if torch.allclose(y, ref, rtol=2e-5, atol=1e-6):
+                        found.add((kind, eps, offset))
+        matches = found if matches is None else matches & found
+    if not matches:
+        return None
+    kind, eps, offset = sorted(matches)[0]
+    return NormSpec(kind=kind, placement="unknown", eps=eps, offset=offset)  # type: ignore[arg-type]
+
+
+def _eps_candidates(module: nn.Module) -> list[float]:
+    found = [float(v) for k, v in vars(module).items() if "eps" in k.lower() and isinstance(v, (int, float))]
+    return found or [1e-5, 1e-6, 1e-12, 1e-8]
+
+
+_ACTIVATIONS = {
+    "silu": lambda x: torch.nn.functional.silu(x),
+    "gelu": lambda x: torch.nn.functional.gelu(x),
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+    "relu2": lambda x: torch.relu(x).pow(2),
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+
+
+def probe_activation(module: nn.Module) -> str | None:
+    x = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = copy.deepcopy(module).to_empty(device="cpu")(x)
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    for name, fn in _ACTIVATIONS.items():
+        if torch.allclose(y.to(torch.float64), fn(x), rtol=1e-6, atol=1e-6):
+            return name
+    return None
+
+
+# ---------------------------------------------------------------- block interpretation
+
+
+def _int_attr(modules: list[nn.Module], names: tuple[str, ...]) -> int | None:
+    for module in modules:
+        for name in names:
+            value = getattr(module, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _cfg(config, *names, default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def is_mlp_group(projs: list[Projection], hidden: int) -> bool:
+    """Projections that go width -> I (once, twice, or fused 2I) -> width, with one inner size I."""
+    others = [p.other_dim(hidden) for p in projs]
+    if not projs or any(o is None for o in others):
+        return False
+    inner = min(others)  # type: ignore[type-var]
+    return all(o in (inner, 2 * inner) for o in others) and sum(o == inner for o in others) >= 1
+
+
+def interpret_attention(
+    group: list[Projection], latent_norms: list[int], attn_modules: list[nn.Module], config, hidden: int, layer: int,
+    head_dim_hint: int | None,
+) -> AttentionSpec:
+    """Attention kind and geometry from projection shapes; head split from module attributes or config."""
+    low_rank = [p for p in group if hidden not in p.shape]
+    width_in = [p for p in group if hidden in p.shape]
+    # Output projection: the last one mapping back to the width (HF registers o_proj last).
+    out_proj = width_in[-1]
+    inputs = [p for p in width_in[:-1]]
+    head_dim = _int_attr(attn_modules, ("head_dim", "head_size", "attention_head_size", "span")) or head_dim_hint
+    num_heads = _int_attr(attn_modules, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
+    num_heads = num_heads or _cfg(config, "num_attention_heads")
+    if low_rank:  # multi-head latent attention: low-rank q and kv with their own norms
+        q_lora = _cfg(config, "q_lora_rank", default=0) or 0
+        kv_lora = _cfg(config, "kv_lora_rank", default=min(latent_norms) if latent_norms else 0)
+        rope_dim = _cfg(config, "qk_rope_head_dim", default=0)
+        nope_dim = _cfg(config, "qk_nope_head_dim", default=0)
+        v_dim = _cfg(config, "v_head_dim", default=0)
+        heads = int(num_heads)
+        return AttentionSpec(
+            kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=rope_dim + nope_dim, v_head_dim=v_dim,
+            q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope_dim,
+            qkv_bias=any(p.bias for p in inputs),
+        )  # fmt: skip
+    q_out_total = out_proj.other_dim(hidden) or hidden
+    if head_dim is None and num_heads:
+        head_dim = q_out_total // int(num_heads)
+    head_dim = head_dim or 64
+    num_heads = q_out_total // head_dim
+    if len(inputs) == 1:  # fused qkv: out = (h + 2*kv) * d
+        fused = inputs[0].other_dim(hidden) or hidden
+        kv_heads = (fused // head_dim - num_heads) // 2
+    else:
+        outs = sorted((p.other_dim(hidden) or hidden) for p in inputs)
+        kv_heads = outs[0] // head_dim
+    kind = "mha" if kv_heads == num_heads else ("mqa" if kv_heads == 1 else "gqa")
+    return AttentionSpec(
+        kind=kind, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
+        qkv_bias=any(p.bias for p in inputs),
+    )  # fmt: skip
+
+
+def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int | None:
+    for module in attn_modules:
+        if hasattr(module, "sliding_window"):
+            value = getattr(module, "sliding_window")
+            return int(value) if value else None
+    layer_types = _cfg(config, "layer_types")
+    window = _cfg(config, "sliding_window")
+    if layer_types and window:
+        return int(window) if "sliding" in str(layer_types[layer]) else None
+    if window and _cfg(config, "use_sliding_window", default=True):
+        return int(window)
+    return None
+
+
+def interpret_mlp(
+    projs: list[Projection], banks: list[tuple[str, tuple[int, ...]]], block_modules: list[nn.Module], config,
+    hidden: int, activation: str,
+) -> tuple[MLPSpec, int, int]:
+    """MLP kind and sizes; returns (spec, routed-expert params, router params)."""
+    if banks:
+        experts = banks[0][1][0]
+        inner = min(d for _, shape in banks for d in shape[1:] if d != hidden) if any(
+            d != hidden for _, s in banks for d in s[1:]) else hidden  # fmt: skip
+        gated = any(2 * inner in shape[1:] for _, shape in banks) or len(banks) >= 3
+        bank_params = sum(math.prod(shape) for _, shape in banks)
+        router = [p for p in projs if experts in p.shape and hidden in p.shape]
+        shared = [p for p in projs if p not in router and 1 not in p.shape]
+        shared_inner = min((p.other_dim(hidden) or hidden for p in shared), default=0)
+        top_k = _int_attr(block_modules, ("top_k", "num_experts_per_tok")) or _cfg(config, "num_experts_per_tok", default=1)
+        has_bias_correction = False
+        spec = MLPSpec(
+            kind="moe", intermediate_size=inner, activation=activation, num_experts=experts, top_k=int(top_k),
+            num_shared_experts=round(shared_inner / inner) if shared_inner and inner else 0,
+            shared_intermediate_size=shared_inner,
+            router_scoring=str(_cfg(config, "scoring_func", default="")) or "softmax",
+            n_group=int(_cfg(config, "n_group", default=1) or 1), topk_group=int(_cfg(config, "topk_group", default=1) or 1),
+        )  # fmt: skip
+        del has_bias_correction
+        return spec, bank_params, sum(p.params for p in router)
+    others = [p.other_dim(hidden) or hidden for p in projs]
+    inner = min(others)
+    ups = [o for o in others if o in (inner, 2 * inner)]
+    gated = len(ups) >= 3 or any(o == 2 * inner for o in others)
+    spec = MLPSpec(
+        kind="dense_gated" if gated else "dense_plain", intermediate_size=inner, activation=activation,
+        bias=any(p.bias for p in projs),
+    )  # fmt: skip
+    return spec, 0, 0

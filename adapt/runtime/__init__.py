@@ -1,0 +1,16 @@
+"""Realise a ``ParallelPlan`` on PyTorch's own distributed stack: the runtime layer, below validators and the app.
+
+Modules, in the order ``parallelize`` applies them:
+
+* ``mesh``: named DeviceMesh (pp, dp_replicate, dp_shard, cp, tp) plus the expert view (ep).
+* ``model_parts``: roles of modules found by structure and data flow (no names, no model types).
+* ``pipeline``: stage split + ``torch.distributed.pipelining`` schedules (1F1B, interleaved, ...).
+* ``tensor_parallel``: ``parallelize_module`` plans (colwise/rowwise, SP, vocab-parallel, GQA).
+* ``expert_parallel``: experts sharded over ``ep``, all-to-all dispatch and combine.
+* ``activation_checkpoint``: full or selective recompute per block.
+* ``data_parallel``: FSDP2 ``fully_shard`` per block and root; ZeRO-1/2/3, bf16 mixed precision, offload.
+* ``context_parallel``: PyTorch's ring-attention context manager (CUDA only).
+* ``trainer`` / ``data``: AdamW, clipping, warm-up + cosine, metrics; synthetic or token-file data.
+* ``checkpoint``: DCP save/load across layouts, HF safetensors export.
+* ``launch`` / ``runner``: torchrun command lines and the entry used by ``adapt train``.
+"""
