@@ -163,6 +163,7 @@ def _allreduce_worker(rank: int, world: int, nbytes: int, port: int, queue) -> N
 
 
 def local_devices() -> list[DeviceInfo]:
+    """The GPUs this process sees."""
     return [
         DeviceInfo(i, p.name, f"{p.major}.{p.minor}", p.total_memory, p.multi_processor_count)
         for i, p in ((i, torch.cuda.get_device_properties(i)) for i in range(torch.cuda.device_count()))
@@ -214,7 +215,9 @@ def check_environment(
     cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
     dev = torch.device("cuda") if cuda else torch.device("cpu")
     devices = local_devices() if cuda else []
-    matmul_dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16 if cuda else torch.float32)
+    matmul_dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(
+        precision, torch.bfloat16 if cuda else torch.float32
+    )
     report = EnvReport(
         versions=versions(),
         device_type=dev.type,

@@ -170,10 +170,6 @@ class RunOptions:
         filled = {name: getattr(defaults, name) for name in chosen}
         return dataclasses.replace(self, **filled, machine=device.label(), device_chosen=chosen)
 
-    @property
-    def plans_for_this_machine(self) -> bool:
-        return self.cluster == LOCAL_CLUSTER
-
     def subset(self, keys: tuple[str, ...]) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         return {k: data[k] for k in keys}

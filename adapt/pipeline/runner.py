@@ -46,7 +46,9 @@ def resolve(options: RunOptions) -> SourceInfo:
     """Resolve the source through intake (hub id or directory) and fingerprint its files."""
     from adapt.intake import resolve_source
 
-    handle = resolve_source(options.source, trust_remote_code=options.trust_remote_code, allow_pickle=options.allow_pickle)
+    handle = resolve_source(
+        options.source, trust_remote_code=options.trust_remote_code, allow_pickle=options.allow_pickle
+    )
     path = Path(_local_path(handle))
     return SourceInfo(options.source, str(path), source_fingerprint(path, exclude=options.out_dir), handle)
 
