@@ -24,7 +24,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "## Summary",
         "",
         tables.to_markdown(tables.stage_table(report)),
-        _shapes_line(report),
+        shapes_line(report),
         "",
     ]
     out += _section_new(report)
@@ -39,7 +39,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def _shapes_line(report: dict[str, Any]) -> str:
+def shapes_line(report: dict[str, Any]) -> str:
+    """The shapes, steps and target the run used (the header of both report.md and report.html)."""
     o = report["options"]
     return (
         f"Validation ran on `{o.get('device')}` in `{o.get('dtype')}` at batch {o.get('batch_size')} × seq "
