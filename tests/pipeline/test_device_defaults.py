@@ -100,15 +100,23 @@ def test_cached_typed_results_are_read_back_not_recomputed(tmp_path):
     assert stages["environment"]["summary"]["judged_against_plan"] is False
 
 
-def test_stage_loaders_round_trip_their_results():
+@pytest.fixture(scope="module")
+def planned():
+    """The example's ModelSpec and its plan for the CPU's default cluster."""
     from adapt.intake import build_spec, resolve_source
-    from adapt.pipeline.stages import STAGES, plan_workload, target_cluster
-    from adapt.pipeline.store import to_jsonable
+    from adapt.pipeline.stages import plan_workload, target_cluster
     from parallel_planner.search import plan_parallel
 
     spec = build_spec(resolve_source(str(EXAMPLE)))
     options = RunOptions(source=str(EXAMPLE), out_dir="o").with_device_defaults(CPU, 256)
-    result = plan_parallel(spec, target_cluster(options.cluster), plan_workload(options), top_k=3)
+    return spec, plan_parallel(spec, target_cluster(options.cluster), plan_workload(options), top_k=3)
+
+
+def test_stage_loaders_round_trip_their_results(planned):
+    from adapt.pipeline.stages import STAGES
+    from adapt.pipeline.store import to_jsonable
+
+    spec, result = planned
     for name, typed in (("intake", spec), ("plan", result)):
         stored = to_jsonable(typed.to_dict())
         rebuilt = STAGES[name].load(stored)
@@ -116,3 +124,21 @@ def test_stage_loaders_round_trip_their_results():
     assert dataclasses.asdict(STAGES["plan"].load(to_jsonable(result.to_dict())).best.plan) == dataclasses.asdict(
         result.best.plan
     )
+
+
+@pytest.mark.parametrize(("cluster", "judged"), [(LOCAL_CLUSTER, True), ("8xH100", False)])
+def test_environment_stage_judges_only_a_plan_for_this_machine(planned, tmp_path, cluster, judged):
+    """The stage hands the plan's target to the validator: ``local`` is judged, a named remote cluster is not."""
+    from adapt.pipeline.stages import STAGES, StageContext, plan_workload
+    from parallel_planner.cluster import make_cluster
+    from parallel_planner.search import plan_parallel
+
+    spec, remote = planned
+    options = RunOptions(source=str(EXAMPLE), out_dir="o", cluster=cluster).with_device_defaults(CPU, 256)
+    # a one-GPU plan stands in for the measured local machine, which this CPU cannot measure
+    result = plan_parallel(spec, make_cluster("h200", 1), plan_workload(options)) if judged else remote
+    ctx = StageContext(options, None, tmp_path, lambda *a: None, "key", None, lambda name: result)
+    report = STAGES["environment"].execute(ctx)
+    assert report.judged_against_plan is judged and report.plan_target == cluster
+    assert report.passed == (not report.problems) and not any("GPU" in p for p in report.problems)
+    assert bool(report.notes) is not judged
