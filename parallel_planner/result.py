@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from parallel_planner.plan import ParallelPlan
@@ -58,6 +58,12 @@ class RankedPlan:
             "plan": p.to_dict(),
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankedPlan:
+        """Inverse of ``to_dict``: the flattened layout fields are read back from ``plan``."""
+        names = {f.name for f in fields(cls)} - {"plan"}
+        return cls(plan=ParallelPlan.from_dict(data["plan"]), **{k: v for k, v in data.items() if k in names})
+
 
 @dataclass
 class PlannerResult:
@@ -80,3 +86,10 @@ class PlannerResult:
         data = {k: v for k, v in asdict(self).items() if k != "plans"}
         data["plans"] = [p.to_dict() for p in self.plans]
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlannerResult:
+        """A stored result (``to_dict``) as the pipeline hands it to a later stage."""
+        names = {f.name for f in fields(cls)} - {"plans"}
+        plans = [RankedPlan.from_dict(p) for p in data.get("plans", [])]
+        return cls(plans=plans, **{k: v for k, v in data.items() if k in names})

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from reports import plots, tables
-from reports.markdown import STATUS_MARK
+from reports.markdown import STATUS_MARK, shapes_line
 from reports.schema import stage, summary
 
 _CSS = """
@@ -41,6 +41,7 @@ def render_html(report: dict[str, Any]) -> str:
         f"{_e(report['created_utc'])}</p>",
         "<h2>Summary</h2>",
         _stage_table(report),
+        f'<p class="muted">{_e(shapes_line(report).replace("`", ""))}</p>',
         "<h2>What is new in this model</h2>",
         _list(tables.novelties(report)) or "<p>Nothing: every component matches a known kind.</p>",
     ]

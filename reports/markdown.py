@@ -24,7 +24,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "## Summary",
         "",
         tables.to_markdown(tables.stage_table(report)),
-        _shapes_line(report),
+        shapes_line(report),
         "",
     ]
     out += _section_new(report)
@@ -39,7 +39,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def _shapes_line(report: dict[str, Any]) -> str:
+def shapes_line(report: dict[str, Any]) -> str:
+    """The shapes, steps and target the run used (the header of both report.md and report.html)."""
     o = report["options"]
     return (
         f"Validation ran on `{o.get('device')}` in `{o.get('dtype')}` at batch {o.get('batch_size')} × seq "
@@ -47,7 +48,16 @@ def _shapes_line(report: dict[str, Any]) -> str:
         f"checkpoint every {o.get('ckpt_every')}); the plan targets `{o.get('cluster')}` "
         f"at seq {o.get('plan_seq_len')}, "
         f"global batch {o.get('plan_global_batch')}, {o.get('precision')}."
-    )
+    ) + _device_chosen(o)
+
+
+def _device_chosen(options: dict[str, Any]) -> str:
+    """Which of those values the validation device chose (``adapt run --help`` says how)."""
+    chosen = options.get("device_chosen") or []
+    if not chosen:
+        return ""
+    values = ", ".join(f"{name} {options.get(name)}" for name in chosen)
+    return f" Defaults chosen by the device ({options.get('machine')}): {values}."
 
 
 def _not_available(report: dict[str, Any], name: str) -> list[str]:

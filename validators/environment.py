@@ -1,4 +1,8 @@
-"""Environment stage: is this machine sane for the plan?  Versions, device facts, measured ceilings, problems.
+"""Environment stage: is this machine sane?  Versions, device facts, measured ceilings, problems.
+
+The stage judges the machine it runs on.  It judges that machine against the parallel plan only
+when the plan targets it (``PlanTarget.is_this_machine``); a plan for another cluster earns a
+note, since this machine was never meant to run it.
 
 Measured, not looked up: a device-to-device copy (bytes read + written), a square matmul rate
 in the run's precision, and an all-reduce bus bandwidth when several GPUs are visible.  On a
@@ -28,6 +32,29 @@ class DeviceInfo:
     multiprocessors: int
 
 
+@dataclass(frozen=True)
+class PlanTarget:
+    """The cluster a plan was made for, as far as judging it on this machine needs."""
+
+    name: str  # as the user gave it: "local", "8xH100", a cluster file
+    gpu: str  # catalogue GPU name, e.g. "h100"
+    num_gpus: int
+    gpus_per_node: int
+    local: bool = False  # planned for this machine from its own measurements (``--cluster local``)
+
+    def is_this_machine(self, devices: list[DeviceInfo]) -> bool:
+        """``local``, or one node of exactly this machine's GPUs (``1xH200`` on a one-H200 machine)."""
+        if self.local:
+            return True
+        if not devices or self.num_gpus != len(devices) or self.gpus_per_node != len(devices):
+            return False
+        return _squash(self.gpu) in _squash(devices[0].name)
+
+
+def _squash(name: str) -> str:
+    return name.lower().replace(" ", "").replace("-", "").replace("_", "")
+
+
 @dataclass
 class EnvReport:
     versions: dict[str, str | None]
@@ -39,6 +66,9 @@ class EnvReport:
     allreduce_gbps: float | None  # NCCL bus bandwidth, several GPUs only
     problems: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    plan_target: str | None = None  # the cluster the judged plan targets
+    judged_against_plan: bool = False
     passed: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,18 +162,62 @@ def _allreduce_worker(rank: int, world: int, nbytes: int, port: int, queue) -> N
     dist.destroy_process_group()
 
 
-def check_environment(plan=None, precision: str = "bf16", device: str | None = None, measure: bool = True) -> EnvReport:
-    """Versions, devices, measured ceilings and a list of problems for running ``plan`` at ``precision``."""
+def local_devices() -> list[DeviceInfo]:
+    """The GPUs this process sees."""
+    return [
+        DeviceInfo(i, p.name, f"{p.major}.{p.minor}", p.total_memory, p.multi_processor_count)
+        for i, p in ((i, torch.cuda.get_device_properties(i)) for i in range(torch.cuda.device_count()))
+    ]
+
+
+def judge_plan(
+    plan, precision: str, devices: list[DeviceInfo], target: PlanTarget | None
+) -> tuple[list[str], list[str], bool]:
+    """(problems, notes, judged) of running ``plan`` at ``precision`` on a machine with ``devices``.
+
+    Without a ``target`` the plan is taken to be meant for this machine.  A target elsewhere is
+    not held against this machine: it gets a note saying what was not checked.
+    """
+    if target is not None and not target.is_this_machine(devices):
+        here = f"{len(devices)}x {devices[0].name}" if devices else "no GPU"
+        needs = f"{plan.world_size} GPU(s), {min(plan.world_size, plan.gpus_per_node)} per node" if plan else "GPUs"
+        unchecked = f"its {needs}" + (" and fp8 support" if precision == "fp8" else "")
+        return [], [f"the plan targets {target.name}, not this machine ({here}): {unchecked} not checked here"], False
+    problems = []
+    if precision == "fp8":
+        if not devices:
+            problems.append("fp8 requested but there is no GPU")
+        else:
+            old = [d.name for d in devices if tuple(map(int, d.capability.split("."))) < FP8_MIN_CAPABILITY]
+            if old:
+                problems.append(f"fp8 requested but {', '.join(old)} has no fp8 tensor cores (needs sm_89+)")
+    if plan is not None:
+        needed = min(plan.world_size, plan.gpus_per_node)  # GPUs the plan puts on each node
+        if devices and needed > len(devices):
+            problems.append(f"the plan needs {needed} GPUs per node but {len(devices)} are present")
+        elif not devices and plan.world_size > 1:
+            problems.append(f"the plan needs {plan.world_size} GPUs but this machine has none")
+    return problems, [], plan is not None
+
+
+def check_environment(
+    plan=None,
+    precision: str = "bf16",
+    device: str | None = None,
+    measure: bool = True,
+    target: PlanTarget | None = None,
+) -> EnvReport:
+    """Versions, devices, measured ceilings and this machine's problems.
+
+    ``plan`` (a ParallelPlan) is judged against this machine when ``target`` is this machine or
+    absent; a plan that targets another cluster only adds a note.
+    """
     cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
     dev = torch.device("cuda") if cuda else torch.device("cpu")
-    devices = []
-    if cuda:
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            devices.append(
-                DeviceInfo(i, props.name, f"{props.major}.{props.minor}", props.total_memory, props.multi_processor_count)
-            )
-    matmul_dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16 if cuda else torch.float32)
+    devices = local_devices() if cuda else []
+    matmul_dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(
+        precision, torch.bfloat16 if cuda else torch.float32
+    )
     report = EnvReport(
         versions=versions(),
         device_type=dev.type,
@@ -152,24 +226,15 @@ def check_environment(plan=None, precision: str = "bf16", device: str | None = N
         matmul_tflops=measure_matmul_flops(dev, matmul_dtype) / 1e12 if measure else None,
         matmul_dtype=str(matmul_dtype).removeprefix("torch."),
         allreduce_gbps=None,
+        plan_target=target.name if target is not None else None,
     )
     if report.versions["triton"] is None:
         report.problems.append("Triton is not installed: generated and hand-written kernels cannot run")
     if not cuda:
         report.unchecked += ["CUDA version and driver", "NCCL", "GPU properties", "all-reduce bandwidth", "fp8 support"]
-    if precision == "fp8":
-        if not cuda:
-            report.problems.append("fp8 requested but there is no GPU")
-        else:
-            old = [d.name for d in devices if tuple(map(int, d.capability.split("."))) < FP8_MIN_CAPABILITY]
-            if old:
-                report.problems.append(f"fp8 requested but {', '.join(old)} has no fp8 tensor cores (needs sm_89+)")
-    if plan is not None:
-        needed = min(plan.world_size, plan.gpus_per_node)  # GPUs the plan puts on each node
-        if cuda and needed > len(devices):
-            report.problems.append(f"the plan needs {needed} GPUs per node but {len(devices)} are present")
-        elif not cuda and plan.world_size > 1:
-            report.problems.append(f"the plan needs {plan.world_size} GPUs but this machine has none")
+    problems, notes, report.judged_against_plan = judge_plan(plan, precision, devices, target)
+    report.problems += problems
+    report.notes += notes
     if cuda and len(devices) > 1 and measure:
         report.allreduce_gbps = measure_allreduce_gbps(len(devices))
     elif cuda and len(devices) == 1:

@@ -23,10 +23,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--adapt-model", metavar="SOURCE", help="align this model (hub id or directory); one test per block/component"
     )
     group.addoption(
-        "--adapt-dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default fp32 on cpu, bf16 on cuda)"
+        "--adapt-dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default: chosen by the device)"
     )
     group.addoption("--adapt-device", default="cpu", help="device of the candidate (default cpu)")
-    group.addoption("--adapt-seq-len", type=int, default=32, help="sequence length of the alignment batch (default 32)")
+    group.addoption(
+        "--adapt-seq-len", type=int, help="sequence length of the alignment batch (default: chosen by the device)"
+    )
     group.addoption("--adapt-thresholds", metavar="FILE", help="thresholds file (the `adapt gate` format)")
     group.addoption("--adapt-out", metavar="DIR", help="keep the run directory (report.json, report.html) here")
     group.addoption("--adapt-trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")

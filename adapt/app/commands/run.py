@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from adapt.app.pipeline import STAGE_NAMES, RunOptions, RunProgress, run_pipeline, select_stages
+from adapt.app.pipeline.options import defaults_help
 
 
 def _comma_list(text: str) -> list[str]:
@@ -33,6 +34,7 @@ def register(subparsers) -> None:
         description="Stages: " + " → ".join((*STAGE_NAMES, "report")) + ". Finished stages are reused on a rerun "
         "unless --force is given or the source changed. Exit code 0: every stage passed; 1: a stage or an alignment "
         "check failed; 2: bad input.",
+        epilog=defaults_help(),
     )
     p.add_argument("source", help="Hugging Face id (org/name[@revision]), checkpoint directory, or config.json")
     p.add_argument("--out", help="output directory (default: adapt-runs/<name>)")
@@ -42,18 +44,21 @@ def register(subparsers) -> None:
     p.add_argument("--skip", type=_comma_list, help="comma list of stages to leave out")
     p.add_argument("--force", action="store_true", help="recompute every selected stage, ignoring stored results")
     p.add_argument(
-        "--cluster", default="8xH100", help="target cluster for the plan: <N>x<GPU> or a cluster file (default 8xH100)"
+        "--cluster",
+        help="target cluster for the plan: <N>x<GPU>, a cluster file, or 'local' (this machine, measured); "
+        "default: chosen by --device (see below)",
     )
     p.add_argument("--profile", help="backend profile (name or file) for the operator mapping")
     p.add_argument("--device", default="cpu", help="device for alignment/throughput/soak (default cpu)")
     p.add_argument(
-        "--dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default fp32 on cpu, bf16 on cuda)"
+        "--dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default: chosen by --device)"
     )
-    p.add_argument("--seq-len", type=int, default=32, help="sequence length of validation runs (default 32)")
-    p.add_argument("--batch-size", type=int, default=2, help="batch size of validation runs (default 2)")
-    p.add_argument("--bench-steps", type=int, default=3, help="timed steps per throughput measurement (default 3)")
-    p.add_argument("--soak-steps", type=int, default=12, help="training steps of the soak (default 12)")
-    p.add_argument("--ckpt-every", type=int, default=4, help="soak checkpoint interval in steps (default 4)")
+    by_device = "(default: chosen by --device)"
+    p.add_argument("--seq-len", type=int, help=f"sequence length of validation runs {by_device}")
+    p.add_argument("--batch-size", type=int, help=f"batch size of validation runs {by_device}")
+    p.add_argument("--bench-steps", type=int, help=f"timed steps per throughput measurement {by_device}")
+    p.add_argument("--soak-steps", type=int, help=f"training steps of the soak {by_device}")
+    p.add_argument("--ckpt-every", type=int, help=f"soak checkpoint interval in steps {by_device}")
     p.add_argument("--plan-seq-len", type=int, default=4096, help="sequence length the plan targets (default 4096)")
     p.add_argument(
         "--global-batch", type=int, default=64, help="global batch (sequences) the plan targets (default 64)"

@@ -1,12 +1,11 @@
 """Runs the stages in order, reusing stored results, and writes the report after every stage.
 
-A stage's typed result is rebuilt from its stored ``to_dict()`` (``from_dict`` of its class)
-only when a later stage actually needs it; a cached run therefore loads nothing at all.
+A stage's typed result is rebuilt from its stored ``to_dict()`` (the stage's ``load``) only when
+a later stage actually needs it; a cached run therefore loads nothing at all.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 import traceback
@@ -15,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
-from adapt.app.pipeline.options import STAGE_NAMES, RunOptions
+from adapt.app.pipeline.options import STAGE_NAMES, DeviceDescription, RunOptions, max_positions
 from adapt.app.pipeline.progress import RunProgress
-from adapt.app.pipeline.stages import STAGES, Stage, StageBlocked, StageContext, StageUnavailable, require, to_result_dict
+from adapt.app.pipeline.stages import STAGES, Stage, StageBlocked, StageContext, StageUnavailable, to_result_dict
 from adapt.app.pipeline.store import RunStore, StageRecord, adapt_version, source_fingerprint, stage_key, to_jsonable
 
 REUSABLE = ("passed", "failed")  # statuses whose stored result can stand in for a rerun
@@ -29,7 +28,7 @@ class SourceInfo:
     text: str
     path: str
     fingerprint: str
-    handle: Any  # adapt.model.intake.ModelSource, or the local path when intake is unavailable
+    handle: Any  # adapt.core.source.ModelSource
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "path": self.path, "fingerprint": self.fingerprint}
@@ -45,22 +44,12 @@ class RunOutcome:
 
 def resolve(options: RunOptions) -> SourceInfo:
     """Resolve the source through intake (hub id or directory) and fingerprint its files."""
-    try:
-        resolve_source = require("adapt.model.intake", "resolve_source")
-    except StageUnavailable:
-        resolve_source = None
-    if resolve_source is not None:
-        handle = resolve_source(
-            options.source, trust_remote_code=options.trust_remote_code, allow_pickle=options.allow_pickle
-        )
-        path = Path(_local_path(handle))
-    else:  # intake not importable: a local directory can still be fingerprinted; its stage will say why it failed
-        path = Path(options.source)
-        if not path.exists():
-            raise BadInput(
-                f"{options.source}: no such file or directory (and adapt.model.intake is unavailable to resolve it)"
-            )
-        handle = path
+    from adapt.model.intake import resolve_source
+
+    handle = resolve_source(
+        options.source, trust_remote_code=options.trust_remote_code, allow_pickle=options.allow_pickle
+    )
+    path = Path(_local_path(handle))
     return SourceInfo(options.source, str(path), source_fingerprint(path, exclude=options.out_dir), handle)
 
 
@@ -101,12 +90,11 @@ class PipelineRun:
         return self.upstream(name)
 
     def _rebuild(self, stage: Stage, record: StageRecord) -> Any:
-        cls = _import_type(record.result_type)
-        if cls is not None and hasattr(cls, "from_dict"):
-            return cls.from_dict(record.result)
+        if stage.load is not None:
+            return stage.load(record.result)
         # No way back from JSON: recompute (same key, so the same result) without touching the record.
         self.rebuilt.append(stage.name)
-        return stage.execute(self._context(stage))
+        return stage.run(self._context(stage))
 
     def _context(self, stage: Stage, progress=lambda *a: None) -> StageContext:
         return StageContext(
@@ -150,7 +138,7 @@ class PipelineRun:
         try:
             with self.progress.stage(stage.name, stage.description) as callback:
                 ctx = self._context(stage, callback)
-                result = stage.execute(ctx)
+                result = stage.run(ctx)
             raw = record.result = to_jsonable(to_result_dict(result))
             record.result_type = f"{type(result).__module__}:{type(result).__qualname__}"
             summary = stage.summarise(raw, self.options)
@@ -184,6 +172,9 @@ class PipelineRun:
         from reports import build_report, write_reports
 
         self.source = resolve(self.options)
+        device = DeviceDescription.of(self.options.device)
+        positions = max_positions(getattr(self.source.handle, "config_dict", {}))
+        self.options = self.options.with_device_defaults(device, positions)
         try:
             for name in STAGE_NAMES:
                 record = self.records[name] = self.run_stage(STAGES[name])
@@ -273,19 +264,6 @@ def _reset_compile_caches() -> None:
     """
     if "torch" in sys.modules:  # a run whose stages never imported torch has nothing to reset
         sys.modules["torch"].compiler.reset()
-
-
-def _import_type(path: str | None) -> type | None:
-    if not path or ":" not in path:
-        return None
-    module, _, qualname = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
-        return None
-    return obj if isinstance(obj, type) else None
 
 
 def _first_line(text: str) -> str:

@@ -1,34 +1,36 @@
-"""The pipeline's stages: each calls one stage function of its owning package and judges it.
+"""The pipeline's stages: each adapter calls one stage function of its owning package and judges it.
 
-Every stage is an adapter around a public function (``adapt.model.intake.build_spec``,
-``operators.run_ops``, ``parallel_planner.plan_parallel``, ``validators.check_environment /
-align / bench / soak``).  The adapter gathers the arguments from the options and the upstream
-typed results, calls the function, and turns its ``to_dict()`` into the normalised summary that
-the reports render (see ``adapt.app.pipeline.summaries``).  A stage function that is not importable
-fails its stage with that message; nothing here ever invents a result.
+Each adapter imports its stage function from the module that defines it (``adapt.model.intake.build_spec``,
+``operators.run_ops``, ``parallel_planner.search.plan_parallel``, ``validators.environment.
+check_environment``, ``validators.align.align``, ``validators.throughput.bench``,
+``validators.soak.soak``) and calls it with explicit arguments taken from the options and the
+upstream typed results.  The imports sit inside the adapters so that ``adapt --help`` does not pay
+for torch, and so that a package that cannot be imported fails only its own stage.
+
+Adding a stage: write its adapter (and, when later stages read its typed result, a loader that
+rebuilds it with the result type's ``from_dict``), add a ``Stage`` to ``STAGES`` and its name to
+``options.STAGE_NAMES``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib
-import inspect
 import re
 import shutil
-import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
 from adapt.app.pipeline import summaries
-from adapt.app.pipeline.options import RunOptions
+from adapt.app.pipeline.options import LOCAL_CLUSTER, RunOptions
 from adapt.app.pipeline.progress import ProgressCallback
 
 
 class StageUnavailable(RuntimeError):
-    """The function a stage needs cannot be imported (its package is missing or incomplete)."""
+    """A module the stage needs cannot be imported (its package is missing or incomplete)."""
 
 
 class StageBlocked(RuntimeError):
@@ -38,7 +40,7 @@ class StageBlocked(RuntimeError):
 @dataclass
 class StageContext:
     options: RunOptions
-    source: Any  # adapt.model.intake.ModelSource (or the path when intake is unavailable)
+    source: Any  # adapt.core.source.ModelSource
     artifacts: Path
     progress: ProgressCallback
     key: str  # this stage's cache key (names per-key artefacts such as soak checkpoints)
@@ -56,40 +58,15 @@ class Stage:
     summarise: Callable[[dict[str, Any], RunOptions], summaries.Summary]
     description: str = ""
     uses: tuple[str, ...] = ()  # upstream stages read when they are part of the run, not required
+    # The typed result from its stored ``to_dict()``; None: a later stage that needs it re-runs this one.
+    load: Callable[[dict[str, Any]], Any] | None = None
 
-
-def require(module: str, attr: str, *fallbacks: str) -> Any:
-    """Import ``module.attr`` (or ``fallback.attr`` for a package that has not re-exported it yet).
-
-    Raises StageUnavailable with the reason when none provides it.
-    """
-    reasons = []
-    for name in (module, *fallbacks):
+    def run(self, ctx: StageContext) -> Any:
+        """``execute``, with a module that cannot be imported reported as this stage being unavailable."""
         try:
-            mod = importlib.import_module(name)
-        except Exception as err:  # noqa: BLE001 - any import failure makes the stage unavailable
-            reasons.append(f"{name} is not importable ({type(err).__name__}: {err})")
-            continue
-        found = getattr(mod, attr, None)
-        if found is not None and not isinstance(found, types.ModuleType):  # ``validators.align`` may be the submodule
-            return found
-        reasons.append(f"{name} does not provide {attr}() yet")
-    raise StageUnavailable("; ".join(reasons))
-
-
-def call_stage_function(fn: Callable[..., Any], ctx: StageContext, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` with ``args`` and those ``kwargs`` its signature accepts.
-
-    Options a stage function does not take are recorded as notes, so the report states which
-    requested settings the stage could not honour instead of pretending they applied.
-    """
-    params = inspect.signature(fn).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    accepted = {k: v for k, v in kwargs.items() if takes_any or k in params}
-    ignored = sorted(k for k, v in kwargs.items() if k not in accepted and k != "progress" and v is not None)
-    if ignored:
-        ctx.notes.append(f"{fn.__module__}.{fn.__name__} takes no {', '.join(ignored)}: its own defaults applied")
-    return fn(*args, **accepted)
+            return self.execute(ctx)
+        except ImportError as err:
+            raise StageUnavailable(f"{err.name or 'a module'} is not importable ({type(err).__name__}: {err})") from err
 
 
 def to_result_dict(result: Any) -> dict[str, Any]:
@@ -98,19 +75,28 @@ def to_result_dict(result: Any) -> dict[str, Any]:
     raise TypeError(f"stage returned {type(result).__name__}, which has no to_dict()")
 
 
-# ---- stage adapters -------------------------------------------------------------------------
+# ---- intake ---------------------------------------------------------------------------------
 
 
 def _intake(ctx: StageContext) -> Any:
-    build_spec = require("adapt.model.intake", "build_spec")
+    from adapt.model.intake import build_spec
+
     return build_spec(ctx.source)
 
 
+def _load_spec(data: dict[str, Any]) -> Any:
+    from adapt.core.spec import ModelSpec
+
+    return ModelSpec.from_dict(data)
+
+
+# ---- operators ------------------------------------------------------------------------------
+
+
 def _operators(ctx: StageContext) -> Any:
-    run_ops = require("operators", "run_ops")
-    return call_stage_function(
-        run_ops, ctx, ctx.source, profile=ctx.options.profile, out_dir=str(ctx.artifacts), progress=ctx.progress
-    )
+    from operators import run_ops
+
+    return run_ops(ctx.source, profile=ctx.options.profile, out_dir=str(ctx.artifacts))
 
 
 def kernel_plan_of(ops_report: Any) -> Any:
@@ -132,7 +118,9 @@ class AdaptedTransform:
     """
 
     def __init__(self, kernel_plan: Any, block_progress: tuple[list[str], ProgressCallback] | None = None):
-        self.apply_kernel_plan = require("operators", "apply_kernel_plan")
+        from operators import apply_kernel_plan
+
+        self.apply_kernel_plan = apply_kernel_plan
         self.kernel_plan = kernel_plan
         self.block_progress = block_progress
         self.handles: list[Any] = []
@@ -160,10 +148,14 @@ class AdaptedTransform:
         self.handles.clear()
 
 
-def call_with_candidate(fn: Callable[..., Any], ctx: StageContext, transform: AdaptedTransform, *args, **kwargs) -> Any:
-    """``call_stage_function`` with ``transform=``, reverting every patch it made once the stage returns."""
+@contextlib.contextmanager
+def candidate(
+    kernel_plan: Any, block_progress: tuple[list[str], ProgressCallback] | None = None
+) -> Iterator[AdaptedTransform]:
+    """The adapted transform for one validation stage; every patch it made is reverted when the stage returns."""
+    transform = AdaptedTransform(kernel_plan, block_progress)
     try:
-        return call_stage_function(fn, ctx, *args, transform=transform, **kwargs)
+        yield transform
     finally:
         transform.revert()
 
@@ -172,79 +164,96 @@ def _block_done(callback: ProgressCallback, done: int, total: int, label: str, *
     callback(done, total, label)
 
 
+# ---- plan -----------------------------------------------------------------------------------
+
+
 def _plan(ctx: StageContext) -> Any:
-    cluster, workload = cluster_and_workload(ctx.options)  # bad --cluster is bad input even before planning
-    plan_parallel = require("parallel_planner", "plan_parallel", "parallel_planner.search")
-    return plan_parallel(ctx.upstream("intake"), cluster, workload, top_k=5)
+    from parallel_planner.search import plan_parallel
+
+    cluster = target_cluster(ctx.options.cluster)  # bad --cluster is bad input even before planning
+    return plan_parallel(ctx.upstream("intake"), cluster, plan_workload(ctx.options), top_k=5)
 
 
-def cluster_and_workload(options: RunOptions) -> tuple[Any, Any]:
-    """The planner's Cluster (from ``--cluster``) and Workload (from the plan options)."""
-    workload_cls = require("parallel_planner.workload", "Workload")
-    workload = workload_cls(
+def _load_planner_result(data: dict[str, Any]) -> Any:
+    from parallel_planner.result import PlannerResult
+
+    return PlannerResult.from_dict(data)
+
+
+def plan_workload(options: RunOptions) -> Any:
+    """The planner's Workload from the plan options."""
+    from parallel_planner.workload import Workload
+
+    return Workload(
         seq_len=options.plan_seq_len, global_batch=options.plan_global_batch, mode="train", precision=options.precision
     )
-    return parse_cluster(options.cluster), workload
 
 
 _CLUSTER_SPEC = re.compile(r"^\s*(\d+)\s*[x×*]\s*([A-Za-z0-9_.\-]+)\s*$")
 
 
-def parse_cluster(text: str) -> Any:
-    """``8xH100`` (count x catalogue GPU), a cluster YAML/TOML file, or ``local`` (this machine)."""
-    if text == "local":
-        return require("parallel_planner.cluster", "local_cluster")()
+def target_cluster(text: str) -> Any:
+    """``8xH100`` (count x catalogue GPU), a cluster YAML/TOML file, or ``local`` (this machine, measured)."""
+    from parallel_planner.cluster import cluster_from_environment, load_cluster_file, make_cluster
+
+    if text == LOCAL_CLUSTER:
+        from validators.environment import check_environment
+
+        # bf16 matmul: the measured rate becomes the GEMM ceiling against the catalogue's bf16 peak
+        return cluster_from_environment(check_environment(precision="bf16", device="cuda").to_dict())
     match = _CLUSTER_SPEC.match(text)
     if match:
-        return require("parallel_planner.cluster", "make_cluster")(match.group(2), int(match.group(1)))
+        return make_cluster(match.group(2), int(match.group(1)))
     if Path(text).is_file():
-        return require("parallel_planner.cluster", "load_cluster_file")(text)
+        return load_cluster_file(text)
     raise BadInput(f"--cluster {text!r}: expected <N>x<GPU> (e.g. 8xH100), a cluster file, or 'local'")
 
 
-def best_parallel_plan(planner_result: Any) -> Any:
-    plans = getattr(planner_result, "plans", None) or []
-    if not plans:
-        raise StageBlocked("the planner found no layout that fits")
-    return plans[0].plan
+# ---- environment ----------------------------------------------------------------------------
 
 
 def _environment(ctx: StageContext) -> Any:
-    """Check this machine; against the plan only when this machine is meant to run it.
+    """Check this machine; against the plan only when the plan targets this machine.
 
-    The plan targets ``--cluster``.  A CPU validation run (``--device cpu``) with a GPU cluster
-    plan is the normal Day-0 case, so the plan's GPU count is then not held against this machine.
+    A CPU validation run with a GPU cluster plan is the normal Day-0 case, and so is planning a
+    large cluster from a one-GPU box: the environment validator then notes what it did not check.
     """
-    check_environment = require("validators", "check_environment", "validators.environment")
+    from validators.environment import PlanTarget, check_environment
+
     opts = ctx.options
     planner_result = ctx.optional_upstream("plan")
-    plan = None
-    if planner_result is not None and (opts.cluster == "local" or opts.device.startswith("cuda")):
-        plan = best_parallel_plan(planner_result)
-    elif planner_result is not None:
-        ctx.notes.append(
-            f"the plan targets {opts.cluster}, not this {opts.device} machine: its GPU needs are not checked here"
+    plan, target = None, None
+    if planner_result is not None:
+        plan = planner_result.plans[0].plan if planner_result.plans else None
+        cluster = planner_result.cluster
+        target = PlanTarget(
+            name=opts.cluster,
+            gpu=cluster["gpu"]["name"],
+            num_gpus=cluster["num_gpus"],
+            gpus_per_node=cluster["gpus_per_node"],
+            local=opts.cluster == LOCAL_CLUSTER,
         )
-    return call_stage_function(check_environment, ctx, plan=plan, precision=opts.precision, device=opts.device)
+    return check_environment(plan, precision=opts.precision, device=opts.device, target=target)
+
+
+# ---- validation on this machine ---------------------------------------------------------------
 
 
 def _alignment(ctx: StageContext) -> Any:
-    align = require("validators", "align", "validators.align")
-    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    from validators.align import AlignOptions, align
+
     opts = ctx.options
-    align_options = require("validators.align", "AlignOptions")(batch=opts.batch_size, seq_len=opts.seq_len)
-    return call_with_candidate(
-        align,
-        ctx,
-        AdaptedTransform(kernel_plan, _block_progress(ctx)),
-        ctx.source,
-        kernel_plan,
-        dtype=opts.candidate_dtype,
-        device=opts.device,
-        thresholds=alignment_thresholds(opts),
-        options=align_options,
-        progress=ctx.progress,
-    )
+    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    with candidate(kernel_plan, _block_progress(ctx)) as transform:
+        return align(
+            ctx.source,
+            kernel_plan,
+            dtype=opts.dtype,
+            device=opts.device,
+            thresholds=alignment_thresholds(opts),
+            transform=transform,
+            options=AlignOptions(batch=opts.batch_size, seq_len=opts.seq_len),
+        )
 
 
 def _block_progress(ctx: StageContext) -> tuple[list[str], ProgressCallback] | None:
@@ -259,102 +268,113 @@ def alignment_thresholds(options: RunOptions) -> dict[str, float] | None:
         return None
     from reports.judge import alignment_limits, load_thresholds
 
-    return alignment_limits(load_thresholds(options.thresholds).get("alignment", {}), options.candidate_dtype) or None
+    return alignment_limits(load_thresholds(options.thresholds).get("alignment", {}), options.dtype) or None
 
 
 def _throughput(ctx: StageContext) -> Any:
-    bench = require("validators", "bench", "validators.throughput")
-    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    from validators.throughput import BenchOptions, bench
+
     opts = ctx.options
-    bench_options = require("validators.throughput", "BenchOptions")(
-        dtype=opts.candidate_dtype, seq_len=opts.seq_len, batch=opts.batch_size, steps=opts.bench_steps
-    )
-    return call_with_candidate(
-        bench,
-        ctx,
-        AdaptedTransform(kernel_plan),
-        ctx.source,
-        kernel_plan,
-        device=opts.device,
-        options=bench_options,
-        progress=ctx.progress,
-    )
+    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    bench_options = BenchOptions(dtype=opts.dtype, seq_len=opts.seq_len, batch=opts.batch_size, steps=opts.bench_steps)
+    with candidate(kernel_plan) as transform:
+        return bench(ctx.source, kernel_plan, device=opts.device, options=bench_options, transform=transform)
 
 
 def _soak(ctx: StageContext) -> Any:
     """Checkpoints live under the stage key: an interrupted soak resumes, a changed or forced one starts over."""
-    soak = require("validators", "soak", "validators.soak")
-    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    from validators.soak import soak
+
     opts = ctx.options
+    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     ckpt_dir = ctx.artifacts / f"checkpoints-{ctx.key}"
     for stale in ctx.artifacts.glob("checkpoints-*"):
         if stale != ckpt_dir or opts.force:
             shutil.rmtree(stale)
-    return call_with_candidate(
-        soak,
-        ctx,
-        AdaptedTransform(kernel_plan),
-        ctx.source,
-        kernel_plan,
-        steps=opts.soak_steps,
-        ckpt_every=opts.ckpt_every,
-        device=opts.device,
-        dtype=opts.candidate_dtype,
-        seq_len=opts.seq_len,
-        batch_size=opts.batch_size,
-        ckpt_dir=str(ckpt_dir),
-        progress=ctx.progress,
-    )
+    with candidate(kernel_plan) as transform:
+        return soak(
+            ctx.source,
+            kernel_plan,
+            steps=opts.soak_steps,
+            ckpt_every=opts.ckpt_every,
+            device=opts.device,
+            dtype=opts.dtype,
+            seq_len=opts.seq_len,
+            batch_size=opts.batch_size,
+            ckpt_dir=str(ckpt_dir),
+            transform=transform,
+            progress=ctx.progress,
+        )
 
+
+# ---- the stages, in order ------------------------------------------------------------------------
 
 _SOURCE_KEYS = ("trust_remote_code", "allow_pickle")
+_VALIDATION_KEYS = ("device", "dtype", "seq_len", "batch_size")
 
 STAGES: dict[str, Stage] = {
     stage.name: stage
     for stage in (
-        Stage("intake", (), _SOURCE_KEYS, _intake, summaries.intake, "read the checkpoint into a ModelSpec"),
-        Stage("operators", (), (*_SOURCE_KEYS, "profile"), _operators, summaries.operators, "map every op to a kernel"),
+        Stage(
+            "intake",
+            needs=(),
+            option_keys=_SOURCE_KEYS,
+            execute=_intake,
+            summarise=summaries.intake,
+            description="read the checkpoint into a ModelSpec",
+            load=_load_spec,
+        ),
+        Stage(
+            "operators",
+            needs=(),
+            option_keys=(*_SOURCE_KEYS, "profile"),
+            execute=_operators,
+            summarise=summaries.operators,
+            description="map every op to a kernel",
+        ),
         Stage(
             "plan",
-            ("intake",),
-            ("cluster", "plan_seq_len", "plan_global_batch", "precision"),
-            _plan,
-            summaries.plan,
-            "lay the model out on the cluster",
+            needs=("intake",),
+            # "machine": a local cluster is measured, so the plan belongs to the machine that measured it
+            option_keys=("cluster", "plan_seq_len", "plan_global_batch", "precision", "machine"),
+            execute=_plan,
+            summarise=summaries.plan,
+            description="lay the model out on the cluster",
+            load=_load_planner_result,
         ),
         Stage(
             "environment",
-            (),
-            ("precision", "device", "cluster"),
-            _environment,
-            summaries.environment,
-            "check this machine",
-            ("plan",),
+            needs=(),
+            option_keys=("precision", "device", "cluster", "machine"),
+            execute=_environment,
+            summarise=summaries.environment,
+            description="check this machine",
+            uses=("plan",),
         ),
         Stage(
             "alignment",
-            ("operators",),
-            ("device", "dtype", "seq_len", "batch_size", "thresholds"),
-            _alignment,
-            summaries.alignment,
-            "compare the adapted model with a float64 reference, block by block",
-            ("intake",),
+            needs=("operators",),
+            option_keys=(*_VALIDATION_KEYS, "thresholds"),
+            execute=_alignment,
+            summarise=summaries.alignment,
+            description="compare the adapted model with a float64 reference, block by block",
+            uses=("intake",),
         ),
         Stage(
             "throughput",
-            ("operators",),
-            ("device", "dtype", "seq_len", "batch_size", "bench_steps"),
-            _throughput,
-            summaries.throughput,
-            "measure baseline against adapted",
+            needs=("operators",),
+            option_keys=(*_VALIDATION_KEYS, "bench_steps"),
+            execute=_throughput,
+            summarise=summaries.throughput,
+            description="measure baseline against adapted",
         ),
         Stage(
             "soak",
-            ("operators",),
-            ("device", "dtype", "seq_len", "batch_size", "soak_steps", "ckpt_every"),
-            _soak,
-            summaries.soak,
-            "train for a while and watch loss, time and memory",
+            needs=("operators",),
+            option_keys=(*_VALIDATION_KEYS, "soak_steps", "ckpt_every"),
+            execute=_soak,
+            summarise=summaries.soak,
+            description="train for a while and watch loss, time and memory",
         ),
     )
 }

@@ -144,7 +144,7 @@ class StageRecord:
     error_kind: str | None = None  # exception class of an ``error`` status (BadInput -> exit 2)
     summary: dict[str, Any] = field(default_factory=dict)  # normalised view the reports render
     result: dict[str, Any] | None = None  # the stage's own ``to_dict()``, unchanged
-    result_type: str | None = None  # "module:Class" of the typed result, to rebuild it downstream
+    result_type: str | None = None  # "module:Class" of the typed result, for readers (stages rebuild with their loader)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

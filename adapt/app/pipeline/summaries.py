@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapt.app.pipeline.options import RunOptions
+from adapt.app.pipeline.options import LOCAL_CLUSTER, RunOptions
 
 
 @dataclass
@@ -156,8 +156,9 @@ def plan(result: dict[str, Any], options: RunOptions) -> Summary:
     plans = result.get("plans", [])
     ranked = [{k: p.get(k) for k in _PLAN_FIELDS} for p in plans]
     best = plans[0] if plans else None
+    cluster = _cluster_label(result.get("cluster") or {}, options)
     data = {
-        "cluster": options.cluster,
+        "cluster": cluster,
         "workload": {
             "seq_len": options.plan_seq_len,
             "global_batch": options.plan_global_batch,
@@ -177,13 +178,20 @@ def plan(result: dict[str, Any], options: RunOptions) -> Summary:
         "feasible": result.get("feasible"),
     }
     if not best or not best.get("fits", True):
-        return Summary(False, f"no layout fits {options.cluster}: {result.get('binding_constraint')}", data)
+        return Summary(False, f"no layout fits {cluster}: {result.get('binding_constraint')}", data)
     layout = " ".join(f"{k}={best.get(k)}" for k in ("tp", "pp", "dp", "cp", "ep", "zero"))
     verdict = (
-        f"{options.cluster}: {layout}, {_fmt(best.get('memory_gib_per_gpu'), '.1f')} GiB/GPU, "
+        f"{cluster}: {layout}, {_fmt(best.get('memory_gib_per_gpu'), '.1f')} GiB/GPU, "
         f"{_fmt(best.get('tokens_per_s'), ',.0f')} tok/s, MFU {_pct(_num(best.get('mfu')))}"
     )
     return Summary(True, verdict, data)
+
+
+def _cluster_label(cluster: dict[str, Any], options: RunOptions) -> str:
+    """``--cluster`` as given; ``local`` also names the GPUs it measured (``local (1xH200)``)."""
+    if options.cluster != LOCAL_CLUSTER or not cluster:
+        return str(options.cluster)
+    return f"{options.cluster} ({cluster.get('num_gpus')}x{str(cluster['gpu'].get('name', '?')).upper()})"
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -207,6 +215,8 @@ def environment(report: dict[str, Any], options: RunOptions) -> Summary:
         "measured": measured,
         "problems": problems,
         "unchecked": unchecked,
+        "plan_target": report.get("plan_target"),
+        "judged_against_plan": report.get("judged_against_plan"),
     }
     passed = bool(report.get("passed", False))
     rate = measured.get("matmul_tflops")
@@ -215,6 +225,8 @@ def environment(report: dict[str, Any], options: RunOptions) -> Summary:
     )
     if rate is not None:
         verdict += f", matmul {rate:.2f} TFLOP/s {measured.get('matmul_dtype', '')}"
+    if data["plan_target"] and not data["judged_against_plan"]:
+        verdict += f"; the plan for {data['plan_target']} is not judged on this machine"
     if unchecked:
         verdict += f"; {len(unchecked)} check(s) not possible here"
     return Summary(passed, verdict, data)
@@ -241,7 +253,7 @@ def alignment(report: dict[str, Any], options: RunOptions) -> Summary:
     failed = [layer for layer in layers if not layer["passed"]]
     parity = report.get("parity")
     data = {
-        "dtype": report.get("dtype", options.candidate_dtype),
+        "dtype": report.get("dtype", options.dtype),
         "device": report.get("device", options.device),
         "reference_dtype": report.get("reference_dtype"),
         "seed": report.get("seed"),
@@ -305,7 +317,7 @@ def throughput(report: dict[str, Any], options: RunOptions) -> Summary:
     data = {
         "device": report.get("device", options.device),
         "device_name": report.get("device_name"),
-        "dtype": report.get("dtype", options.candidate_dtype),
+        "dtype": report.get("dtype", options.dtype),
         "rows": rows,
         "truncated": report.get("truncated"),
         "layers_measured": report.get("layers_measured"),
@@ -335,7 +347,7 @@ def soak(report: dict[str, Any], options: RunOptions) -> Summary:
     ]
     data = {
         "device": report.get("device", options.device),
-        "dtype": report.get("dtype", options.candidate_dtype),
+        "dtype": report.get("dtype", options.dtype),
         "steps": report.get("steps_done"),
         "steps_planned": report.get("steps_planned"),
         "resumed_from": report.get("resumed_from"),
