@@ -47,15 +47,15 @@ from parallel_planner.search import plan_parallel
 from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 
-# How each source's software ran: Megatron-LM 2021's default "local" DDP all-reduces gradients after the
-# pipeline flush, without overlapping the backward pass.
-SOURCE_EFFICIENCY = {"megatron2021": dict(overlap_grad_reduce=False), "llama3": {}}
-
 # What each source trained, as its paper describes it (the CSV gives the dimensions).
 SOURCE_ARCHITECTURE = {
     "megatron2021": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="absolute", tied=True),
     "llama3": dict(mlp="dense_gated", activation="silu", norm="rmsnorm", positional="rope", tied=False),
+    "bloom": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="alibi", tied=True),
 }
+# Columns naming how each run executed (see data/published_runs.csv's header); knobs go to --fixed.
+KNOB_COLUMNS = ("sp", "tp_overlap", "grad_overlap", "mbs", "vpp", "split")
+SOFTWARE_COLUMNS = ("framework", "attention", "flop_convention")
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,17 @@ class PublishedRun:
     recompute: str
     reported_tflops_per_gpu: float
     reported_pct_peak: float
+    framework: str = "megatron"
+    attention: str = "flash2"
+    flop_convention: str = "adapt"  # "megatron_recompute": 96Bslh^2(1+s/6h+V/16lh) per step; "adapt": 3x causal fwd
+    sp: int = 0
+    tp_overlap: int = 0
+    grad_overlap: int = 1
+    mbs: int = 0  # 0: the planner chooses
+    vpp: int = 0
+    split: str = ""
+    nvlink_domain: int = 0  # 0: the GPU type's node
+    citation: str = ""
 
     @property
     def name(self) -> str:
@@ -89,19 +100,30 @@ class PublishedRun:
 
     @property
     def layout(self) -> dict[str, Any]:
-        """The published layout; both papers ran Megatron's interleaved 1F1B schedule when pipelining."""
+        """The published layout and knobs; every source ran Megatron's interleaved 1F1B schedule when pipelining."""
         layout = dict(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, zero=self.zero, recompute=self.recompute,
-                      replicate=1)
-        if self.pp > 1:
-            layout["schedule"] = "interleaved_1f1b"
+                      replicate=1, sp=self.sp if self.tp > 1 else 0, tp_overlap=self.tp_overlap if self.tp > 1 else 0,
+                      grad_overlap=self.grad_overlap)
+        if self.pp > 1:  # a published vpp of 1 is plain 1F1B (DeepSpeed's pipeline engine)
+            layout["schedule"] = "1f1b" if self.vpp == 1 else "interleaved_1f1b"
+        for key in ("mbs", "vpp", "split"):
+            if getattr(self, key):
+                layout[key] = getattr(self, key)
+        if self.nvlink_domain:
+            layout["nvlink_domain"] = self.nvlink_domain
         return layout
+
+    def efficiency(self, base: Efficiency | None = None) -> Efficiency:
+        """The time model with this run's software: its framework, attention kernel, fused kernels."""
+        return dataclasses.replace(base or Efficiency(), runtime=self.framework, attention=self.attention,
+                                   fused_kernels=True)
 
     def workload(self) -> Workload:
         return Workload(self.seq, self.global_batch_seqs)
 
     def published_tokens_per_s_per_gpu(self, spec: ModelSpec) -> float:
         """The paper's per-GPU FLOP rate turned into tokens/s with the paper's FLOP count."""
-        if self.source == "megatron2021":
+        if self.flop_convention == "megatron_recompute":
             l, h, s, v = self.layers, self.hidden, self.seq, self.vocab
             flops_per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
         else:
@@ -117,7 +139,10 @@ def load_published_runs(path: str | Path | None = None) -> list[PublishedRun]:
     for row in rows:
         kwargs = {}
         for f in dataclasses.fields(PublishedRun):
-            kwargs[f.name] = row[f.name] if f.type == "str" else (float if f.type == "float" else int)(row[f.name])
+            value = row.get(f.name)
+            if value in (None, ""):
+                continue  # an optional column left blank keeps its default
+            kwargs[f.name] = value if f.type == "str" else (float if f.type == "float" else int)(value)
         runs.append(PublishedRun(**kwargs))
     return runs
 
@@ -172,7 +197,7 @@ def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bo
     for run in runs:
         spec = run_spec(run)
         cluster = make_cluster(run.gpu, run.gpus)
-        run_eff = dataclasses.replace(eff, **SOURCE_EFFICIENCY[run.source])
+        run_eff = run.efficiency(eff)
         fixed = plan_parallel(spec, cluster, run.workload(), fixed=run.layout, top_k=1, efficiency=run_eff).best
         published = run.published_tokens_per_s_per_gpu(spec)
         row = {
