@@ -494,3 +494,15 @@ def launch_command(plan: ParallelPlan, cluster: Cluster, source: str) -> str:
     nodes = max(1, plan.world_size // cluster.gpus_per_node)
     launch = LaunchConfig(nnodes=nodes, rdzv_endpoint="HEAD_NODE:29500" if nodes > 1 else None)
     return render(torchrun_command(plan, launch, [source, "--plan", "plan.json"]))
+
+
+def replan_with_measurements(spec: ModelSpec, cluster: Cluster, workload: Workload, measurements: dict,
+                             fixed: dict | str | None = None, top_k: int = 5,
+                             efficiency: Efficiency | None = None) -> PlannerResult:
+    """The plan again once the throughput stage has measured this machine (``measurements`` in the
+    calibration JSON format, e.g. from ``calibration.calibration_from_measurements``): what ``adapt run``
+    shows beside the plan made before any measurement."""
+    from parallel_planner.calibration import calibration_from_dict
+
+    return plan_parallel(spec, cluster, workload, fixed=fixed, top_k=top_k, efficiency=efficiency,
+                         calibration=calibration_from_dict(measurements, "throughput stage"))

@@ -283,10 +283,10 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     # ZeRO-3 with offload keeps the weights on the host: every forward and backward copies them over PCIe.
     host_copies = 2 * 2 * (dense_gpu / shard + expert_gpu / expert_shard) / (cluster.gpu.pcie_gbps * 1e9)
     per_mb = per_mb + np.where((zero == 3) & (c.offload[:, None] > 0), host_copies, 0.0)
+    # What compute cannot cover stays exposed; what it covers still slows it by the SMs NCCL takes.
     exposed = (
-        np.maximum(0.0, step_grad - hide_bwd)
-        + np.maximum(0.0, step_param - hide_fwd)
-        + m[:, None] * np.maximum(0.0, per_mb - eff.overlap * (stage_fwd + stage_bwd))
+        _exposed(step_grad, hide_bwd, eff) + _exposed(step_param, hide_fwd, eff)
+        + m[:, None] * _exposed(per_mb, eff.overlap * (stage_fwd + stage_bwd), eff)
     )
     local = dense_gpu / np.where(zero >= 1, shard, 1) + expert_gpu / np.where(zero >= 1, expert_shard, 1)
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
@@ -294,6 +294,11 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     offloaded = local * 6 / (cluster.gpu.pcie_gbps * 1e9) + local / eff.cpu_adam_params_per_s
     optimizer = np.where(c.offload[:, None] > 0, offloaded, update)
     return row_max(exposed), row_max(optimizer)
+
+
+def _exposed(comm: np.ndarray, hidden_by: np.ndarray, eff: Efficiency) -> np.ndarray:
+    """Seconds a collective adds beside ``hidden_by`` seconds of overlappable compute."""
+    return np.maximum(0.0, comm - hidden_by) + (1 - eff.overlap) * np.minimum(comm, hidden_by)
 
 
 def _hardware_flops_per_token(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:
