@@ -60,7 +60,6 @@ class Calibration:
         """``eff`` with the measured GEMM rate and host costs in place of the assumed ones."""
         import dataclasses
 
-        from parallel_planner.dispatch import DispatchCosts
 
         changes: dict = {}
         if self.gemm_efficiency and cluster is not None:

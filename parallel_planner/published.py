@@ -25,7 +25,6 @@ import csv
 import dataclasses
 import io
 import json
-import math
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -249,7 +248,7 @@ def knob_range(run: PublishedRun, eff: Efficiency | None = None) -> tuple[float,
     return (min(predictions), max(predictions)) if predictions else None
 
 
-def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
+def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
     """Seconds to plan the two giants of the issue, from a config-only checkpoint to the ranked answer.
 
     ``intake_s`` builds the ModelSpec from a meta skeleton (torch/transformers start-up included when cold);
@@ -266,7 +265,7 @@ def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
 
     from adapt.intake import inspect
 
-    cases = [
+    giants = [
         ("DeepSeek-V3 (671B MoE, MLA), 2048 x H800", DeepseekV3Config(), "h800", 2048, 4096, 15360),
         ("3T MoE (DeepSeek-V3 shape, 1024 experts, 70 layers), 16384 x H100",
          DeepseekV3Config(n_routed_experts=1024, num_hidden_layers=70), "h100", 16384, 4096, 16384),
@@ -274,7 +273,7 @@ def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, ADAPT_CACHE_DIR=os.path.join(tmp, "cache"))
-        for i, (name, config, gpu, gpus, seq, batch) in enumerate(cases):
+        for i, (name, config, gpu, gpus, seq, batch) in enumerate(giants[:cases]):
             path = os.path.join(tmp, f"model{i}")
             config.save_pretrained(path)
             started = time.perf_counter()

@@ -214,9 +214,12 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
     # ZeRO-0 is dominated by ZeRO-1 (same compute, more memory, an all-reduce costing more than
     # reduce-scatter + all-gather), so the open search skips it; a pinned zero=0 is still evaluated.
     zeros = (0, 1, 2, 3) if "zero" in fixed else (1, 2, 3)
-    # Sequence parallelism on and off; TP overlap only where the runtime has it (a pinned value is evaluated);
-    # gradient reduction overlapped with backward, as FSDP2 and DDP buckets do, unless pinned after the flush.
-    switches = dict(sp=(0, 1), tp_overlap=(0, 1) if space.tp_overlap else (0,), grad_overlap=(1,) if training else (0,))
+    # Sequence parallelism off moves the same collective bytes (one all-reduce for an all-gather and a
+    # reduce-scatter) while every TP rank runs and keeps the norms whole, so it is dominated and the open
+    # search keeps SP on, as it drops ZeRO-0; a pinned sp=0 is evaluated.  TP overlap only where the runtime
+    # has it (a pinned value is evaluated); gradient reduction overlapped with backward, as FSDP2 and DDP
+    # buckets do, unless pinned after the flush.
+    switches = dict(sp=(1,), tp_overlap=(0, 1) if space.tp_overlap else (0,), grad_overlap=(1,) if training else (0,))
     switches = {k: (fixed[k],) if k in fixed else v for k, v in switches.items()}
     inner = [
         (zero, rec, off, sp, tpo, go)
@@ -234,9 +237,9 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
         b = np.repeat(base, reps, axis=0)
         z = np.tile(inner_arr, (len(base), 1))
         keep = (b[:, 8] == 1) | (z[:, 0] > 0)  # replication without sharding is ZeRO-0 itself
-        # Without TP there is nothing for SP or TP overlap to act on: one row, both off, stands for it.
-        keep &= (b[:, 0] > 1) | ((z[:, 3] == fixed.get("sp", 0)) & (z[:, 4] == fixed.get("tp_overlap", 0)))
+        keep &= (b[:, 0] > 1) | (z[:, 4] == fixed.get("tp_overlap", 0))  # no TP: nothing for overlap to act on
         b, z = b[keep], z[keep]
+        z[:, 3] = np.where(b[:, 0] > 1, z[:, 3], fixed.get("sp", 0))  # no TP: SP stays as pinned (off by default)
         for split in range(len(SPLITS)) if pp > 1 else (0,):
             if fixed.get("split", split) != split:
                 continue

@@ -1,13 +1,18 @@
-"""Step time of every candidate: compute, α–β communication, overlap and pipeline bubbles.
+"""Step time of every candidate: compute, host issue time, alpha-beta communication, overlap, bubbles.
 
-Compute: each GEMM costs ``max(FLOPs / (peak * ceiling * gemm), bytes / (HBM * memory_bw)) + launch``,
-so small or skinny GEMMs (TP shards, experts with few tokens) fall off the roofline; flash attention
-runs at its own fraction of peak; norms, activations and residuals are HBM-bound.  A calibration
-(measured per-block times) rescales the compute of the block types it covers.  Communication:
-TP all-gather/reduce-scatter (sequence parallel) and EP all-to-all sit on the critical path; CP's
-ring exchange hides behind attention; ZeRO's gradient reduction and parameter gathers hide behind the
+Every term is physical and nothing is fitted to a source; ``docs/planner-model.md`` states each term and
+where its number comes from.  Compute: each GEMM costs ``max(FLOPs / (peak * ceiling * wave),
+bytes / (HBM * memory_bw)) + launch`` (the catalogue's sustained GEMM ceiling, the idle SMs of a partial
+last wave, or HBM-bound when skinny); attention runs at its kernel's published fraction of peak (or,
+unfused, the whole square plus score traffic); norms, activations and residuals are HBM-bound, more so
+as eager modules.  Host: every operator a micro-batch issues costs the CPU a measured dispatch time
+(eager, DTensor, compiled); the slower of host and GPU sets the pace, and a layout whose host time
+exceeds its GPU time is host-bound.  Communication: TP collectives (SP or not, overlapped with GEMMs
+or not) and EP all-to-all sit on the critical path; CP's ring exchange hides behind attention; ZeRO's
+gradient reduction (overlapped with backward or after the flush) and parameter gathers hide behind the
 compute they can overlap with.  The pipeline runs ``m`` micro-batches at the slowest stage's pace plus
-the fill/drain bubble of the remaining stages, divided by the virtual stages.
+the fill/drain bubble of the remaining stages, divided by the virtual stages.  A calibration replaces
+the GEMM ceiling and dispatch costs with measurements and scales compute to measured steps.
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ import numpy as np
 from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives, LinkModel
 from parallel_planner.dispatch import DispatchCosts
-from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout, row_max
+from parallel_planner.layout import (
+    RECOMPUTE,
+    SCHEDULES,
+    Candidates,
+    StageLayout,
+    row_max,
+)
 from parallel_planner.memory import ACT_BYTES, micro_batches, stage_params
 from parallel_planner.profile import BlockProfile, ModelProfile
 from parallel_planner.workload import Workload
@@ -177,7 +188,7 @@ def step_time(
         ctx = profile.attention_context(block, workload.seq_len)
         gemm, attention, elementwise = block_forward_seconds(
             block, tokens, tp, ep, ctx, cluster, workload.precision, eff, workload.moe_imbalance, c.sp,
-            workload.seq_len // 1,
+            workload.seq_len,
         )
         f = scale[j] * (gemm + attention + elementwise)
         b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise)

@@ -20,7 +20,7 @@ def _counted_ops_per_layer(model_type: str, **extra) -> float:
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_config(config)
         ids = torch.randint(0, 128, (1, 16))
-        counts.append(_count_ops(torch, lambda model=model: model(input_ids=ids, labels=ids).loss.backward()))
+        counts.append(_count_ops(torch, lambda model=model, ids=ids: model(input_ids=ids, labels=ids).loss.backward()))
     return (counts[1] - counts[0]) / 2
 
 
