@@ -318,7 +318,8 @@ def plan_parallel(
     """Rank the fastest layouts that fit, or evaluate a fixed one (``fixed`` pins knobs, see ``parse_fixed``)."""
     eff = efficiency or Efficiency()
     pinned = parse_fixed(fixed)
-    network = {NETWORK_KEYS[k]: pinned.pop(k) for k in list(pinned) if k in NETWORK_KEYS}
+    pinned_network = {k: pinned.pop(k) for k in list(pinned) if k in NETWORK_KEYS}
+    network = {NETWORK_KEYS[k]: v for k, v in pinned_network.items()}
     if network:
         cluster = with_network(cluster, **network)
     if calibration is not None:
@@ -383,7 +384,7 @@ def plan_parallel(
         binding_constraint=binding,
         searched=len(scored.candidates),
         feasible=int(fits.sum()),
-        fixed={k: _knob_name(k, v) for k, v in pinned.items()} or None,
+        fixed={**{k: _knob_name(k, v) for k, v in pinned.items()}, **pinned_network} or None,
         cluster=cluster.to_dict(),
         workload=workload.to_dict(),
         efficiency=eff.to_dict(),

@@ -34,7 +34,8 @@ def register(sub) -> None:
     work.add_argument("--moe-imbalance", type=float, default=1.1,
                       help="routed tokens on the busiest expert-parallel rank over the mean (default 1.1)")
     parser.add_argument("--fixed", metavar="K=V,...", help="evaluate this layout, e.g. 'tp=8,pp=16,dp=64,zero=1,recompute=none'")
-    parser.add_argument("--calibration", metavar="FILE", help="measured per-block timings (see parallel_planner.calibration)")
+    parser.add_argument("--calibration", metavar="FILE", help="measurements of the target machine: GEMM rate, dispatch costs, measured steps, "
+                        "per-block timings (see parallel_planner.calibration)")
     parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument("--no-cache", action="store_true", help="rebuild the model spec instead of reusing a cached one")
@@ -189,6 +190,9 @@ def _print(result, spec: ModelSpec) -> None:
     console.print("memory of the best plan (GiB, fullest stage): " + ", ".join(
         f"{k} {v:.2f}" for k, v in best.memory_breakdown.items()) + f" of {best.usable_memory_gib:.1f} usable")
     console.print("step time parts (s): " + ", ".join(f"{k} {v:.4f}" for k, v in best.time_breakdown.items()))
+    if best.host_bound:
+        console.print("host-bound: the CPU takes longer to issue each micro-batch than the GPU takes to run it "
+                      f"({best.time_breakdown['host_per_microbatch']:.4f} s vs {best.time_breakdown['gpu_per_microbatch']:.4f} s)")
     console.print(f"binding constraint: {result.binding_constraint}")
     for note in result.notes:
         console.print(f"note: {note}")
