@@ -88,3 +88,35 @@ def test_calibration_runs_and_gemm_efficiency_move_the_prediction():
     assert quick.best.step_time_s < before.step_time_s
     with pytest.raises(BadInput, match="no blocks, runs"):
         calibration_from_dict({"device": "x"})
+
+
+def test_throughput_measurements_replan_through_the_cli(spec_json, tmp_path, capsys):
+    import json
+
+    from adapt.cli import main
+    from adapt.spec import ModelSpec
+    from parallel_planner.calibration import calibration_from_measurements
+    from parallel_planner.search import replan_with_measurements
+
+    spec = ModelSpec.from_dict(json.loads(spec_json.read_text()))
+    layout = dict(tp=1, pp=1, dp=1, cp=1, zero=1, recompute="none", mbs=4)
+    cluster, workload = make_cluster("h200", 1), Workload(2048, 4)
+    before = plan_parallel(spec, cluster, workload, fixed=layout, top_k=1).best
+    measured = calibration_from_measurements(
+        "NVIDIA H200", gemm_tflops=600.0, peak_tflops=989.0, dispatch={"eager_s": 3e-5, "dtensor_s": 9e-5},
+        runs=[{"gpus": 1, "layout": layout, "seq_len": 2048, "global_batch": 4,
+               "tokens_per_s": before.tokens_per_s / 2, "peak_memory_gib": 30.0}])
+    after = replan_with_measurements(spec, cluster, workload, measured, fixed=layout, top_k=1)
+    assert after.best.tokens_per_s == pytest.approx(before.tokens_per_s / 2, rel=1e-3)
+    assert after.efficiency["host"]["eager_s"] == 3e-5
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(measured))
+    assert main(["plan", str(spec_json), "--gpu", "h200", "--gpus", "1", "--seq", "2048", "--global-batch", "4",
+                 "--fixed", "tp=1,pp=1,dp=1,cp=1,zero=1,recompute=none,mbs=4", "--calibration", str(path),
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plans"][0]["tokens_per_s"] == pytest.approx(after.best.tokens_per_s, rel=1e-9)
+    path.write_text(json.dumps({**measured, "runs": [{"gpus": 1, "tokens_per_s": -1}]}))
+    assert main(["plan", str(spec_json), "--gpu", "h200", "--gpus", "1", "--seq", "2048", "--global-batch", "4",
+                 "--calibration", str(path)]) == 2
+    assert "calibration" in capsys.readouterr().err
