@@ -120,3 +120,20 @@ def test_throughput_measurements_replan_through_the_cli(spec_json, tmp_path, cap
     assert main(["plan", str(spec_json), "--gpu", "h200", "--gpus", "1", "--seq", "2048", "--global-batch", "4",
                  "--calibration", str(path)]) == 2
     assert "calibration" in capsys.readouterr().err
+
+
+def test_cli_software_flags_reach_the_time_model(spec_json, capsys):
+    import json
+
+    from adapt.cli import main
+
+    argv = ["plan", str(spec_json), "--gpu", "h200", "--gpus", "2", "--seq", "2048", "--global-batch", "8",
+            "--fixed", "tp=2,pp=1,dp=1,cp=1,zero=1,recompute=none,mbs=4", "--json"]
+    times = {}
+    for flags in ([], ["--kernels", "eager"], ["--runtime", "megatron"], ["--compiled"]):
+        assert main(argv + flags) == 0
+        data = json.loads(capsys.readouterr().out)
+        times[" ".join(flags)] = data["plans"][0]["step_time_s"]
+        assert data["efficiency"]["fused_kernels"] == ("eager" not in flags)
+    assert times["--kernels eager"] > times[""]  # more HBM passes and more operators to issue
+    assert times["--runtime megatron"] < times[""] and times["--compiled"] < times[""]  # no DTensor dispatch
