@@ -305,24 +305,6 @@ def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
     return out
 
 
-def sharded_gradients(runs: list[PublishedRun]) -> list[dict[str, Any]]:
-    """Memory of the ZeRO-1 rows again with gradients sharded too (ZeRO-2).
-
-    Llama 3's paper says its FSDP "shards the optimizer states and gradients" but keeps the weights
-    unsharded after the forward, which is ZeRO-2; the CSV records zero=1.  Shown beside the rows, not fed
-    into the error figures.
-    """
-    out = []
-    for run in runs:
-        if run.zero != 1:
-            continue
-        spec, cluster = run_spec(run), make_cluster(run.gpu, run.gpus)
-        best = plan_parallel(spec, cluster, run.workload(), fixed=dict(run.layout, zero=2, mbs=1), top_k=1).best
-        out.append({"run": run.name, "memory_gib_per_gpu": best.memory_gib_per_gpu, "fits": best.fits,
-                    "usable_gib": best.usable_memory_gib, "vpp": best.plan.vpp})
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args(argv)

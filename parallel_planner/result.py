@@ -72,7 +72,7 @@ class PlannerResult:
     fixed: dict[str, Any] | None = None
     cluster: dict[str, Any] = field(default_factory=dict)
     workload: dict[str, Any] = field(default_factory=dict)
-    efficiency: dict[str, float] = field(default_factory=dict)
+    efficiency: dict[str, Any] = field(default_factory=dict)  # the time model's constants and software
     calibration: str | None = None
     notes: list[str] = field(default_factory=list)
 

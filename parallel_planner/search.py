@@ -2,11 +2,14 @@
 
 Every structurally valid layout (TP x CP x PP x DP over the GPUs, EP inside DP x CP, ZeRO stage,
 HSDP shard groups of whole nodes, recompute, micro-batch, virtual stages, schedule, layer split,
-optimizer offload) is scored at once by the vectorised memory and time models, grouped by pipeline
-split. TP and EP stay inside a node and optimizer states on the GPU; only when nothing fits does the
+optimizer offload, sequence parallelism, TP-communication overlap where the runtime has it, gradient
+reduction overlapped or after the flush) is scored at once by the vectorised memory and time models,
+grouped by pipeline split. TP and EP stay inside a node and optimizer states on the GPU; only when nothing fits does the
 search add offload, then cross-node TP/EP (a faster cross-node-EP layout is still reported as the
 binding constraint). ``fixed`` pins any subset of the knobs; the rest are chosen for the fastest
-fitting result.
+fitting result; ``nvlink_domain``, ``nvlink_gbps`` and ``inter_gbps`` pin the network per level.  A pinned
+layout is always evaluated (even where the search would skip it as a duplicate split), and a pinned set
+that admits no layout is refused naming the knobs whose release would admit one.
 """
 
 from __future__ import annotations
