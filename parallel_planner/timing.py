@@ -33,7 +33,7 @@ from parallel_planner.layout import (
     row_max,
 )
 from parallel_planner.memory import ACT_BYTES, micro_batches, stage_params
-from parallel_planner.profile import BlockProfile, ModelProfile
+from parallel_planner.profile import KERNEL_SHARE, BlockProfile, ModelProfile
 from parallel_planner.workload import Workload
 
 FULL = RECOMPUTE.index("full")
@@ -151,7 +151,9 @@ def block_forward_seconds(
     width = (block.elementwise_width - norm_share) / tp + norm_share * (sharded / tp + (1 - sharded))
     if not eff.fused_kernels:
         width = width + block.eager_elementwise_width / tp
-    elementwise = ACT_BYTES * tokens * width / hbm + 8 * eff.kernel_overhead_s
+    # every non-GEMM kernel pays its launch gap and tail; a third of a block's kernels run in the forward
+    kernels = KERNEL_SHARE * (block.host_ops_fused if eff.fused_kernels else block.host_ops) / 3
+    elementwise = ACT_BYTES * tokens * width / hbm + kernels * eff.kernel_overhead_s
     return gemm, attention, elementwise
 
 
@@ -294,11 +296,23 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     # ZeRO-3 with offload keeps the weights on the host: every forward and backward copies them over PCIe.
     host_copies = 2 * 2 * (dense_gpu / shard + expert_gpu / expert_shard) / (cluster.gpu.pcie_gbps * 1e9)
     per_mb = per_mb + np.where((zero == 3) & (c.offload[:, None] > 0), host_copies, 0.0)
-    # What compute cannot cover stays exposed; what it covers still slows it by the SMs NCCL takes.
+    # What compute cannot cover stays exposed; what it covers still slows it by the SMs NCCL takes.  The
+    # first gather of a pass and the last reduction (one block's and the root's share) have no compute
+    # left beside them.
+    edge = 1.0 / (layout.type_counts.sum(axis=1)[None, :] + 1)
     exposed = (
-        _exposed(step_grad, hide_bwd, eff) + _exposed(step_param, hide_fwd, eff)
-        + m[:, None] * _exposed(per_mb, eff.overlap * (stage_fwd + stage_bwd), eff)
+        _exposed(step_grad, hide_bwd, eff, edge) + _exposed(step_param, hide_fwd, eff, edge)
+        + m[:, None] * _exposed(per_mb, eff.overlap * (stage_fwd + stage_bwd), eff, edge)
     )
+    if eff.runtime == "torch":
+        # FSDP2 copies each gathered parameter in (cast shard) and out (into the parameters), ~4 bytes per
+        # parameter per all-gather, and casts bf16 gradients into the fp32 reduce buffer, ~6 bytes per
+        # parameter per reduce-scatter: HBM work on the compute stream.
+        full = dense_gpu + expert_gpu
+        gathers = np.where(zero == 3, 2 * m[:, None], np.where(zero >= 1, 1.0, 0.0))
+        reductions = np.where(zero >= 2, m[:, None], np.where(zero == 1, 1.0, 0.0))
+        copies = (4 * gathers + 6 * reductions) * full / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+        exposed = exposed + np.where(shard > 1, copies, 0.0)
     local = dense_gpu / np.where(zero >= 1, shard, 1) + expert_gpu / np.where(zero >= 1, expert_shard, 1)
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
     update = local * (18 + 2 * workload.optimizer_state_bytes) / hbm
@@ -307,9 +321,11 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     return row_max(exposed), row_max(optimizer)
 
 
-def _exposed(comm: np.ndarray, hidden_by: np.ndarray, eff: Efficiency) -> np.ndarray:
-    """Seconds a collective adds beside ``hidden_by`` seconds of overlappable compute."""
-    return np.maximum(0.0, comm - hidden_by) + (1 - eff.overlap) * np.minimum(comm, hidden_by)
+def _exposed(comm: np.ndarray, hidden_by: np.ndarray, eff: Efficiency, edge=0.0) -> np.ndarray:
+    """Seconds a collective adds beside ``hidden_by`` seconds of overlappable compute; the ``edge`` share
+    of it runs where there is nothing to overlap with."""
+    hideable = comm * (1 - edge)
+    return np.maximum(0.0, hideable - hidden_by) + (1 - eff.overlap) * np.minimum(hideable, hidden_by) + comm * edge
 
 
 def _hardware_flops_per_token(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:
