@@ -41,7 +41,7 @@ def test_host_op_count_matches_transformers_layers(model_type, extra, tmp_path):
 @pytest.mark.slow
 def test_dispatch_microbenchmark_measures_every_mode():
     torch.manual_seed(0)
-    costs = measure_dispatch_costs("cpu", layers=4, repeats=5)
+    costs = measure_dispatch_costs("cpu", repeats=5)
     assert isinstance(costs, DispatchCosts)
     assert 0 < costs.eager_s < 1e-2 and costs.dtensor_s > costs.eager_s
     assert "torch" in costs.source
