@@ -204,10 +204,14 @@ def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rej
         for mbs in (b for b in MICRO_BATCHES if per_rank % b == 0):
             if "mbs" in fixed and fixed["mbs"] != mbs:
                 continue
-            for vpp, schedule in _schedules(pp, per_rank // mbs, profile.num_layers, workload.training,
-                                            "schedule" in fixed):
-                if fixed.get("vpp", vpp) == vpp and fixed.get("schedule", schedule) == schedule:
-                    yield from ((tp, pp, dp, cp, ep, mbs, vpp, schedule, r) for r in replicas)
+            pairs = [(v, sch) for v, sch in _schedules(pp, per_rank // mbs, profile.num_layers, workload.training,
+                                                       "schedule" in fixed)
+                     if fixed.get("vpp", v) == v and fixed.get("schedule", sch) == sch]
+            if not pairs and ("vpp" in fixed or "schedule" in fixed):
+                rejected[f"vpp/schedule: interleaving needs at most layers + 2 chunks and the micro-batches per step "
+                         f"({per_rank // mbs} at mbs={mbs}, dp={dp}) to be a multiple of pp={pp}"] += 1
+            for vpp, schedule in pairs:
+                yield from ((tp, pp, dp, cp, ep, mbs, vpp, schedule, r) for r in replicas)
 
 
 def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace):
@@ -437,6 +441,9 @@ def _blocking_knobs(profile, cluster: Cluster, workload: Workload, pinned: dict,
 
 def _no_layout_message(cluster: Cluster, workload: Workload, rejected: Counter, pinned: dict,
                        blocking: list[str] | None = None) -> str:
+    if pinned:  # what the open enumeration skipped for knobs nobody pinned is noise here
+        about_pinned = Counter({r: c for r, c in rejected.items() if any(k in r for k in pinned)})
+        rejected = about_pinned or rejected
     reasons = "; ".join(f"{r} ({c})" for r, c in rejected.most_common(3))
     if pinned and blocking:
         reasons = (reasons + "; " if reasons else "") + f"releasing {' or '.join(blocking)} would admit one"

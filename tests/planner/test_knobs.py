@@ -70,8 +70,11 @@ def test_bloom_light_ends_is_evaluated_and_refusals_name_the_knob():
     fixed = dict(tp=4, pp=12, dp=8, cp=1, zero=1, recompute="full", mbs=2, schedule="1f1b", split="light_ends")
     best = plan_parallel(spec, cluster, bloom.workload(), fixed=fixed, top_k=1).best
     assert best.plan.stage_layers[0] == best.plan.stage_layers[-1] == 5 and sum(best.plan.stage_layers) == 70
-    with pytest.raises(BadInput, match="schedule=interleaved_1f1b"):
+    with pytest.raises(BadInput, match="releasing schedule=interleaved_1f1b would admit one"):
         plan_parallel(spec, cluster, bloom.workload(), fixed=dict(fixed, schedule="interleaved_1f1b"), top_k=1)
+    # Pinning virtual stages as well leaves no single knob to release: the reason names the pinned ones.
+    with pytest.raises(BadInput, match=r"vpp/schedule: .*multiple of pp=12"):
+        plan_parallel(spec, cluster, bloom.workload(), fixed=dict(fixed, schedule="interleaved_1f1b", vpp=2), top_k=1)
 
 
 def test_calibration_runs_and_gemm_efficiency_move_the_prediction():
