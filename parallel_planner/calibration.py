@@ -1,16 +1,23 @@
-"""Measured per-block timings that replace the compute model (the throughput stage emits them).
+"""Measurements of the target machine that replace the time model's assumptions: the loop closes here.
 
-Format (JSON)::
+Format (JSON; every section optional but at least one)::
 
-    {"device": "NVIDIA H200", "dtype": "bf16", "seq_len": 4096, "micro_batch": 1,
-     "hidden_size": 4096, "tokens": 4096,
+    {"device": "NVIDIA H200", "dtype": "bf16",
+     "gemm_efficiency": 0.79,                 # achieved bf16 GEMM FLOP/s / dense peak
+     "dispatch": {"eager_s": 1.2e-5, "dtensor_s": 9e-5, "compiled_s": 3e-6},   # measure_dispatch_costs()
+     "runs": [{"gpus": 1, "layout": {"tp": 1, "zero": 3, "mbs": 4}, "seq_len": 2048, "global_batch": 4,
+               "tokens_per_s": 42892, "peak_memory_gib": 39.5}],
+     "seq_len": 4096, "micro_batch": 1, "hidden_size": 4096,
      "blocks": [{"index": 0, "forward_s": 0.0012, "backward_s": 0.0025},
                 {"signature": "<BlockSpec.signature()>", "forward_s": ..., "backward_s": ...}]}
 
-Times are for one block, one micro-batch of ``micro_batch x seq_len`` tokens, on one GPU without
-model parallelism.  A block is matched by ``signature`` or by layer ``index``.  The planner divides
-the measured forward+backward time by its own prediction at that same shape; the ratio rescales the
-block type's compute at every other shape (TP shard, CP chunk, micro-batch) the search explores.
+``gemm_efficiency`` replaces the catalogue's GEMM ceiling; ``dispatch`` the host cost per operator.
+``runs`` are whole training steps the throughput stage measured: the planner scales its compute so that
+its prediction of each listed layout meets the measured step (the median over runs), which carries
+what no term models (clocks under load, framework overheads) to every other layout.  ``blocks`` are
+per-block timings for one block, one micro-batch of ``micro_batch x seq_len`` tokens, on one GPU
+without model parallelism, matched by ``signature`` or layer ``index``; each rescales its block type.
+Measured peak memory is kept and reported beside the prediction, not folded into the memory model.
 """
 
 from __future__ import annotations
@@ -45,6 +52,21 @@ class Calibration:
     hidden_size: int | None = None
     tokens: int | None = None
     source: str = field(default="", compare=False)
+    gemm_efficiency: float | None = None
+    dispatch: dict | None = None
+    runs: tuple[dict, ...] = ()
+
+    def apply(self, eff, cluster: Cluster | None = None):
+        """``eff`` with the measured GEMM rate and host costs in place of the assumed ones."""
+        import dataclasses
+
+
+        changes: dict = {}
+        if self.gemm_efficiency and cluster is not None:
+            changes["gemm_scale"] = self.gemm_efficiency / cluster.gpu.gemm_ceiling
+        if self.dispatch:
+            changes["host"] = dataclasses.replace(eff.host, **self.dispatch, source=f"calibration {self.source}")
+        return dataclasses.replace(eff, **changes) if changes else eff
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -53,21 +75,54 @@ def load_calibration(path: str | Path) -> Calibration:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise BadInput(f"calibration {path}: cannot read JSON ({err})") from None
+    return calibration_from_dict(data, str(path))
+
+
+def calibration_from_dict(data: dict, source: str = "") -> Calibration:
+    """A ``Calibration`` from its JSON form; malformed or empty content is bad input."""
+    where = f"calibration {source}" if source else "calibration"
+    if not isinstance(data, dict):
+        raise BadInput(f"{where}: expected a JSON object")
     try:
         blocks = tuple(
             BlockTiming(float(b["forward_s"]), float(b["backward_s"]), b.get("index"), b.get("signature"))
-            for b in data["blocks"]
+            for b in data.get("blocks") or ()
         )
+        dispatch = {k: float(v) for k, v in (data.get("dispatch") or {}).items()
+                    if k in ("eager_s", "dtensor_s", "compiled_s")}
+        runs = tuple(dict(r, gpus=int(r["gpus"]), seq_len=int(r["seq_len"]), global_batch=int(r["global_batch"]),
+                          tokens_per_s=float(r["tokens_per_s"])) for r in data.get("runs") or ())
         cal = Calibration(
-            device=str(data["device"]), dtype=str(data.get("dtype", "bf16")), seq_len=int(data["seq_len"]),
+            device=str(data["device"]), dtype=str(data.get("dtype", "bf16")), seq_len=int(data.get("seq_len") or 0),
             micro_batch=int(data.get("micro_batch", 1)), blocks=blocks, hidden_size=data.get("hidden_size"),
-            tokens=data.get("tokens"), source=str(path),
+            tokens=data.get("tokens"), source=source,
+            gemm_efficiency=float(data["gemm_efficiency"]) if data.get("gemm_efficiency") else None,
+            dispatch=dispatch or None, runs=runs,
         )
     except (KeyError, TypeError, ValueError) as err:
-        raise BadInput(f"calibration {path}: missing or malformed field ({err})") from None
-    if not blocks or any(b.forward_s <= 0 or b.backward_s <= 0 or (b.index is None and not b.signature) for b in blocks):
-        raise BadInput(f"calibration {path}: every block needs positive forward_s/backward_s and an index or signature")
+        raise BadInput(f"{where}: missing or malformed field ({err})") from None
+    if not (blocks or runs or cal.gemm_efficiency or cal.dispatch):
+        raise BadInput(f"{where}: no blocks, runs, gemm_efficiency or dispatch to calibrate with")
+    if blocks and (not cal.seq_len or any(
+            b.forward_s <= 0 or b.backward_s <= 0 or (b.index is None and not b.signature) for b in blocks)):
+        raise BadInput(f"{where}: every block needs positive forward_s/backward_s and an index or signature, "
+                       "and the file a seq_len")
+    if any(r["tokens_per_s"] <= 0 or r["gpus"] < 1 for r in runs) or any(v <= 0 for v in dispatch.values()):
+        raise BadInput(f"{where}: runs need gpus >= 1 and positive tokens_per_s; dispatch costs must be positive")
+    if cal.gemm_efficiency is not None and not 0 < cal.gemm_efficiency <= 1:
+        raise BadInput(f"{where}: gemm_efficiency must be in (0, 1], got {cal.gemm_efficiency}")
     return cal
+
+
+def calibration_from_measurements(device: str, gemm_tflops: float | None, peak_tflops: float,
+                                  dispatch: dict | None, runs: list[dict]) -> dict:
+    """The calibration JSON the throughput stage writes from what it measured (see the module docstring)."""
+    data: dict = {"device": device, "dtype": "bf16", "runs": list(runs)}
+    if gemm_tflops:
+        data["gemm_efficiency"] = min(1.0, gemm_tflops / peak_tflops)
+    if dispatch:
+        data["dispatch"] = {k: v for k, v in dispatch.items() if k in ("eager_s", "dtensor_s", "compiled_s")}
+    return data
 
 
 def compute_scale(
@@ -100,4 +155,41 @@ def compute_scale(
         )
         modelled = float(3 * gemm[0] + 3.5 * attention[0] + 3 * elementwise[0])
         scale[kind] = float(np.median(values)) / modelled
+    if cal.runs:
+        scale = scale * float(np.median([_run_scale(run, profile, cluster, workload, eff, scale) for run in cal.runs]))
     return scale
+
+
+RUN_DEFAULTS = dict(tp=1, pp=1, cp=1, ep=1, zero=1, recompute="none", mbs=1, vpp=1, schedule="1f1b", offload=0,
+                    split="balanced", replicate=1, tp_overlap=0, grad_overlap=1)
+
+
+def _run_scale(run: dict, profile: ModelProfile, cluster: Cluster, workload: Workload, eff, scale: np.ndarray) -> float:
+    """The compute scale at which the model's step for a measured run equals the measured step."""
+    import dataclasses
+
+    from parallel_planner.layout import FIELDS, SPLITS, Candidates, stage_layout
+    from parallel_planner.search import parse_fixed
+    from parallel_planner.timing import step_time
+
+    knobs = parse_fixed({**RUN_DEFAULTS, **(run.get("layout") or {})})
+    knobs.setdefault("sp", int(knobs["tp"] > 1))
+    knobs.setdefault("dp", run["gpus"] // (knobs["tp"] * knobs["pp"] * knobs["cp"]))
+    if knobs["dp"] * knobs["tp"] * knobs["pp"] * knobs["cp"] != run["gpus"]:
+        raise BadInput(f"calibration run {run.get('layout')} does not lay out {run['gpus']} GPUs")
+    one = Candidates.from_rows([tuple(knobs[f] for f in FIELDS)])
+    layout = stage_layout(profile, knobs["pp"], knobs["vpp"], SPLITS[knobs["split"]])
+    if layout is None:
+        raise BadInput(f"calibration run {run.get('layout')}: the layers do not fill its pipeline")
+    run_cluster = dataclasses.replace(cluster, num_gpus=run["gpus"])
+    run_workload = dataclasses.replace(workload, seq_len=run["seq_len"], global_batch=run["global_batch"])
+    measured = run["global_batch"] * run["seq_len"] / run["tokens_per_s"]
+
+    def predicted(factor: float) -> float:
+        return float(step_time(profile, run_cluster, run_workload, one, layout, eff, scale * factor)["step"][0])
+
+    low, high = 0.05, 20.0
+    for _ in range(40):  # the step grows with the compute scale: bisect on a log scale
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if predicted(mid) < measured else (low, mid)
+    return (low * high) ** 0.5

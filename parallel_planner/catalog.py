@@ -3,9 +3,11 @@
 Peaks are vendor datasheet figures for dense (non-sparse) tensor-core math.  Bandwidths are per GPU
 and per direction: ``intra_node_gbps`` is the GPU's share of the scale-up fabric (NVLink/NVSwitch,
 Infinity Fabric), ``inter_node_gbps`` is its NIC (rail-optimised clusters give each GPU one NIC).
-``gemm_ceiling`` is the fraction of dense peak that a large, well-shaped bf16 GEMM reaches with the
-vendor BLAS (public measurements; on H200 the anchors measured 680-788 TFLOP/s at 8192^3), so the
-time model never assumes a rate the silicon does not deliver.
+``gemm_ceiling`` is the fraction of dense peak that a large, well-shaped bf16 GEMM sustains with the
+vendor BLAS, so the time model never assumes a rate the silicon does not deliver.  H100, H800 and H200
+share the GH100 die, clocks and 700 W envelope, so they share one figure: the repeated 8192^3 reading on
+H200 (680-687 TFLOP/s, shared/anchors.md; a single higher reading of 788 was not repeated in that
+session).  A calibration (``gemm_efficiency``) replaces it with the target machine's measurement.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ GPU_CATALOG: dict[str, GpuType] = {
         # A100 SXM4 80 GB: NVLink3 600 GB/s bidirectional, 8x HDR 200 Gb/s per DGX node.
         GpuType("a100", 80, 312, 0, 2039, 300, 25, 8, 0.88, pcie_gbps=25),
         # H100 SXM5 80 GB: NVLink4 900 GB/s bidirectional, 8x NDR 400 Gb/s.
-        GpuType("h100", 80, 989, 1979, 3350, 450, 50, 8, 0.76, pcie_gbps=50),
+        GpuType("h100", 80, 989, 1979, 3350, 450, 50, 8, 0.69, pcie_gbps=50),
         # H800: H100 silicon with NVLink cut to 400 GB/s bidirectional; 8x 400 Gb/s IB (DeepSeek-V3 cluster).
-        GpuType("h800", 80, 989, 1979, 3350, 200, 50, 8, 0.76, pcie_gbps=50),
+        GpuType("h800", 80, 989, 1979, 3350, 200, 50, 8, 0.69, pcie_gbps=50),
         # H200 SXM 141 GB HBM3e.
-        GpuType("h200", 141, 989, 1979, 4800, 450, 50, 8, 0.74, pcie_gbps=50),
+        GpuType("h200", 141, 989, 1979, 4800, 450, 50, 8, 0.69, pcie_gbps=50),
         # B200 180 GB HBM3e: NVLink5 1.8 TB/s bidirectional, ConnectX-8 800 Gb/s.
         GpuType("b200", 180, 2250, 4500, 8000, 900, 100, 8, 0.72, pcie_gbps=50),
         # MI300X 192 GB: 7 Infinity Fabric links of 64 GB/s per direction, 400 Gb/s NIC.

@@ -17,7 +17,8 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
 # light_ends: the first and the last chunk hold one layer fewer, for the embedding and the head; with as
 # many chunks as layers + 2 they hold the embedding or the head alone (Llama 3 405B's pipeline).
 SPLITS = ("balanced", "light_ends")
-FIELDS = ("tp", "pp", "dp", "cp", "ep", "zero", "recompute", "mbs", "vpp", "schedule", "offload", "split", "replicate")
+FIELDS = ("tp", "pp", "dp", "cp", "ep", "zero", "recompute", "mbs", "vpp", "schedule", "offload", "split", "replicate",
+          "sp", "tp_overlap", "grad_overlap")
 
 
 @dataclass
@@ -37,6 +38,9 @@ class Candidates:
     offload: np.ndarray
     split: np.ndarray
     replicate: np.ndarray  # HSDP: data-parallel replicas of each shard group (1: shard over all dp x cp ranks)
+    sp: np.ndarray  # sequence parallelism (norms, residuals and their activations sharded over TP); 0/1
+    tp_overlap: np.ndarray  # TP collectives pipelined with the GEMMs beside them (Megatron --tp-comm-overlap); 0/1
+    grad_overlap: np.ndarray  # gradient reduction overlapped with backward (1) or issued after the flush (0)
 
     @classmethod
     def from_rows(cls, rows: list[tuple[int, ...]]) -> "Candidates":

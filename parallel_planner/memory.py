@@ -117,7 +117,10 @@ def activation_bytes_per_block(
     rec = c.recompute[:, None]
     width = np.where(rec == SELECTIVE, saved - recomputable, saved) + routed
     width = np.where(rec == FULL, profile.hidden, width)  # full recompute keeps the block input only
-    return ACT_BYTES * tokens * width / tp
+    # Without sequence parallelism each TP rank keeps the whole norm inputs and the GEMM inputs the norms
+    # feed (Korthikanti et al.'s 10sbh term, here 4h without dropout masks), or the whole block input.
+    replicated = np.where(rec == FULL, profile.hidden, 4 * profile.hidden) * (c.sp[:, None] == 0) * (tp > 1)
+    return ACT_BYTES * tokens * (width + replicated * (tp - 1)) / tp
 
 
 def memory_breakdown(

@@ -44,6 +44,9 @@ class BlockProfile:
     unfused_width: int  # more elements per token saved when norms and GLUs run as eager modules (see below)
     unfused_routed_width: int  # ... per routed token inside the experts
     elementwise_width: int  # bytes-moving elementwise work per token (norms, residuals, activations), elements
+    eager_elementwise_width: int  # more such work when norms, GLU and rotary run as eager modules (see below)
+    host_ops: int  # aten operators one block issues in forward + backward as eager modules
+    host_ops_fused: int  # ... with fused norm, GLU and rotary kernels
     num_experts: int
     top_k: int
     dense_params: int  # everything but routed experts (sharded by TP)
@@ -113,6 +116,18 @@ def _routed_expert_params(block: BlockSpec) -> int:
     return (block.params - block.params_active) // (block.mlp.num_experts - block.mlp.top_k)
 
 
+def _norm_inventory(block: BlockSpec, h: int) -> tuple[int, int]:
+    """(norm kernels, elements they normalise per token): the block's own, MLA latents, per-head QK norms."""
+    attn = block.attention
+    count = 4 if block.norm.placement == "sandwich" else 2
+    elements = count * h
+    if attn is not None and attn.kind == "mla":
+        count, elements = count + 1 + bool(attn.q_lora_rank), elements + attn.q_lora_rank + attn.kv_lora_rank
+    if attn is not None and attn.qk_norm:
+        count, elements = count + 2, elements + (attn.num_heads + attn.num_kv_heads) * attn.head_dim
+    return count, elements
+
+
 def _unfused_widths(block: BlockSpec, h: int) -> tuple[int, int]:
     """What eager modules save beyond fused kernels, per token and per routed token.
 
@@ -142,6 +157,29 @@ def _unfused_widths(block: BlockSpec, h: int) -> tuple[int, int]:
     return per_token, 0
 
 
+# Aten operators per block, forward + backward, counted with a dispatch mode on transformers' Llama layer
+# (219 eager; ``tests/planner/test_fidelity.py`` recounts it and checks another architecture).
+OPS_PER_GEMM = 8  # forward view/transpose/mm, backward two mm and their transposes
+OPS_PER_NORM = (22, 3)  # (eager, fused): fp32 upcast, pow, mean, rsqrt, muls and casts, and their backward
+OPS_ROTARY = (34, 4)  # slices, negation, cat, muls and adds for q and k, and their backward
+OPS_GLU = (7, 2)
+OPS_ATTENTION = 14  # reshapes, transposes, SDPA forward and backward
+OPS_BLOCK_FIXED = 64  # residual adds, views, autograd's gradient accumulation and hidden-state reshapes
+# Of a Llama layer's 219 ops, 21 are GEMMs and 105 views (no kernel): 93 launch a non-GEMM kernel.
+KERNEL_SHARE = 93 / 219
+
+
+def _host_ops(block: BlockSpec, norms: int, gemms: int) -> tuple[int, int]:
+    attn, mlp = block.attention, block.mlp
+    rotary = attn is not None and attn.kind != "none" and block.positional == "rope"
+    glu = mlp.kind == "dense_gated" or mlp.kind == "moe"
+    attention = attn is not None and attn.kind != "none"
+    common = OPS_PER_GEMM * gemms + OPS_ATTENTION * attention + OPS_BLOCK_FIXED
+    eager = common + OPS_PER_NORM[0] * norms + OPS_ROTARY[0] * rotary + OPS_GLU[0] * glu
+    fused = common + OPS_PER_NORM[1] * norms + OPS_ROTARY[1] * rotary + OPS_GLU[1] * glu
+    return eager, fused
+
+
 def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
     attn_gemms, attn_saved, attn_recomp, cache, ring = _attention_parts(block, h)
     mlp_gemms, mlp_saved, mlp_recomp, routed_width, expert_params = _mlp_parts(block, h)
@@ -155,6 +193,17 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
     attn = block.attention
     intermediate = (block.mlp.top_k * block.mlp.intermediate_size + block.mlp.shared_intermediate_size
                     if block.mlp.kind == "moe" else block.mlp.intermediate_size)
+    norms, norm_elements = _norm_inventory(block, h)
+    # transformers runs K and V, and gate and up, as separate linears where the profile joins them
+    linears = len(gemms) + bool(attn is not None and attn.kind in ("mha", "gqa")) + (block.mlp.kind == "dense_gated")
+    eager_ops, fused_ops = _host_ops(block, norms, linears)
+    # Eager RMSNorm upcasts to fp32 and makes ~6 passes over it (anchors: 7-8 % of copy bandwidth counting its
+    # one read and write, ~12x a fused kernel's traffic); eager SiLU*up writes and rereads the activation;
+    # eager rotary builds rotate_half with a cat and four elementwise ops over q and k.
+    rotary_width = ((attn.num_heads + attn.num_kv_heads) * attn.head_dim
+                    if attn is not None and attn.kind != "none" and block.positional == "rope" else 0)
+    glu_width = 2 * intermediate if block.mlp.kind in ("dense_gated", "moe") else 0
+    eager_width = (11 * 2 * norm_elements if block.norm.kind == "rmsnorm" else 0) + glu_width + 6 * rotary_width
     return BlockProfile(
         count=count,
         hidden=h,
@@ -173,6 +222,9 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
         unfused_width=unfused_width,
         unfused_routed_width=unfused_routed_width,
         elementwise_width=12 * h + 4 * intermediate,
+        eager_elementwise_width=eager_width,
+        host_ops=eager_ops,
+        host_ops_fused=fused_ops,
         num_experts=block.mlp.num_experts if block.mlp.kind == "moe" else 0,
         top_k=block.mlp.top_k if block.mlp.kind == "moe" else 0,
         dense_params=block.params - expert_params,

@@ -1,20 +1,21 @@
 """Validation against published training runs (``data/published_runs.csv``).
 
-Each row names a model by its dimensions, a cluster and the layout the authors ran.  We write the
-row's ModelSpec from those dimensions (the CSV header says which decoder each source trained), plan
-that layout with ``--fixed`` semantics, and compare per-GPU token throughput with the paper's figure
-converted under the paper's own FLOP convention:
+Each row names a model by its dimensions, a cluster, the layout the authors ran and the knobs and
+software they state (CSV header).  We write the row's ModelSpec from those dimensions, plan that layout
+with ``--fixed`` semantics under the row's software (framework, attention kernel), and compare per-GPU
+token throughput with the source's figure.
 
-* Megatron-LM 2021 counts the recomputed forward: ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step.
-The schedule is pinned to interleaved 1F1B (what both papers ran); micro-batch and virtual stages are the
-planner's choice.  A published layout our memory model says does not fit is still timed, and flagged.
+One FLOP convention: adapt's model FLOPs (3x the forward, causal attention averaging ``(s+1)/2``
+context, no recompute).  A source's TFLOP/s is turned into tokens/s with the source's own count and
+compared as tokens/s, which at a fixed model is MFU under adapt's convention.  Megatron-LM 2021 and
+BLOOM count ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step: the full (non-causal) attention square and
+the recomputed forward, so their "% of peak" is hardware FLOPs, not MFU; the conversion undoes both.
+Llama 3 reports MFU under a model-FLOPs count, read as adapt's.
 
-* Llama 3 reports model-FLOPs utilisation; we read it as adapt's model FLOPs (3x forward, causal
-  attention averaging ``(s+1)/2`` context), the same numerator adapt's own MFU uses.
-
-``python -m parallel_planner.published --fit`` refits ``Efficiency.gemm/attention/network`` on all rows
-(the defaults in ``timing.Efficiency`` are that fit); ``--write DIR`` evaluates the rows with those
-defaults, refits leaving each source out, times the giants and writes ``planner-published.{json,md}``.
+Nothing in the time model is fitted to these rows (``timing.Efficiency`` states every constant's
+source), so every error here is out of sample; leave-one-source-out equals in-sample by construction.
+Knobs a source leaves unstated (micro-batch, virtual stages) are the planner's choice; ``knob_range``
+shows how far they move the prediction.  ``benchmarks/planner_report.py`` writes the tables.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ import csv
 import dataclasses
 import io
 import json
-import math
 import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from adapt.core.errors import BadInput
 from adapt.core.spec import (
     SCHEMA_VERSION,
     AttentionSpec,
@@ -47,15 +48,15 @@ from parallel_planner.search import plan_parallel
 from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 
-# How each source's software ran: Megatron-LM 2021's default "local" DDP all-reduces gradients after the
-# pipeline flush, without overlapping the backward pass.
-SOURCE_EFFICIENCY = {"megatron2021": dict(overlap_grad_reduce=False), "llama3": {}}
-
 # What each source trained, as its paper describes it (the CSV gives the dimensions).
 SOURCE_ARCHITECTURE = {
     "megatron2021": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="absolute", tied=True),
     "llama3": dict(mlp="dense_gated", activation="silu", norm="rmsnorm", positional="rope", tied=False),
+    "bloom": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="alibi", tied=True),
 }
+# Columns naming how each run executed (see data/published_runs.csv's header); knobs go to --fixed.
+KNOB_COLUMNS = ("sp", "tp_overlap", "grad_overlap", "mbs", "vpp", "split")
+SOFTWARE_COLUMNS = ("framework", "attention", "flop_convention")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,17 @@ class PublishedRun:
     recompute: str
     reported_tflops_per_gpu: float
     reported_pct_peak: float
+    framework: str = "megatron"
+    attention: str = "flash2"
+    flop_convention: str = "adapt"  # "megatron_recompute": 96Bslh^2(1+s/6h+V/16lh) per step; "adapt": 3x causal fwd
+    sp: int = 0
+    tp_overlap: int = 0
+    grad_overlap: int = 1
+    mbs: int = 0  # 0: the planner chooses
+    vpp: int = 0
+    split: str = ""
+    nvlink_domain: int = 0  # 0: the GPU type's node
+    citation: str = ""
 
     @property
     def name(self) -> str:
@@ -89,19 +101,30 @@ class PublishedRun:
 
     @property
     def layout(self) -> dict[str, Any]:
-        """The published layout; both papers ran Megatron's interleaved 1F1B schedule when pipelining."""
+        """The published layout and knobs; every source ran Megatron's interleaved 1F1B schedule when pipelining."""
         layout = dict(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, zero=self.zero, recompute=self.recompute,
-                      replicate=1)
-        if self.pp > 1:
-            layout["schedule"] = "interleaved_1f1b"
+                      replicate=1, sp=self.sp if self.tp > 1 else 0, tp_overlap=self.tp_overlap if self.tp > 1 else 0,
+                      grad_overlap=self.grad_overlap)
+        if self.pp > 1:  # a published vpp of 1 is plain 1F1B (DeepSpeed's pipeline engine)
+            layout["schedule"] = "1f1b" if self.vpp == 1 else "interleaved_1f1b"
+        for key in ("mbs", "vpp", "split"):
+            if getattr(self, key):
+                layout[key] = getattr(self, key)
+        if self.nvlink_domain:
+            layout["nvlink_domain"] = self.nvlink_domain
         return layout
+
+    def efficiency(self, base: Efficiency | None = None) -> Efficiency:
+        """The time model with this run's software: its framework, attention kernel, fused kernels."""
+        return dataclasses.replace(base or Efficiency(), runtime=self.framework, attention=self.attention,
+                                   fused_kernels=True)
 
     def workload(self) -> Workload:
         return Workload(self.seq, self.global_batch_seqs)
 
     def published_tokens_per_s_per_gpu(self, spec: ModelSpec) -> float:
         """The paper's per-GPU FLOP rate turned into tokens/s with the paper's FLOP count."""
-        if self.source == "megatron2021":
+        if self.flop_convention == "megatron_recompute":
             l, h, s, v = self.layers, self.hidden, self.seq, self.vocab
             flops_per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
         else:
@@ -117,7 +140,10 @@ def load_published_runs(path: str | Path | None = None) -> list[PublishedRun]:
     for row in rows:
         kwargs = {}
         for f in dataclasses.fields(PublishedRun):
-            kwargs[f.name] = row[f.name] if f.type == "str" else (float if f.type == "float" else int)(row[f.name])
+            value = row.get(f.name)
+            if value in (None, ""):
+                continue  # an optional column left blank keeps its default
+            kwargs[f.name] = value if f.type == "str" else (float if f.type == "float" else int)(value)
         runs.append(PublishedRun(**kwargs))
     return runs
 
@@ -172,7 +198,7 @@ def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bo
     for run in runs:
         spec = run_spec(run)
         cluster = make_cluster(run.gpu, run.gpus)
-        run_eff = dataclasses.replace(eff, **SOURCE_EFFICIENCY[run.source])
+        run_eff = run.efficiency(eff)
         fixed = plan_parallel(spec, cluster, run.workload(), fixed=run.layout, top_k=1, efficiency=run_eff).best
         published = run.published_tokens_per_s_per_gpu(spec)
         row = {
@@ -202,33 +228,27 @@ def error_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {"mean_abs_error": sum(errors) / len(errors), "max_abs_error": max(errors), "rows": len(errors)}
 
 
-FITTED = ("gemm", "attention", "network")
-BOUNDS = {"gemm": (0.3, 1.0), "attention": (0.05, 1.0), "network": (0.2, 1.0)}
+def knob_range(run: PublishedRun, eff: Efficiency | None = None) -> tuple[float, float] | None:
+    """(lowest, highest) predicted tokens/s/GPU over the knobs the source leaves unstated (micro-batch and
+    virtual stages), or None when it states them all: how much of an error the unstated knobs can explain."""
+    if run.mbs and (run.vpp or run.pp == 1):
+        return None
+    spec, cluster = run_spec(run), make_cluster(run.gpu, run.gpus)
+    predictions = []
+    for mbs in (run.mbs,) if run.mbs else (1, 2, 4, 8):
+        for vpp in (run.vpp,) if run.vpp or run.pp == 1 else (1, 2, 4, 8):
+            layout = dict(run.layout, mbs=mbs, vpp=vpp)
+            if run.pp > 1 and vpp == 1:
+                layout["schedule"] = "1f1b"
+            try:
+                best = plan_parallel(spec, cluster, run.workload(), fixed=layout, top_k=1, efficiency=run.efficiency(eff)).best
+            except BadInput:
+                continue  # the batch does not split into these micro-batches, or the layers into these chunks
+            predictions.append(best.tokens_per_s_per_gpu)
+    return (min(predictions), max(predictions)) if predictions else None
 
 
-def fit(runs: list[PublishedRun], start: Efficiency | None = None, rounds: int = 3) -> Efficiency:
-    """Coordinate descent (golden section per parameter) on the mean squared log throughput error."""
-    eff = start or Efficiency()
-
-    def loss(candidate: Efficiency) -> float:
-        rows = evaluate(runs, candidate, search=False)
-        return sum(math.log1p(r["error"]) ** 2 for r in rows) / len(rows)
-
-    ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(rounds):
-        for name in FITTED:
-            lo, hi = BOUNDS[name]
-            for _ in range(14):
-                a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-                if loss(dataclasses.replace(eff, **{name: a})) < loss(dataclasses.replace(eff, **{name: b})):
-                    hi = b
-                else:
-                    lo = a
-            eff = dataclasses.replace(eff, **{name: round((lo + hi) / 2, 3)})
-    return eff
-
-
-def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
+def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
     """Seconds to plan the two giants of the issue, from a config-only checkpoint to the ranked answer.
 
     ``intake_s`` builds the ModelSpec from a meta skeleton (torch/transformers start-up included when cold);
@@ -245,7 +265,7 @@ def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
 
     from adapt.model.intake import inspect
 
-    cases = [
+    giants = [
         ("DeepSeek-V3 (671B MoE, MLA), 2048 x H800", DeepseekV3Config(), "h800", 2048, 4096, 15360),
         ("3T MoE (DeepSeek-V3 shape, 1024 experts, 70 layers), 16384 x H100",
          DeepseekV3Config(n_routed_experts=1024, num_hidden_layers=70), "h100", 16384, 4096, 16384),
@@ -253,7 +273,7 @@ def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, ADAPT_CACHE_DIR=os.path.join(tmp, "cache"))
-        for i, (name, config, gpu, gpus, seq, batch) in enumerate(cases):
+        for i, (name, config, gpu, gpus, seq, batch) in enumerate(giants[:cases]):
             path = os.path.join(tmp, f"model{i}")
             config.save_pretrained(path)
             started = time.perf_counter()
@@ -285,115 +305,13 @@ def planning_speed(cold_runs: int = 5) -> list[dict[str, Any]]:
     return out
 
 
-def sharded_gradients(runs: list[PublishedRun]) -> list[dict[str, Any]]:
-    """Memory of the ZeRO-1 rows again with gradients sharded too (ZeRO-2).
-
-    Llama 3's paper says its FSDP "shards the optimizer states and gradients" but keeps the weights
-    unsharded after the forward, which is ZeRO-2; the CSV records zero=1.  Shown beside the rows, not fed
-    into the error figures.
-    """
-    out = []
-    for run in runs:
-        if run.zero != 1:
-            continue
-        spec, cluster = run_spec(run), make_cluster(run.gpu, run.gpus)
-        best = plan_parallel(spec, cluster, run.workload(), fixed=dict(run.layout, zero=2, mbs=1), top_k=1).best
-        out.append({"run": run.name, "memory_gib_per_gpu": best.memory_gib_per_gpu, "fits": best.fits,
-                    "usable_gib": best.usable_memory_gib, "vpp": best.plan.vpp})
-    return out
-
-
-def _markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
-    lines = [
-        "# Planner: predicted vs published per-GPU throughput",
-        "",
-        "Generated by `python -m parallel_planner.published --write`. Each row is planned with its published",
-        "layout pinned (`--fixed` tp/pp/dp/cp/ep/zero/recompute; micro-batch, virtual stages and schedule chosen",
-        "by the planner) and compared with the paper's TFLOP/s per GPU turned into tokens/s under the paper's",
-        "own FLOP convention (see `parallel_planner/published.py`).",
-        "",
-        f"Efficiency parameters: `{json.dumps({k: summary['efficiency'][k] for k in FITTED})}` "
-        "(the `timing.Efficiency` defaults, fitted jointly on all rows with `--fit`).",
-        "",
-        f"**All rows: mean |error| {summary['all']['mean_abs_error']:.1%}, max {summary['all']['max_abs_error']:.1%}.**",
-        "",
-    ]
-    for source, s in summary["per_source"].items():
-        lines.append(f"- {source}: mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}")
-    if "leave_one_source_out" in summary:
-        lines += ["", "Leave-one-source-out (fit on the other source, predict this one):", ""]
-        for source, s in summary["leave_one_source_out"].items():
-            lines.append(f"- {source}: mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}, "
-                         f"parameters fitted without it `{json.dumps(s['efficiency'])}`")
-    lines += ["", "| run | layout | published tok/s/GPU | predicted | error | fits | GiB/GPU | searched plan | search speed-up | search s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lay = r["layout"]
-        srch = r.get("searched", {})
-        searched = (f"tp{srch.get('tp')} pp{srch.get('pp')} dp{srch.get('dp')} cp{srch.get('cp')} "
-                    f"z{srch.get('zero')} {srch.get('recompute')} mbs{srch.get('micro_batch')} vpp{srch.get('vpp')}")
-        lines.append(
-            f"| {r['run']} | tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} {lay['recompute']} "
-            f"| {r['published_tokens_per_s_per_gpu']:.0f} | {r['predicted_tokens_per_s_per_gpu']:.0f} "
-            f"| {r['error']:+.1%} | {r['fits']} | {r['memory_gib_per_gpu']:.1f} | {searched} "
-            f"| {r.get('searched_speedup', float('nan')):.2f}x | {r.get('search_s', float('nan')):.2f} |"
-        )
-    if summary.get("sharded_gradients"):
-        lines += ["", "Memory of the ZeRO-1 rows with gradients sharded as well (ZeRO-2, micro-batch 1), which is "
-                  "what Llama 3's paper describes (\"shards the optimizer states and gradients\"); the CSV says zero=1:", ""]
-        lines += [f"- {r['run']}: {r['memory_gib_per_gpu']:.1f} GiB of {r['usable_gib']:.1f} usable "
-                  f"({'fits' if r['fits'] else 'does not fit'}, vpp {r['vpp']})" for r in summary["sharded_gradients"]]
-    if summary.get("speed"):
-        load = summary["speed"][0].get("load_average")
-        lines += ["", f"## Planning speed (a 2-core CPU machine shared with other jobs; load average {load})", "",
-                  "| case | params | layouts scored | intake in-process s | search s | `adapt plan --no-cache` end to end s (median / least of runs) | `adapt plan`, spec cached, s | best |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for case in summary["speed"]:
-            b = case["best"]
-            lines.append(
-                f"| {case['case']} | {case['params_total'] / 1e12:.2f}T | {case['layouts_scored']:,} "
-                f"| {case['intake_s']:.2f} | {case['plan_s']:.2f} "
-                f"| {case['cli_cold_s']:.2f} / {case['cli_cold_min_s']:.2f} ({case['cold_runs']}) | {case['cli_cached_s']:.2f} "
-                f"| tp{b['tp']} pp{b['pp']} dp{b['dp']} cp{b['cp']} ep{b['ep']} z{b['zero']} {b['recompute']} "
-                f"mbs{b['micro_batch']} vpp{b['vpp']} {b['pp_schedule']}: {b['memory_gib_per_gpu']:.1f} GiB, "
-                f"MFU {b['mfu']:.1%} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="refit gemm/attention/network on all rows and print them")
-    parser.add_argument("--write", metavar="DIR", help="write planner-published.{json,md} (default parameters) into DIR")
-    args = parser.parse_args(argv)
-    runs = load_published_runs()
-    if args.fit:
-        fitted = fit(runs)
-        print(json.dumps({"fitted": {k: getattr(fitted, k) for k in FITTED},
-                          **error_summary(evaluate(runs, fitted, search=False))}, indent=2))
-    if not args.write:
-        return 0
-    eff = Efficiency()
-    rows = evaluate(runs, eff)
-    sources = sorted({r.source for r in runs})
-    summary: dict[str, Any] = {
-        "efficiency": eff.to_dict(),
-        "all": error_summary(rows),
-        "per_source": {s: error_summary([r for r in rows if r["source"] == s]) for s in sources},
-        "leave_one_source_out": {},
-    }
-    for held in sources:
-        held_eff = fit([r for r in runs if r.source != held])
-        held_rows = evaluate([r for r in runs if r.source == held], held_eff, search=False)
-        summary["leave_one_source_out"][held] = {
-            **error_summary(held_rows), "efficiency": {k: getattr(held_eff, k) for k in FITTED}}
-    summary["sharded_gradients"] = sharded_gradients(runs)
-    summary["speed"] = planning_speed()
-    out = Path(args.write)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "planner-published.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
-    (out / "planner-published.md").write_text(_markdown(rows, summary))
-    print(json.dumps(summary, indent=2))
+    parser.parse_args(argv)
+    rows = evaluate(load_published_runs(), search=False)
+    print(json.dumps({"all": error_summary(rows), "rows": [
+        {k: r[k] for k in ("run", "error", "predicted_tokens_per_s_per_gpu", "published_tokens_per_s_per_gpu")}
+        for r in rows]}, indent=2))
     return 0
 
 

@@ -24,6 +24,8 @@ class RankedPlan:
     mfu: float  # model FLOPs (no recompute) over dense bf16 peak
     hfu: float  # hardware FLOPs (with recompute) over dense bf16 peak
     torchrun: str  # the `adapt train` launch of a training plan ("" for inference plans)
+    host_bound: bool = False  # the CPU takes longer to issue a micro-batch than the GPU takes to run it
+    knobs: dict[str, Any] = field(default_factory=dict)  # sp, tp_overlap, grad_overlap as evaluated
 
     def to_dict(self) -> dict[str, Any]:
         p = self.plan
@@ -55,6 +57,8 @@ class RankedPlan:
             "mfu": self.mfu,
             "hfu": self.hfu,
             "torchrun": self.torchrun,
+            "host_bound": self.host_bound,
+            **self.knobs,
             "plan": p.to_dict(),
         }
 
@@ -74,7 +78,7 @@ class PlannerResult:
     fixed: dict[str, Any] | None = None
     cluster: dict[str, Any] = field(default_factory=dict)
     workload: dict[str, Any] = field(default_factory=dict)
-    efficiency: dict[str, float] = field(default_factory=dict)
+    efficiency: dict[str, Any] = field(default_factory=dict)  # the time model's constants and software
     calibration: str | None = None
     notes: list[str] = field(default_factory=list)
 

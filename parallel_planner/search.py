@@ -2,15 +2,19 @@
 
 Every structurally valid layout (TP x CP x PP x DP over the GPUs, EP inside DP x CP, ZeRO stage,
 HSDP shard groups of whole nodes, recompute, micro-batch, virtual stages, schedule, layer split,
-optimizer offload) is scored at once by the vectorised memory and time models, grouped by pipeline
-split. TP and EP stay inside a node and optimizer states on the GPU; only when nothing fits does the
+optimizer offload, sequence parallelism, TP-communication overlap where the runtime has it, gradient
+reduction overlapped or after the flush) is scored at once by the vectorised memory and time models,
+grouped by pipeline split. TP and EP stay inside a node and optimizer states on the GPU; only when nothing fits does the
 search add offload, then cross-node TP/EP (a faster cross-node-EP layout is still reported as the
 binding constraint). ``fixed`` pins any subset of the knobs; the rest are chosen for the fastest
-fitting result.
+fitting result; ``nvlink_domain``, ``nvlink_gbps`` and ``inter_gbps`` pin the network per level.  A pinned
+layout is always evaluated (even where the search would skip it as a duplicate split), and a pinned set
+that admits no layout is refused naming the knobs whose release would admit one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -39,7 +43,12 @@ from parallel_planner.result import PlannerResult, RankedPlan
 from parallel_planner.timing import Efficiency, step_time
 from parallel_planner.workload import Workload
 
-ALIASES = {"micro_batch": "mbs", "pp_schedule": "schedule", "offload_optimizer": "offload", "dp_replicate": "replicate"}
+ALIASES = {"micro_batch": "mbs", "pp_schedule": "schedule", "offload_optimizer": "offload", "dp_replicate": "replicate",
+           "sequence_parallel": "sp", "tp_comm_overlap": "tp_overlap", "overlap_grad_reduce": "grad_overlap",
+           "virtual_stages": "vpp"}
+SWITCHES = ("offload", "sp", "tp_overlap", "grad_overlap", "distributed_optimizer")
+# The network is the cluster's, but a run pins it like a knob: NVLink-domain size and GB/s per GPU per level.
+NETWORK_KEYS = {"nvlink_domain": "gpus_per_node", "nvlink_gbps": "intra_node_gbps", "inter_gbps": "inter_node_gbps"}
 HSDP_GROUP_NODES = (1, 2, 4, 8)  # HSDP shard groups the open search tries, in whole nodes
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 VIRTUAL_STAGES = (1, 2, 3, 4, 6, 8)
@@ -53,6 +62,7 @@ class SearchSpace:
     offload: bool = False  # optimizer offload only joins when nothing fits on the GPUs alone
     max_cp: int = 64
     min_cp_chunk: int = 256  # tokens per context-parallel rank below which ring attention cannot pay off
+    tp_overlap: bool = False  # the runtime can pipeline TP collectives with GEMMs (adapt's eager TP cannot)
 
 
 def parse_fixed(text: str | dict | None) -> dict[str, int]:
@@ -64,8 +74,21 @@ def parse_fixed(text: str | dict | None) -> dict[str, int]:
     for key, value in items:
         key = ALIASES.get(key.strip(), key.strip())
         value = str(value).strip().lower()
+        if key in NETWORK_KEYS:
+            try:
+                fixed[key] = float(value) if key != "nvlink_domain" else int(value)
+            except ValueError:
+                raise BadInput(f"--fixed: {key} must be a number, got {value!r}") from None
+            if fixed[key] <= 0:
+                raise BadInput(f"--fixed: {key}={value} is out of range")
+            continue
+        if key == "distributed_optimizer":  # Megatron's name for sharding optimizer states over data parallel
+            if value in ("true", "yes", "1"):
+                fixed.setdefault("zero", 1)
+            continue
         if key not in FIELDS:
-            raise BadInput(f"--fixed: unknown key {key!r} (known: {', '.join(FIELDS)})")
+            known = ", ".join((*FIELDS, "distributed_optimizer", *NETWORK_KEYS))
+            raise BadInput(f"--fixed: unknown key {key!r} (known: {known})")
         choices = {"recompute": RECOMPUTE, "schedule": SCHEDULES, "split": SPLITS}.get(key)
         if choices:
             value = {"interleaved": "interleaved_1f1b", "zb": "zero_bubble"}.get(value, value)
@@ -73,13 +96,13 @@ def parse_fixed(text: str | dict | None) -> dict[str, int]:
                 raise BadInput(f"--fixed: {key} must be one of {', '.join(choices)}, got {value!r}")
             fixed[key] = choices.index(value)
             continue
-        if key == "offload" and value in ("true", "false", "yes", "no"):
-            value = "1" if value in ("true", "yes") else "0"
+        if key in SWITCHES and value in ("true", "false", "yes", "no", "on", "off"):
+            value = "1" if value in ("true", "yes", "on") else "0"
         try:
             fixed[key] = int(value)
         except ValueError:
             raise BadInput(f"--fixed: {key} must be an integer, got {value!r}") from None
-        if fixed[key] < (0 if key in ("zero", "offload") else 1):
+        if fixed[key] < (0 if key in ("zero", *SWITCHES) else 1) or (key in SWITCHES and fixed[key] > 1):
             raise BadInput(f"--fixed: {key}={value} is out of range")
     if fixed.get("zero", 0) > 3:
         raise BadInput("--fixed: zero must be 0, 1, 2 or 3")
@@ -91,6 +114,13 @@ def _pair(text: str) -> tuple[str, str]:
         raise BadInput(f"--fixed: expected key=value, got {text.strip()!r}")
     key, value = text.split("=", 1)
     return key, value
+
+
+def with_network(cluster: Cluster, gpus_per_node: int | None = None, **bandwidths: float) -> Cluster:
+    """The cluster with its NVLink domain size and per-level bandwidths (GB/s per GPU) replaced."""
+    per_node = int(gpus_per_node or cluster.gpus_per_node)
+    gpu = dataclasses.replace(cluster.gpu, gpus_per_node=per_node, **bandwidths)
+    return Cluster(gpu, cluster.num_gpus, min(per_node, cluster.num_gpus))
 
 
 def _divisors(n: int) -> list[int]:
@@ -174,10 +204,14 @@ def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rej
         for mbs in (b for b in MICRO_BATCHES if per_rank % b == 0):
             if "mbs" in fixed and fixed["mbs"] != mbs:
                 continue
-            for vpp, schedule in _schedules(pp, per_rank // mbs, profile.num_layers, workload.training,
-                                            "schedule" in fixed):
-                if fixed.get("vpp", vpp) == vpp and fixed.get("schedule", schedule) == schedule:
-                    yield from ((tp, pp, dp, cp, ep, mbs, vpp, schedule, r) for r in replicas)
+            pairs = [(v, sch) for v, sch in _schedules(pp, per_rank // mbs, profile.num_layers, workload.training,
+                                                       "schedule" in fixed)
+                     if fixed.get("vpp", v) == v and fixed.get("schedule", sch) == sch]
+            if not pairs and ("vpp" in fixed or "schedule" in fixed):
+                rejected[f"vpp/schedule: interleaving needs at most layers + 2 chunks and the micro-batches per step "
+                         f"({per_rank // mbs} at mbs={mbs}, dp={dp}) to be a multiple of pp={pp}"] += 1
+            for vpp, schedule in pairs:
+                yield from ((tp, pp, dp, cp, ep, mbs, vpp, schedule, r) for r in replicas)
 
 
 def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace):
@@ -187,9 +221,17 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
     # ZeRO-0 is dominated by ZeRO-1 (same compute, more memory, an all-reduce costing more than
     # reduce-scatter + all-gather), so the open search skips it; a pinned zero=0 is still evaluated.
     zeros = (0, 1, 2, 3) if "zero" in fixed else (1, 2, 3)
+    # Sequence parallelism off moves the same collective bytes (one all-reduce for an all-gather and a
+    # reduce-scatter) while every TP rank runs and keeps the norms whole, so it is dominated and the open
+    # search keeps SP on, as it drops ZeRO-0; a pinned sp=0 is evaluated.  TP overlap only where the runtime
+    # has it (a pinned value is evaluated); gradient reduction overlapped with backward, as FSDP2 and DDP
+    # buckets do, unless pinned after the flush.
+    switches = dict(sp=(1,), tp_overlap=(0, 1) if space.tp_overlap else (0,), grad_overlap=(1,) if training else (0,))
+    switches = {k: (fixed[k],) if k in fixed else v for k, v in switches.items()}
     inner = [
-        (zero, rec, off)
-        for zero, rec, off in itertools.product(zeros if training else (0,), range(3) if training else (0,), offload)
+        (zero, rec, off, sp, tpo, go)
+        for zero, rec, off, sp, tpo, go in itertools.product(
+            zeros if training else (0,), range(3) if training else (0,), offload, *switches.values())
         if not (off and zero == 0)
         and all(fixed.get(k, v) == v for k, v in (("zero", zero), ("recompute", rec), ("offload", off)))
     ]
@@ -202,13 +244,16 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
         b = np.repeat(base, reps, axis=0)
         z = np.tile(inner_arr, (len(base), 1))
         keep = (b[:, 8] == 1) | (z[:, 0] > 0)  # replication without sharding is ZeRO-0 itself
+        keep &= (b[:, 0] > 1) | (z[:, 4] == fixed.get("tp_overlap", 0))  # no TP: nothing for overlap to act on
         b, z = b[keep], z[keep]
+        z[:, 3] = np.where(b[:, 0] > 1, z[:, 3], fixed.get("sp", 0))  # no TP: SP stays as pinned (off by default)
         for split in range(len(SPLITS)) if pp > 1 else (0,):
             if fixed.get("split", split) != split:
                 continue
             cols = dict(tp=b[:, 0], pp=b[:, 1], dp=b[:, 2], cp=b[:, 3], ep=b[:, 4], mbs=b[:, 5], vpp=b[:, 6],
                         schedule=b[:, 7], zero=z[:, 0], recompute=z[:, 1], offload=z[:, 2],
-                        split=np.full(len(b), split, dtype=np.int64), replicate=b[:, 8])
+                        split=np.full(len(b), split, dtype=np.int64), replicate=b[:, 8],
+                        sp=z[:, 3], tp_overlap=z[:, 4], grad_overlap=z[:, 5])
             yield (pp, vpp, split), Candidates(**cols)
 
 
@@ -237,7 +282,7 @@ class Scored:
 
 def score(
     profile: ModelProfile, cluster: Cluster, workload: Workload, groups: dict[tuple[int, int, int], Candidates],
-    eff: Efficiency, mm: MemoryModel, scale: np.ndarray | None, prune: bool = True,
+    eff: Efficiency, mm: MemoryModel, scale: np.ndarray | None, prune: bool = True, dedupe: bool = True,
 ) -> Scored:
     """Fullest-stage memory and step time of every candidate, one (pp, vpp, split) group at a time.
 
@@ -248,9 +293,9 @@ def score(
     smallest_pruned = np.inf
     for (pp, vpp, split), cands in groups.items():
         layout = stage_layout(profile, pp, vpp, SPLITS[split])
-        if layout is None or (split and layout.chunk_layers == getattr(stage_layout(profile, pp, vpp, SPLITS[0]),
-                                                                        "chunk_layers", None)):
-            continue  # no layer split, or the same split under another name
+        if layout is None or (dedupe and split and layout.chunk_layers == getattr(
+                stage_layout(profile, pp, vpp, SPLITS[0]), "chunk_layers", None)):
+            continue  # no layer split, or (searching) the same split under another name
         layout = layout.compressed()
         floor = model_state_floor(profile, workload, cands, mm)
         possible = floor <= usable
@@ -279,20 +324,30 @@ def plan_parallel(
 ) -> PlannerResult:
     """Rank the fastest layouts that fit, or evaluate a fixed one (``fixed`` pins knobs, see ``parse_fixed``)."""
     eff = efficiency or Efficiency()
-    mm = memory_model or MemoryModel()
     pinned = parse_fixed(fixed)
+    pinned_network = {k: pinned.pop(k) for k in list(pinned) if k in NETWORK_KEYS}
+    network = {NETWORK_KEYS[k]: v for k, v in pinned_network.items()}
+    if network:
+        cluster = with_network(cluster, **network)
+    if calibration is not None:
+        eff = calibration.apply(eff, cluster)
+    mm = memory_model or MemoryModel(fused_kernels=eff.fused_kernels)
     product = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "dp", "cp"))
     if cluster.num_gpus % product or (all(k in pinned for k in ("tp", "pp", "dp", "cp")) and product != cluster.num_gpus):
         raise BadInput(f"--fixed: tp*pp*dp*cp = {product} does not lay out {cluster.num_gpus} GPUs")
     profile = profile_model(spec)
     scale = compute_scale(calibration, profile, cluster, workload, eff) if calibration else None
+    space_overlap = "tp_overlap" in pinned
     usable = mm.usable_bytes(cluster)
     rejected, notes = Counter(), []
-    spaces = (SearchSpace(), SearchSpace(offload=True), SearchSpace(cross_node=True, offload=True))
+    overlap = eff.runtime == "megatron" or space_overlap
+    spaces = (SearchSpace(tp_overlap=overlap), SearchSpace(offload=True, tp_overlap=overlap),
+              SearchSpace(cross_node=True, offload=True, tp_overlap=overlap))
     for space in spaces:
         groups, rejected_here = enumerate_candidates(profile, cluster, workload, pinned, space)
         rejected += rejected_here
-        scored = score(profile, cluster, workload, groups, eff, mm, scale, prune=not pinned)
+        scored = score(profile, cluster, workload, groups, eff, mm, scale, prune=not pinned,
+                       dedupe="split" not in pinned)
         c = scored.candidates
         allowed = (c.ep * c.tp <= cluster.gpus_per_node) | space.cross_node | ("ep" in pinned)
         if ((scored.memory_total <= usable) & allowed).any():
@@ -306,7 +361,8 @@ def plan_parallel(
                 f"no layout fits in {usable / GIB:.1f} GiB per {cluster.gpu.name}: parameters, gradients and "
                 f"optimizer states alone need at least {scored.smallest_pruned / GIB:.1f} GiB; use more GPUs"
             )
-        raise BadInput(_no_layout_message(cluster, workload, rejected, pinned))
+        raise BadInput(_no_layout_message(cluster, workload, rejected, pinned, _blocking_knobs(
+            profile, cluster, workload, pinned, spaces[-1])))
     fits_anywhere = scored.memory_total <= usable
     fits = fits_anywhere & allowed
     if not fits.any() and not pinned:
@@ -335,7 +391,7 @@ def plan_parallel(
         binding_constraint=binding,
         searched=len(scored.candidates),
         feasible=int(fits.sum()),
-        fixed={k: _knob_name(k, v) for k, v in pinned.items()} or None,
+        fixed={**{k: _knob_name(k, v) for k, v in pinned.items()}, **pinned_network} or None,
         cluster=cluster.to_dict(),
         workload=workload.to_dict(),
         efficiency=eff.to_dict(),
@@ -372,10 +428,28 @@ def _binding(
     return "none: the fastest layout in the space fits"
 
 
-def _no_layout_message(cluster: Cluster, workload: Workload, rejected: Counter, pinned: dict) -> str:
-    reasons = "; ".join(f"{r} ({c})" for r, c in rejected.most_common(3)) or "the fixed knobs admit no layout"
+def _blocking_knobs(profile, cluster: Cluster, workload: Workload, pinned: dict, space: SearchSpace) -> list[str]:
+    """The pinned knobs that, each released alone, let some layout exist: the ones that make it impossible."""
+    blocking = []
+    for key in pinned:
+        rest = {k: v for k, v in pinned.items() if k != key}
+        groups, _ = enumerate_candidates(profile, cluster, workload, rest, space)
+        if any(stage_layout(profile, pp, vpp, SPLITS[split]) is not None for (pp, vpp, split) in groups):
+            blocking.append(f"{key}={_knob_name(key, pinned[key])}")
+    return blocking
+
+
+def _no_layout_message(cluster: Cluster, workload: Workload, rejected: Counter, pinned: dict,
+                       blocking: list[str] | None = None) -> str:
+    if pinned:  # what the open enumeration skipped for knobs nobody pinned is noise here
+        about_pinned = Counter({r: c for r, c in rejected.items() if any(k in r for k in pinned)})
+        rejected = about_pinned or rejected
+    reasons = "; ".join(f"{r} ({c})" for r, c in rejected.most_common(3))
+    if pinned and blocking:
+        reasons = (reasons + "; " if reasons else "") + f"releasing {' or '.join(blocking)} would admit one"
     what = f"the fixed layout {_short(pinned)}" if pinned else f"{cluster.num_gpus} x {cluster.gpu.name}"
-    return f"no valid layout for {what} with global batch {workload.global_batch}: {reasons}"
+    return f"no valid layout for {what} with global batch {workload.global_batch}: " + (
+        reasons or "the fixed knobs admit no layout")
 
 
 def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Workload, eff, mm, scale,
@@ -391,7 +465,7 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
         tp=row["tp"], pp=row["pp"], cp=row["cp"], ep=row["ep"], zero=row["zero"],
         dp_replicate=row["dp"] if row["zero"] == 0 else row["replicate"],
         dp_shard=1 if row["zero"] == 0 else row["dp"] // row["replicate"],
-        sequence_parallel=row["tp"] > 1, recompute=RECOMPUTE[row["recompute"]], micro_batch=row["mbs"],
+        sequence_parallel=row["tp"] > 1 and bool(row["sp"]), recompute=RECOMPUTE[row["recompute"]], micro_batch=row["mbs"],
         grad_accum=m, pp_schedule=SCHEDULES[row["schedule"]], vpp=row["vpp"],
         stage_layers=list(layout.chunk_layers) if row["pp"] > 1 else [], offload_optimizer=bool(row["offload"]),
         vocab_parallel=row["tp"] > 1, seq_len=workload.seq_len, global_batch=workload.global_batch,
@@ -411,7 +485,10 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
         memory_per_stage_gib=[round(float(x / GIB), 3) for x in memory["total"][0]],
         usable_memory_gib=mm.usable_bytes(cluster) / GIB,
         step_time_s=step,
-        time_breakdown={k: float(v[0]) for k, v in times.items() if k not in ("step", "hardware_flops_per_token")},
+        time_breakdown={k: float(v[0]) for k, v in times.items()
+                        if k not in ("step", "hardware_flops_per_token", "host_bound")},
+        host_bound=bool(times["host_bound"][0]),
+        knobs={k: _knob_name(k, row[k]) for k in ("sp", "tp_overlap", "grad_overlap")},
         tokens_per_s=tokens_per_s,
         tokens_per_s_per_gpu=tokens_per_s / cluster.num_gpus,
         mfu=model_flops * tokens_per_s / peak,
@@ -431,3 +508,15 @@ def launch_command(plan: ParallelPlan, cluster: Cluster, source: str) -> str:
     nodes = max(1, plan.world_size // cluster.gpus_per_node)
     launch = LaunchConfig(nnodes=nodes, rdzv_endpoint="HEAD_NODE:29500" if nodes > 1 else None)
     return render(torchrun_command(plan, launch, [source, "--plan", "plan.json"]))
+
+
+def replan_with_measurements(spec: ModelSpec, cluster: Cluster, workload: Workload, measurements: dict,
+                             fixed: dict | str | None = None, top_k: int = 5,
+                             efficiency: Efficiency | None = None) -> PlannerResult:
+    """The plan again once the throughput stage has measured this machine (``measurements`` in the
+    calibration JSON format, e.g. from ``calibration.calibration_from_measurements``): what ``adapt run``
+    shows beside the plan made before any measurement."""
+    from parallel_planner.calibration import calibration_from_dict
+
+    return plan_parallel(spec, cluster, workload, fixed=fixed, top_k=top_k, efficiency=efficiency,
+                         calibration=calibration_from_dict(measurements, "throughput stage"))

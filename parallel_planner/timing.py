@@ -1,78 +1,138 @@
-"""Step time of every candidate: compute, α–β communication, overlap and pipeline bubbles.
+"""Step time of every candidate: compute, host issue time, alpha-beta communication, overlap, bubbles.
 
-Compute: each GEMM costs ``max(FLOPs / (peak * ceiling * gemm), bytes / (HBM * memory_bw)) + launch``,
-so small or skinny GEMMs (TP shards, experts with few tokens) fall off the roofline; flash attention
-runs at its own fraction of peak; norms, activations and residuals are HBM-bound.  A calibration
-(measured per-block times) rescales the compute of the block types it covers.  Communication:
-TP all-gather/reduce-scatter (sequence parallel) and EP all-to-all sit on the critical path; CP's
-ring exchange hides behind attention; ZeRO's gradient reduction and parameter gathers hide behind the
+Every term is physical and nothing is fitted to a source; ``docs/planner-model.md`` states each term and
+where its number comes from.  Compute: each GEMM costs ``max(FLOPs / (peak * ceiling * wave),
+bytes / (HBM * memory_bw)) + launch`` (the catalogue's sustained GEMM ceiling, the idle SMs of a partial
+last wave, or HBM-bound when skinny); attention runs at its kernel's published fraction of peak (or,
+unfused, the whole square plus score traffic); norms, activations and residuals are HBM-bound, more so
+as eager modules.  Host: every operator a micro-batch issues costs the CPU a measured dispatch time
+(eager, DTensor, compiled); the slower of host and GPU sets the pace, and a layout whose host time
+exceeds its GPU time is host-bound.  Communication: TP collectives (SP or not, overlapped with GEMMs
+or not) and EP all-to-all sit on the critical path; CP's ring exchange hides behind attention; ZeRO's
+gradient reduction (overlapped with backward or after the flush) and parameter gathers hide behind the
 compute they can overlap with.  The pipeline runs ``m`` micro-batches at the slowest stage's pace plus
-the fill/drain bubble of the remaining stages, divided by the virtual stages.
+the fill/drain bubble of the remaining stages, divided by the virtual stages.  A calibration replaces
+the GEMM ceiling and dispatch costs with measurements and scales compute to measured steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
 from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives, LinkModel
-from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout, row_max
+from parallel_planner.dispatch import DispatchCosts
+from parallel_planner.layout import (
+    RECOMPUTE,
+    SCHEDULES,
+    Candidates,
+    StageLayout,
+    row_max,
+)
 from parallel_planner.memory import ACT_BYTES, micro_batches, stage_params
-from parallel_planner.profile import BlockProfile, ModelProfile
+from parallel_planner.profile import KERNEL_SHARE, BlockProfile, ModelProfile
 from parallel_planner.workload import Workload
 
 FULL = RECOMPUTE.index("full")
 SELECTIVE = RECOMPUTE.index("selective")
 ZERO_BUBBLE = SCHEDULES.index("zero_bubble")
+HEAD_OPS = 40  # embedding lookup, final norm, head GEMM and cross-entropy, forward and backward
+
+
+# Streaming multiprocessors (CUs on MI300X): a GEMM's output tiles run in waves of this many (datasheets).
+SM_COUNT = {"a100": 108, "h100": 132, "h800": 132, "h200": 132, "b200": 148, "mi300x": 304}
+GEMM_TILE = (128, 256)  # output tile of the vendor BLAS's large bf16 kernels (cuBLAS/CUTLASS Hopper default)
+# Fraction of dense bf16 peak that flash attention sustains over forward + backward (causal, head dim 128),
+# from the kernels' papers: FlashAttention-2 (Dao 2023, Fig. 4-7: ~170-190 TFLOP/s on A100; ~330-350 on
+# H100 per the FlashAttention-3 paper, Shah et al. 2024, Fig. 5-6) and FlashAttention-3 / cuDNN (~550-600 on H100).
+ATTENTION_FRACTION = {
+    "flash2": {"a100": 0.58, "h100": 0.34, "h800": 0.34, "h200": 0.34, "b200": 0.30, "mi300x": 0.30},
+    "flash3": {"a100": 0.58, "h100": 0.57, "h800": 0.57, "h200": 0.57, "b200": 0.50, "mi300x": 0.35},
+}
+ATTENTION_KERNELS = ("flash2", "flash3", "unfused")
+RUNTIMES = ("torch", "megatron")
 
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The time model's free parameters.
+    """Physical constants of the time model and the software the run uses; nothing here is fitted.
 
-    ``gemm``, ``attention`` and ``network`` were fitted once, jointly, to every row of
-    ``data/published_runs.csv`` (``python -m parallel_planner.published --fit``, least squares on the
-    log of per-GPU throughput); the rest are fixed from common measurements.  See
-    ``benchmarks/results/planner-published.md`` for the fit and its leave-one-source-out error.
+    Every constant's source is in ``docs/planner-model.md``.  The software fields say how the run
+    executes: ``runtime`` "torch" (DTensor tensor parallelism, ``torch.distributed.pipelining``, as adapt
+    and torchtitan run) or "megatron" (hand-written TP collectives, asynchronous pipeline P2P);
+    ``attention`` the attention kernel; ``fused_kernels`` whether norms, GLUs and rotary run fused
+    (adapt's operators, Transformer Engine, Megatron's fused kernels) or as transformers' eager modules;
+    ``compiled`` whether a compiled graph issues the kernels.
     """
 
-    gemm: float = 0.712  # fraction of the catalogue's large-GEMM ceiling a training framework sustains
-    attention: float = 0.55  # flash-attention forward FLOP rate as a fraction of dense bf16 peak
-    network: float = 0.783  # achieved fraction of link bandwidth (NCCL bus bandwidth / datasheet)
-    memory_bw: float = 0.8  # achieved fraction of HBM bandwidth by elementwise kernels
-    kernel_overhead_s: float = 4e-6  # launch and tail cost per kernel
-    alpha_intra_s: float = 5e-6  # collective latency per step on the scale-up link
+    network: float = 0.8  # NCCL bus bandwidth / datasheet link bandwidth (nccl-tests on DGX A100/H100)
+    memory_bw: float = 0.8  # achieved HBM fraction of elementwise kernels (anchors: fused RMSNorm 63-91 % of copy)
+    kernel_overhead_s: float = 4e-6  # launch gap and tail per kernel on the GPU
+    alpha_intra_s: float = 5e-6  # NCCL latency per algorithm step on NVLink
     alpha_inter_s: float = 15e-6  # ... across the network
-    overlap: float = 0.8  # compute rate kept while a collective runs beside it
-    overlap_grad_reduce: bool = True  # gradient reduction runs during the last backward (FSDP2/DDP buckets)
-    cpu_adam_params_per_s: float = 5e8  # offloaded optimizer: host Adam throughput per GPU
-    zero_bubble_fraction: float = 1 / 3  # ZB-H1 bubble relative to 1F1B's (weight-gradient work fills the rest)
+    overlap: float = 0.8  # compute rate kept while a collective runs beside it (NCCL's SMs taken from the GEMMs)
+    cpu_adam_params_per_s: float = 5e8  # offloaded optimizer: host Adam throughput per GPU (DeepSpeed CPU-Adam)
+    zero_bubble_fraction: float = 1 / 3  # ZB-H1 bubble relative to 1F1B's (Qi et al. 2024)
+    runtime: str = "torch"
+    attention: str = "flash2"
+    fused_kernels: bool = True
+    compiled: bool = False
+    host: DispatchCosts = field(default_factory=DispatchCosts)
+    gemm_scale: float = 1.0  # a calibration's measured / modelled GEMM rate on the target machine (1: none)
 
     def link_model(self) -> LinkModel:
         return LinkModel(self.alpha_intra_s, self.alpha_inter_s, self.network)
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def wave_efficiency(m, n, gpu: str):
+    """Useful fraction of the last wave of output tiles: ``tiles / (waves * SMs)``."""
+    sms = SM_COUNT.get(gpu, 132)
+    tiles = np.ceil(np.maximum(m, 1) / GEMM_TILE[0]) * np.ceil(np.maximum(n, 1) / GEMM_TILE[1])
+    return tiles / (np.ceil(tiles / sms) * sms)
+
+
 def gemm_seconds(m, k, n, cluster: Cluster, peak: float, eff: Efficiency, count=1.0):
-    """``count`` GEMMs of ``(m x k) @ (k x n)`` issued as one grouped kernel."""
+    """``count`` GEMMs of ``(m x k) @ (k x n)`` issued as one grouped kernel: the large-GEMM ceiling the
+    catalogue measured, less the idle SMs of a partial last wave, or HBM-bound when skinny."""
     flops = 2.0 * m * k * n
     moved = ACT_BYTES * (m * k + k * n + m * n)
-    rate = peak * cluster.gpu.gemm_ceiling * eff.gemm
+    rate = peak * cluster.gpu.gemm_ceiling * eff.gemm_scale * wave_efficiency(m * count, n, cluster.gpu.name)
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
     return count * np.maximum(flops / rate, moved / hbm) + eff.kernel_overhead_s
 
 
+def attention_seconds(block: BlockProfile, tokens, tp, context: float, seq_len: int, cluster: Cluster, eff: Efficiency):
+    """Forward seconds of the attention kernel for ``tokens`` local tokens.
+
+    Flash kernels run at their published fraction of peak on the causal FLOPs.  Unfused attention
+    (Megatron-LM 2021: batched GEMMs and a fused softmax) multiplies the whole square at the GEMM rate and
+    streams the fp16 scores through HBM: written, read and written by the softmax, read by the second GEMM.
+    """
+    bf16_peak = cluster.gpu.peak_flops("bf16")
+    flops = tokens * context * block.attention_flops_per_ctx / tp
+    if eff.attention != "unfused":
+        fraction = ATTENTION_FRACTION[eff.attention].get(cluster.gpu.name, 0.3)
+        return flops / (bf16_peak * fraction)
+    square = tokens * seq_len * block.attention_flops_per_ctx / tp
+    scores = 4 * ACT_BYTES * tokens * seq_len * block.num_heads / tp
+    return square / (bf16_peak * cluster.gpu.gemm_ceiling * eff.gemm_scale) + scores / (
+        cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+
+
 def block_forward_seconds(
     block: BlockProfile, tokens, tp, ep, context: float, cluster: Cluster, precision: str, eff: Efficiency,
-    moe_imbalance: float = 1.0,
+    moe_imbalance: float = 1.0, sp=None, seq_len: int | None = None,
 ):
     """(GEMM, attention, elementwise) forward seconds of one block for ``tokens`` local tokens; the experts
     run at the pace of the busiest EP rank (``moe_imbalance`` times the mean routed tokens; one rank holding
-    every expert has no imbalance to suffer)."""
+    every expert has no imbalance to suffer).  Without sequence parallelism every TP rank runs the norms
+    and residuals on the whole activation."""
     peak = cluster.gpu.peak_flops(precision)
     gemm = 0.0
     for g in block.gemms:
@@ -84,11 +144,25 @@ def block_forward_seconds(
         else:
             gemm = gemm + gemm_seconds(tokens, g.in_features, g.out_features / shard, cluster, peak, eff)
     gemm = gemm * block.flops_scale
-    bf16_peak = cluster.gpu.peak_flops("bf16")
-    attention = tokens * context * block.attention_flops_per_ctx / tp / (bf16_peak * eff.attention)
+    attention = attention_seconds(block, tokens, tp, context, seq_len or 2 * context, cluster, eff)
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
-    elementwise = ACT_BYTES * tokens * block.elementwise_width / tp / hbm + 8 * eff.kernel_overhead_s
+    sharded = np.ones_like(tp, dtype=np.float64) if sp is None else np.where(sp > 0, 1.0, 0.0)
+    norm_share = 12 * block.hidden  # norms and residuals: split over TP only with sequence parallelism
+    width = (block.elementwise_width - norm_share) / tp + norm_share * (sharded / tp + (1 - sharded))
+    if not eff.fused_kernels:
+        width = width + block.eager_elementwise_width / tp
+    # every non-GEMM kernel pays its launch gap and tail; a third of a block's kernels run in the forward
+    kernels = KERNEL_SHARE * (block.host_ops_fused if eff.fused_kernels else block.host_ops) / 3
+    elementwise = ACT_BYTES * tokens * width / hbm + kernels * eff.kernel_overhead_s
     return gemm, attention, elementwise
+
+
+def host_seconds_per_op(c: Candidates, eff: Efficiency) -> np.ndarray:
+    """CPU seconds to issue one operator: compiled graphs, DTensor under torch's tensor parallelism, eager."""
+    if eff.compiled:
+        return np.full(len(c), eff.host.compiled_s)
+    dtensor = (c.tp > 1) & (eff.runtime == "torch")
+    return np.where(dtensor, eff.host.dtensor_s, eff.host.eager_s)
 
 
 def step_time(
@@ -111,17 +185,24 @@ def step_time(
     fwd = np.zeros((len(c), n_types))
     bwd = np.zeros_like(fwd)
     exposed_comm = np.zeros_like(fwd)
+    host_ops = np.zeros(n_types)
     for j, block in enumerate(profile.blocks):
         ctx = profile.attention_context(block, workload.seq_len)
         gemm, attention, elementwise = block_forward_seconds(
-            block, tokens, tp, ep, ctx, cluster, workload.precision, eff, workload.moe_imbalance
+            block, tokens, tp, ep, ctx, cluster, workload.precision, eff, workload.moe_imbalance, c.sp,
+            workload.seq_len,
         )
         f = scale[j] * (gemm + attention + elementwise)
         b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise)
         recompute = np.where(full, f, np.where(c.recompute == SELECTIVE, scale[j] * elementwise, 0.0))
         activation = ACT_BYTES * tokens * h
         tp_pairs = int(block.has_attention) + int(block.has_mlp)
-        tp_fwd = tp_pairs * 2 * comm.all_gather(activation, tp, np.ones_like(tp))
+        # SP: all-gather before and reduce-scatter after each pair; without SP one all-reduce (the same bytes).
+        tp_comm = tp_pairs * 2 * comm.all_gather(activation, tp, np.ones_like(tp))
+        # --tp-comm-overlap pipelines each collective with the GEMM beside it: only what the GEMMs cannot
+        # cover stays exposed, and the GEMMs lose the SMs the collective takes.
+        tp_fwd = np.where(c.tp_overlap > 0, np.maximum(0.0, tp_comm - eff.overlap * scale[j] * gemm)
+                          + (1 - eff.overlap) * np.minimum(tp_comm, scale[j] * gemm), tp_comm)
         ep_fwd = 0.0
         if block.is_moe:
             ep_fwd = 2 * comm.all_to_all(activation * block.top_k * workload.moe_imbalance / tp, ep, tp)
@@ -132,6 +213,8 @@ def step_time(
         exposed_comm[:, j] = tp_fwd + ep_fwd + cp_fwd
         if workload.training:
             bwd[:, j] = b + recompute + (tp_fwd + ep_fwd) * (1 + full) + cp_bwd + cp_fwd * full
+        ops = block.host_ops_fused if eff.fused_kernels else block.host_ops
+        host_ops[j] = ops if workload.training else ops / 3
     counts = layout.type_counts.T  # (T, pp)
     head_fwd = gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops(workload.precision), eff)
     head_fwd = head_fwd + 3 * 4 * tokens * profile.vocab / tp / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
@@ -141,7 +224,14 @@ def step_time(
     pp = c.pp
     passes = 2 if workload.training else 1
     p2p = passes * c.vpp * comm.send_recv(ACT_BYTES * tokens * h / tp, pp, c.dp * c.cp * tp)
-    stage = stage_fwd + stage_bwd + p2p[:, None]
+    gpu_stage = stage_fwd + stage_bwd + p2p[:, None]
+    # Host: every operator of a micro-batch is issued by the CPU; the embedding, head and loss add ~40.
+    stage_ops = host_ops @ counts + HEAD_OPS * (layout.has_head + layout.has_embedding)[None, :] / 2
+    host_stage = host_seconds_per_op(c, eff)[:, None] * stage_ops * (1 + full[:, None] / 3)
+    # Asynchronous launch hides the host behind the GPU (the slower sets the pace).  torch.distributed.pipelining
+    # waits on each micro-batch's P2P before issuing the next, so a pipelined torch run pays both in series.
+    serial = (c.pp > 1)[:, None] & (eff.runtime == "torch")
+    stage = np.where(serial, gpu_stage + host_stage, np.maximum(gpu_stage, host_stage))
     m = micro_batches(workload, c).astype(np.float64)
     slowest = row_max(stage)
     bubble = (stage @ layout.multiplicity - slowest) / c.vpp
@@ -153,6 +243,9 @@ def step_time(
         "bubble": bubble,
         "compute_per_microbatch": row_max(fwd @ counts) + (row_max(bwd @ counts) if workload.training else 0),
         "exposed_comm_per_microbatch": row_max(exposed_comm @ counts) + p2p,
+        "gpu_per_microbatch": row_max(gpu_stage),
+        "host_per_microbatch": row_max(host_stage),
+        "host_bound": (row_max(host_stage - gpu_stage) > 0).astype(np.float64),
     }
     if workload.training:
         dp_exposed, optimizer = _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, stage_bwd, m)
@@ -195,7 +288,7 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     grads_rs = within(4) + across(4, shard, expert_shard)
     params_ag = gather(2)
     zero = c.zero[:, None]
-    hide_bwd = eff.overlap * stage_bwd * eff.overlap_grad_reduce
+    hide_bwd = eff.overlap * stage_bwd * (c.grad_overlap[:, None] > 0)
     hide_fwd = eff.overlap * stage_fwd
     step_grad = np.where(zero == 0, 2 * grads_rs, np.where(zero == 1, grads_rs, 0.0))
     step_param = np.where((zero == 1) | (zero == 2), params_ag, 0.0)
@@ -203,17 +296,36 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     # ZeRO-3 with offload keeps the weights on the host: every forward and backward copies them over PCIe.
     host_copies = 2 * 2 * (dense_gpu / shard + expert_gpu / expert_shard) / (cluster.gpu.pcie_gbps * 1e9)
     per_mb = per_mb + np.where((zero == 3) & (c.offload[:, None] > 0), host_copies, 0.0)
+    # What compute cannot cover stays exposed; what it covers still slows it by the SMs NCCL takes.  The
+    # first gather of a pass and the last reduction (one block's and the root's share) have no compute
+    # left beside them.
+    edge = 1.0 / (layout.type_counts.sum(axis=1)[None, :] + 1)
     exposed = (
-        np.maximum(0.0, step_grad - hide_bwd)
-        + np.maximum(0.0, step_param - hide_fwd)
-        + m[:, None] * np.maximum(0.0, per_mb - eff.overlap * (stage_fwd + stage_bwd))
+        _exposed(step_grad, hide_bwd, eff, edge) + _exposed(step_param, hide_fwd, eff, edge)
+        + m[:, None] * _exposed(per_mb, eff.overlap * (stage_fwd + stage_bwd), eff, edge)
     )
+    if eff.runtime == "torch":
+        # FSDP2 copies each gathered parameter in (cast shard) and out (into the parameters), ~4 bytes per
+        # parameter per all-gather, and casts bf16 gradients into the fp32 reduce buffer, ~6 bytes per
+        # parameter per reduce-scatter: HBM work on the compute stream.
+        full = dense_gpu + expert_gpu
+        gathers = np.where(zero == 3, 2 * m[:, None], np.where(zero >= 1, 1.0, 0.0))
+        reductions = np.where(zero >= 2, m[:, None], np.where(zero == 1, 1.0, 0.0))
+        copies = (4 * gathers + 6 * reductions) * full / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+        exposed = exposed + np.where(shard > 1, copies, 0.0)
     local = dense_gpu / np.where(zero >= 1, shard, 1) + expert_gpu / np.where(zero >= 1, expert_shard, 1)
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
     update = local * (18 + 2 * workload.optimizer_state_bytes) / hbm
     offloaded = local * 6 / (cluster.gpu.pcie_gbps * 1e9) + local / eff.cpu_adam_params_per_s
     optimizer = np.where(c.offload[:, None] > 0, offloaded, update)
     return row_max(exposed), row_max(optimizer)
+
+
+def _exposed(comm: np.ndarray, hidden_by: np.ndarray, eff: Efficiency, edge=0.0) -> np.ndarray:
+    """Seconds a collective adds beside ``hidden_by`` seconds of overlappable compute; the ``edge`` share
+    of it runs where there is nothing to overlap with."""
+    hideable = comm * (1 - edge)
+    return np.maximum(0.0, hideable - hidden_by) + (1 - eff.overlap) * np.minimum(hideable, hidden_by) + comm * edge
 
 
 def _hardware_flops_per_token(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from pipeline_helpers import EXAMPLE, adapt_run, cli, load
 
-from adapt.errors import BadInput
-from adapt.pipeline.options import (
+from adapt.core.errors import BadInput
+from adapt.app.pipeline.options import (
     LOCAL_CLUSTER,
     DeviceDescription,
     RunOptions,
@@ -103,8 +103,8 @@ def test_cached_typed_results_are_read_back_not_recomputed(tmp_path):
 @pytest.fixture(scope="module")
 def planned():
     """The example's ModelSpec and its plan for the CPU's default cluster."""
-    from adapt.intake import build_spec, resolve_source
-    from adapt.pipeline.stages import plan_workload, target_cluster
+    from adapt.model.intake import build_spec, resolve_source
+    from adapt.app.pipeline.stages import plan_workload, target_cluster
     from parallel_planner.search import plan_parallel
 
     spec = build_spec(resolve_source(str(EXAMPLE)))
@@ -113,8 +113,8 @@ def planned():
 
 
 def test_stage_loaders_round_trip_their_results(planned):
-    from adapt.pipeline.stages import STAGES
-    from adapt.pipeline.store import to_jsonable
+    from adapt.app.pipeline.stages import STAGES
+    from adapt.app.pipeline.store import to_jsonable
 
     spec, result = planned
     for name, typed in (("intake", spec), ("plan", result)):
@@ -129,7 +129,7 @@ def test_stage_loaders_round_trip_their_results(planned):
 @pytest.mark.parametrize(("cluster", "judged"), [(LOCAL_CLUSTER, True), ("8xH100", False)])
 def test_environment_stage_judges_only_a_plan_for_this_machine(planned, tmp_path, cluster, judged):
     """The stage hands the plan's target to the validator: ``local`` is judged, a named remote cluster is not."""
-    from adapt.pipeline.stages import STAGES, StageContext, plan_workload
+    from adapt.app.pipeline.stages import STAGES, StageContext, plan_workload
     from parallel_planner.cluster import make_cluster
     from parallel_planner.search import plan_parallel
 

@@ -33,8 +33,17 @@ def register(sub) -> None:
     work.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, lion or adafactor (state size)")
     work.add_argument("--moe-imbalance", type=float, default=1.1,
                       help="routed tokens on the busiest expert-parallel rank over the mean (default 1.1)")
+    soft = parser.add_argument_group("software the run uses (the time model's assumptions)")
+    soft.add_argument("--runtime", choices=("torch", "megatron"), default="torch",
+                      help="torch: DTensor TP and torch.distributed.pipelining (adapt, torchtitan); megatron: "
+                           "hand-written TP collectives (can overlap them), asynchronous pipeline P2P")
+    soft.add_argument("--attention-kernel", choices=("flash2", "flash3", "unfused"), default="flash2")
+    soft.add_argument("--kernels", choices=("fused", "eager"), default="fused",
+                      help="norms, GLU and rotary as fused kernels (adapt's operators) or transformers' eager modules")
+    soft.add_argument("--compiled", action="store_true", help="a compiled graph issues the kernels (host cost per op)")
     parser.add_argument("--fixed", metavar="K=V,...", help="evaluate this layout, e.g. 'tp=8,pp=16,dp=64,zero=1,recompute=none'")
-    parser.add_argument("--calibration", metavar="FILE", help="measured per-block timings (see parallel_planner.calibration)")
+    parser.add_argument("--calibration", metavar="FILE", help="measurements of the target machine: GEMM rate, dispatch costs, measured steps, "
+                        "per-block timings (see parallel_planner.calibration)")
     parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument("--no-cache", action="store_true", help="rebuild the model spec instead of reusing a cached one")
@@ -122,7 +131,12 @@ def run(args: argparse.Namespace) -> int:
     from parallel_planner.search import plan_parallel
 
     spec = spec_loader.result()
-    result = plan_parallel(spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration)
+    from parallel_planner.timing import Efficiency
+
+    software = Efficiency(runtime=args.runtime, attention=args.attention_kernel, fused_kernels=args.kernels == "fused",
+                          compiled=args.compiled)
+    result = plan_parallel(spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration,
+                           efficiency=software)
     if args.fixed and not result.best.fits:
         best = result.best
         raise BadInput(
@@ -190,6 +204,9 @@ def _print(result, spec: ModelSpec) -> None:
     console.print("memory of the best plan (GiB, fullest stage): " + ", ".join(
         f"{k} {v:.2f}" for k, v in best.memory_breakdown.items()) + f" of {best.usable_memory_gib:.1f} usable")
     console.print("step time parts (s): " + ", ".join(f"{k} {v:.4f}" for k, v in best.time_breakdown.items()))
+    if best.host_bound:
+        console.print("host-bound: the CPU takes longer to issue each micro-batch than the GPU takes to run it "
+                      f"({best.time_breakdown['host_per_microbatch']:.4f} s vs {best.time_breakdown['gpu_per_microbatch']:.4f} s)")
     console.print(f"binding constraint: {result.binding_constraint}")
     for note in result.notes:
         console.print(f"note: {note}")

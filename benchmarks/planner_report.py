@@ -1,0 +1,275 @@
+"""Planner fidelity on CPU: predicted against published runs and against adapt's own H200 measurements.
+
+    python benchmarks/planner_report.py --out benchmarks/results [--cold-runs 3] [--skip-speed]
+
+Writes ``planner-published.{md,json}``: every published row (``parallel_planner/data/published_runs.csv``)
+planned with its layout and stated knobs pinned, the error per row and per source with its sign, in-sample
+and leave-one-source-out (identical: nothing in the time model is fitted), the range the unstated knobs
+span, the searched plan, and how long a cold ``adapt plan`` of DeepSeek-V3 on 2048 H800 takes here.
+
+Writes ``planner-measured.{md,json}``: the Llama-3.2-1B-shape runs of ``distributed-h200x2.json``
+(adapt's eager trainer on H200) predicted before calibration, and after a calibration made from the
+1-GPU run alone (its measured tokens/s, and the GEMM rate the environment stage measured in
+``validation-h200.json``), so every 2-GPU figure after calibration is still a prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from parallel_planner.calibration import calibration_from_measurements  # noqa: E402
+from parallel_planner.cluster import make_cluster  # noqa: E402
+from parallel_planner.published import (  # noqa: E402
+    error_summary,
+    evaluate,
+    knob_range,
+    load_published_runs,
+    planning_speed,
+)
+from parallel_planner.search import plan_parallel, replan_with_measurements  # noqa: E402
+from parallel_planner.timing import Efficiency  # noqa: E402
+from parallel_planner.workload import Workload  # noqa: E402
+
+LLAMA_1B = {
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+}  # fmt: skip
+# How distributed.py ran each case: ParallelPlan defaults (ZeRO-3, no recompute), micro-batch = local batch /
+# grad_accum, transformers' eager modules (no kernel plan), DTensor TP with SP, torch.distributed.pipelining.
+MEASURED_LAYOUTS = {
+    "tput_1gpu": dict(tp=1, pp=1, dp=1, cp=1, mbs=4),
+    "tput_fsdp": dict(tp=1, pp=1, dp=2, cp=1, mbs=4),
+    "tput_tp_sp": dict(tp=2, pp=1, dp=1, cp=1, mbs=4, sp=1),
+    "tput_pp_1f1b": dict(tp=1, pp=2, dp=1, cp=1, mbs=1, schedule="1f1b", vpp=1),
+    "tput_cp": dict(tp=1, pp=1, dp=1, cp=2, mbs=4),
+}
+COMMON = dict(zero=3, recompute="none", split="balanced", grad_overlap=1, tp_overlap=0)
+CALIBRATE_FROM = "tput_1gpu"
+
+
+def signed(rows: list[dict[str, Any]]) -> dict[str, float]:
+    errors = [r["error"] for r in rows]
+    return {**error_summary(rows), "mean_signed_error": sum(errors) / len(errors)}
+
+
+def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
+    runs = load_published_runs()
+    rows = evaluate(runs)
+    for run, row in zip(runs, rows):
+        span = knob_range(run)
+        row["citation"] = run.citation
+        row["software"] = {"framework": run.framework, "attention": run.attention, "flop_convention": run.flop_convention}
+        if span:
+            published = row["published_tokens_per_s_per_gpu"]
+            row["unstated_knob_range"] = [span[0] / published - 1, span[1] / published - 1]
+    sources = sorted({r.source for r in runs})
+    per_source = {s: signed([r for r in rows if r["source"] == s]) for s in sources}
+    # Leave-one-source-out: the model is fitted to nothing, so holding a source out changes no parameter and
+    # its prediction is the in-sample one.  Computed anyway, from a model built without reading that source.
+    loso = {s: signed([r for r in evaluate([x for x in runs if x.source == s], search=False)]) for s in sources}
+    summary: dict[str, Any] = {"all": signed(rows), "per_source": per_source, "leave_one_source_out": loso,
+                               "efficiency": Efficiency().to_dict()}
+    summary["deepseek_v3"] = deepseek_v3_check()
+    if not skip_speed:
+        summary["speed"] = planning_speed(cold_runs, cases=1)
+    return {"summary": summary, "rows": rows}
+
+
+def deepseek_v3_check() -> dict[str, Any]:
+    """DeepSeek-V3's published layout against its reported cost: 180K H800 GPU-hours per trillion tokens
+    (arXiv 2412.19437, sec. 1), i.e. 3.7 days per trillion tokens on 2048 H800.  Kept outside the CSV: its
+    spec comes from the HF config (MoE, MLA) and its DualPipe schedule overlaps the EP all-to-all with
+    compute, which no knob here models."""
+    from transformers import DeepseekV3Config
+
+    from adapt.model.intake import inspect
+
+    published = 1e12 / (180e3 * 3600)
+    with tempfile.TemporaryDirectory() as tmp:
+        DeepseekV3Config().save_pretrained(tmp)
+        spec = inspect(tmp, config_only=True, seq_len=4096)
+    layout = dict(tp=1, pp=16, dp=128, cp=1, ep=64, zero=1, recompute="selective", schedule="1f1b")
+    best = plan_parallel(spec, make_cluster("h800", 2048), Workload(4096, 15360, precision="fp8"), fixed=layout, top_k=1,
+                         efficiency=Efficiency(runtime="megatron", attention="flash3")).best
+    return {"layout": layout, "published_tokens_per_s_per_gpu": published,
+            "predicted_tokens_per_s_per_gpu": best.tokens_per_s_per_gpu,
+            "error": best.tokens_per_s_per_gpu / published - 1, "fits": best.fits,
+            "memory_gib_per_gpu": best.memory_gib_per_gpu}
+
+
+def _llama_spec():
+    from transformers import AutoConfig
+
+    from adapt.model.intake import inspect
+
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoConfig.for_model("llama", **LLAMA_1B).save_pretrained(tmp)
+        return inspect(tmp, config_only=True)
+
+
+def measured_report() -> dict[str, Any]:
+    measured = json.loads((REPO / "benchmarks/results/distributed-h200x2.json").read_text())["throughput"]
+    environment = json.loads((REPO / "benchmarks/results/validation-h200.json").read_text())["environment"]
+    spec = _llama_spec()
+    eager = Efficiency(fused_kernels=False)
+    anchor = measured[CALIBRATE_FROM]
+    calibration = calibration_from_measurements(
+        "NVIDIA H200", environment["matmul_tflops"], 989.0, None,
+        [{"gpus": anchor["gpus"], "layout": dict(MEASURED_LAYOUTS[CALIBRATE_FROM], **COMMON), "seq_len": 2048,
+          "global_batch": anchor["plan"]["global_batch"], "tokens_per_s": anchor["tokens_per_s"],
+          "peak_memory_gib": anchor["peak_memory_gib"]}])
+    host = REPO / "benchmarks/results/planner-h200-calibration.json"
+    if host.is_file():  # the target host's own dispatch costs and GEMM rate, from planner_dispatch.py
+        measured_host = json.loads(host.read_text())
+        calibration.update({k: measured_host[k] for k in ("dispatch", "gemm_efficiency") if k in measured_host})
+    rows = []
+    for case, layout in MEASURED_LAYOUTS.items():
+        got = measured[case]
+        cluster, workload = make_cluster("h200", got["gpus"]), Workload(2048, got["plan"]["global_batch"])
+        fixed = dict(layout, **COMMON)
+        before = plan_parallel(spec, cluster, workload, fixed=fixed, top_k=1, efficiency=eager).best
+        after = replan_with_measurements(spec, cluster, workload, calibration, fixed=fixed, top_k=1,
+                                         efficiency=eager).best
+        rows.append({
+            "case": case, "gpus": got["gpus"], "layout": layout, "measured_tokens_per_s": got["tokens_per_s"],
+            "measured_peak_gib": got["peak_memory_gib"], "predicted_gib": before.memory_gib_per_gpu,
+            "before": before.tokens_per_s, "before_error": before.tokens_per_s / got["tokens_per_s"] - 1,
+            "after": after.tokens_per_s, "after_error": after.tokens_per_s / got["tokens_per_s"] - 1,
+            "host_bound_before": before.host_bound, "host_bound_after": after.host_bound,
+            "calibration_input": case == CALIBRATE_FROM,
+            "time_breakdown_before": before.time_breakdown,
+        })
+    return {"calibration": calibration, "rows": rows}
+
+
+def published_markdown(report: dict[str, Any]) -> str:
+    s = report["summary"]
+    lines = [
+        "# Planner: predicted vs published per-GPU throughput",
+        "",
+        "Generated by `python benchmarks/planner_report.py --out benchmarks/results` (CPU only). Each row is planned",
+        "with its published layout and the knobs its source states pinned (`--fixed`), under the source's software",
+        "(framework, attention kernel); unstated micro-batch and virtual stages are the planner's choice, and the",
+        "last columns show the error range those unstated knobs span. Error = predicted / published tokens/s per",
+        "GPU - 1 (positive: predicted too fast). One FLOP convention, adapt's model FLOPs (3x causal forward, no",
+        "recompute): Megatron-LM 2021's and BLOOM's TFLOP/s count full attention and the recomputed forward",
+        "(96Bslh^2(1+s/6h+V/16lh)) and are converted to tokens/s with that count; at a fixed model tokens/s is MFU.",
+        "",
+        "Nothing in the time model is fitted to these rows (docs/planner-model.md lists every constant's source),",
+        "so leave-one-source-out error equals in-sample error by construction; both columns are computed.",
+        "",
+        f"**All {s['all']['rows']} rows: mean |error| {s['all']['mean_abs_error']:.1%}, worst {s['all']['max_abs_error']:.1%}, "
+        f"mean signed {s['all']['mean_signed_error']:+.1%}.** Targets (mean <= 6 %, worst <= 12 %): "
+        + ("met." if s["all"]["mean_abs_error"] <= 0.06 and s["all"]["max_abs_error"] <= 0.12 else "not met."),
+        "",
+        "| source | rows | in-sample mean abs | worst | mean signed | leave-one-source-out mean abs | worst | mean signed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for source, e in s["per_source"].items():
+        o = s["leave_one_source_out"][source]
+        lines.append(f"| {source} | {e['rows']} | {e['mean_abs_error']:.1%} | {e['max_abs_error']:.1%} | "
+                     f"{e['mean_signed_error']:+.1%} | {o['mean_abs_error']:.1%} | {o['max_abs_error']:.1%} | "
+                     f"{o['mean_signed_error']:+.1%} |")
+    lines += ["", ("| run | source | layout and knobs | software | published tok/s/GPU | predicted | error | "
+                   "unstated-knob range | chosen mbs / vpp | fits | GiB/GPU | searched plan speed-up |"),
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["rows"]:
+        lay = r["layout"]
+        knobs = (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} z{lay['zero']} {lay['recompute']} "
+                 f"sp{lay['sp']} tpo{lay['tp_overlap']} go{lay['grad_overlap']}"
+                 + (f" {lay['split']}" if "split" in lay else ""))
+        span = r.get("unstated_knob_range")
+        lines.append(
+            f"| {r['run']} | {r['citation']} | {knobs} | {r['software']['framework']}, {r['software']['attention']} "
+            f"| {r['published_tokens_per_s_per_gpu']:.0f} | {r['predicted_tokens_per_s_per_gpu']:.0f} | {r['error']:+.1%} "
+            f"| {f'{span[0]:+.0%} .. {span[1]:+.0%}' if span else '-'} | {r['chosen']['micro_batch']} / {r['chosen']['vpp']} "
+            f"| {r['fits']} | {r['memory_gib_per_gpu']:.1f} | {r.get('searched_speedup', float('nan')):.2f}x |")
+    d = s["deepseek_v3"]
+    lines += ["", "## Outside the CSV: DeepSeek-V3 on 2048 H800", "",
+              f"Published: 180K H800 GPU-hours per trillion tokens (arXiv 2412.19437, sec. 1) = "
+              f"{d['published_tokens_per_s_per_gpu']:.0f} tokens/s/GPU. Its layout pinned (PP16, EP64, ZeRO-1, no TP, "
+              f"fp8, 1F1B for DualPipe, selective recompute): predicted {d['predicted_tokens_per_s_per_gpu']:.0f}, "
+              f"error {d['error']:+.0%}, {d['memory_gib_per_gpu']:.0f} GiB per GPU ({'fits' if d['fits'] else 'does not fit'}). "
+              "The model does not have DualPipe's overlap of the EP all-to-all with compute, nor its memory savings, "
+              "so this row is reported, not averaged into the errors above."]
+    if s.get("speed"):
+        case = s["speed"][0]
+        lines += ["", f"## Planning speed (2-core machine shared with other jobs; load average {case['load_average']})", "",
+                  (f"{case['case']}: `adapt plan --no-cache` end to end {case['cli_cold_s']:.2f} s median, "
+                   f"{case['cli_cold_min_s']:.2f} s least of {case['cold_runs']} cold runs; spec cached "
+                   f"{case['cli_cached_s']:.2f} s; search alone {case['plan_s']:.2f} s over {case['layouts_scored']:,} "
+                   "layouts.")]
+    return "\n".join(lines) + "\n"
+
+
+def measured_markdown(report: dict[str, Any]) -> str:
+    cal = report["calibration"]
+    lines = [
+        "# Planner: predicted vs measured on H200 (Llama-3.2-1B shape, seq 2048)",
+        "",
+        "Generated by `python benchmarks/planner_report.py --out benchmarks/results` from the measurements in",
+        "`distributed-h200x2.json` (adapt's trainer, transformers' eager modules, ZeRO-3 via FSDP2, DTensor TP+SP,",
+        "torch.distributed.pipelining 1F1B, torch ring-attention CP). Error = predicted / measured tokens/s - 1.",
+        "",
+        "Before calibration: the physical model with the build machine's host costs. After: a calibration made from the "
+        f"1-GPU run only (its tokens/s; gemm_efficiency {cal.get('gemm_efficiency', 0):.3f}; host dispatch costs "
+        + (f"measured on the GPU host {cal['dispatch']}" if cal.get("dispatch") else
+           "not yet measured on the GPU host, so the build machine's stand") + "); the 2-GPU rows after calibration "
+        "are predictions. Targets: within 15 % before, within 5 % after.",
+        "",
+        "| case | GPUs | measured tok/s | before | error | host-bound | after | error | measured / predicted GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['case']}{' (calibration input)' if r['calibration_input'] else ''} | {r['gpus']} "
+            f"| {r['measured_tokens_per_s']:,.0f} | {r['before']:,.0f} | {r['before_error']:+.1%} | {r['host_bound_before']} "
+            f"| {r['after']:,.0f} | {r['after_error']:+.1%} | {r['measured_peak_gib']:.1f} / {r['predicted_gib']:.1f} |")
+    worst_before = max(abs(r["before_error"]) for r in report["rows"])
+    worst_after = max(abs(r["after_error"]) for r in report["rows"])
+    lines += ["", f"Worst |error|: {worst_before:.1%} before, {worst_after:.1%} after calibration."]
+    missed = [r for r in report["rows"] if abs(r["after_error"]) > 0.05]
+    if missed:
+        lines += ["", "Beyond 5 % after calibration: " + ", ".join(
+            f"{r['case']} ({r['after_error']:+.0%}{', host-bound' if r['host_bound_after'] else ''})" for r in missed)
+            + ". A 1-GPU run calibrates compute only; host-bound layouts (DTensor TP) move with the GPU host's own "
+            "dispatch costs, which `benchmarks/planner_dispatch.py` measures in one command"
+            + ("" if cal.get("dispatch") else " (not yet run)")
+            + ". Context parallelism is slower than any modelled term explains (ring attention is hidden behind "
+            "attention in the model, and the run is not host-bound at the build machine's costs)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPO / "benchmarks/results"))
+    parser.add_argument("--cold-runs", type=int, default=3)
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--only", choices=("published", "measured"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.only != "measured":
+        published = published_report(args.cold_runs, args.skip_speed)
+        (out / "planner-published.json").write_text(json.dumps(published, indent=2, default=str))
+        (out / "planner-published.md").write_text(published_markdown(published))
+        print(json.dumps(published["summary"]["all"]), flush=True)
+    if args.only != "published":
+        measured = measured_report()
+        (out / "planner-measured.json").write_text(json.dumps(measured, indent=2, default=str))
+        (out / "planner-measured.md").write_text(measured_markdown(measured))
+        print(json.dumps([(r["case"], round(r["before_error"], 3), round(r["after_error"], 3)) for r in measured["rows"]]),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
