@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel_planner.distributed import checkpoint
+from parallel_planner.distributed.adapted import AdaptOptions
 from parallel_planner.distributed.mesh import (
     ParallelDims,
     build_parallel_dims,
@@ -48,9 +49,14 @@ class TrainingRun:
 
 
 def prepare(
-    model: nn.Module, plan: ParallelPlan, config: TrainConfig, spec: Any = None
+    model: nn.Module,
+    plan: ParallelPlan,
+    config: TrainConfig,
+    spec: Any = None,
+    adapt: AdaptOptions | None = None,
 ) -> TrainingRun:
-    """Parallelise an already-loaded model (same weights on every rank) and build its trainer."""
+    """Parallelise an already-loaded model (same weights on every rank) and build its trainer;
+    ``adapt`` applies the kernel plan and per-block compilation on each chunk."""
     set_determinism(config.seed, config.deterministic)
     dims = build_parallel_dims(plan)
     model = model.to(dims.device).train()
@@ -58,7 +64,12 @@ def prepare(
     micro_shape = (max(1, local_batch // plan.grad_accum), plan.seq_len)
     vocab = model.get_input_embeddings().num_embeddings
     pmodel = parallelize(
-        model, dims, micro_batch_shape=micro_shape, loss_fn=cross_entropy, spec=spec
+        model,
+        dims,
+        micro_batch_shape=micro_shape,
+        loss_fn=cross_entropy,
+        spec=spec,
+        adapt=adapt,
     )
     return TrainingRun(dims, pmodel, Trainer(pmodel, config, vocab), model.config)
 
