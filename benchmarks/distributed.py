@@ -6,10 +6,11 @@ Run on a machine with >= 2 CUDA GPUs, in one call (about 8 minutes on 2 x H200):
 
 The Llama-3.2-1B shape (shared/anchors.md), sequence 2048, bf16, global batch 8 sequences in every
 layout: one GPU, FSDP2, TP2+SP, CP2 and PP2 (interleaved 1F1B, 8 micro-batches) on two.  Each
-layout is the *adapted* model -- adapt's kernel plan (made on rank 0 by the operators stage's own
-functions, shared with every rank) and each block compiled with Inductor, applied per chunk after
-TP/SP, CP and FSDP wrapping (``parallel_planner.distributed.adapted``); async TP where torch has it.
-The realised plan is the planner's own choice for that layout (micro-batch size and count,
+layout is the *adapted* model -- adapt's kernel plan (made once on GPU 0 by the operators stage's
+own functions, the same for every rank) and each block compiled with Inductor, applied per chunk
+in torchtitan's order (``parallel_planner.distributed.adapted``); async TP where torch has it.
+``--layouts`` reruns a subset (the 1-GPU reference always runs); ``--no-async-tp``,
+``--kernel-regions opaque`` and ``--no-kernels`` isolate a failure.  The realised plan is the planner's own choice for that layout (micro-batch size and count,
 recompute, schedule), so measured and predicted tokens/s refer to the same plan.
 
 Every layout runs 12 steps in its own ``torchrun`` group through adapt's trainer, from the same
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,20 +62,27 @@ def write_config(fields: dict, directory: Path) -> Path:
     return directory
 
 
-def shared_kernel_plan(model, dtype: str):
-    """The operators stage's kernel plan, made on rank 0 (its choices may time kernels) and sent to all."""
-    import torch.distributed as dist
+def make_kernel_plan(source: Path, path: Path) -> float:
+    """The operators stage's kernel plan for the model, made once on GPU 0 and pickled for every worker;
+    returns the seconds it took."""
+    import pickle
+
+    import torch
 
     from operators import load_profile, plan_kernels, recognise
     from operators.inventory import trace_model
     from operators.registry import Target
+    from parallel_planner.distributed.runner import load_for_training
 
-    box = [None]
-    if dist.get_rank() == 0:
-        inventory = trace_model(model)
-        box[0] = plan_kernels(inventory, recognise(model, inventory), load_profile("cuda-hopper"), Target.here(dtype=dtype))
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    model = load_for_training(str(source)).to("cuda")
+    inventory = trace_model(model)
+    plan = plan_kernels(inventory, recognise(model, inventory), load_profile("cuda-hopper"), Target.here(dtype="bfloat16"))
+    path.write_bytes(pickle.dumps(plan))
+    del model, inventory
+    torch.cuda.empty_cache()
+    return time.perf_counter() - started
 
 
 def host_and_gpu_ms(prof, steps: int) -> tuple[float, float]:
@@ -88,6 +97,8 @@ def host_and_gpu_ms(prof, steps: int) -> tuple[float, float]:
 
 def worker(layout: str, plan_json: str, source: str, out: str, args: argparse.Namespace) -> None:
     """Inside torchrun: realise the plan on the adapted model, train, profile; rank 0 writes the figures."""
+    import pickle
+
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -105,9 +116,10 @@ def worker(layout: str, plan_json: str, source: str, out: str, args: argparse.Na
     plan = ParallelPlan(**json.loads(plan_json))
     started = time.perf_counter()
     model = load_for_training(source).to(device)
-    kernel_plan = shared_kernel_plan(model, "bfloat16" if plan.precision == "bf16" else "float32") if args.kernels else None
+    kernel_plan = pickle.loads(Path(args.kernel_plan).read_bytes()) if args.kernel_plan else None
     planned_s = time.perf_counter() - started
-    adapt = AdaptOptions(kernel_plan=kernel_plan, compile=args.backend, kernel_regions=args.kernel_regions)
+    adapt = AdaptOptions(kernel_plan=kernel_plan, compile=args.backend, kernel_regions=args.kernel_regions,
+                         async_tp=args.async_tp)  # fmt: skip
     run = prepare(model, plan, TrainConfig(steps=STEPS + 2, lr=3e-4, warmup_steps=2, seed=0), adapt=adapt)
     steps = [run.trainer.train_step().to_dict() for _ in range(STEPS)]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -150,14 +162,20 @@ def launch(layout: str, plan: dict, source: Path, scratch: Path, args: argparse.
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", __file__,
            "--worker", layout, "--plan", json.dumps(plan), "--source", str(source), "--result", str(out),
-           "--kernel-regions", args.kernel_regions, "--backend", args.backend] + ([] if args.kernels else ["--no-kernels"])  # fmt: skip
+           "--kernel-regions", args.kernel_regions, "--backend", args.backend]
+    cmd += ["--kernel-plan", str(scratch / "kernel_plan.pkl")] if args.kernels else []
+    cmd += [] if args.async_tp else ["--no-async-tp"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_VERBOSITY": "error"}
+    # Its own session: on timeout the whole group (torchrun and its workers) goes, freeing the GPUs.
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout,
-                              env={**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_VERBOSITY": "error"})  # fmt: skip
+        _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode or not out.exists():
-        return {"error": proc.stderr[-3000:] or f"exit {proc.returncode}"}
+        return {"error": stderr[-3000:] or f"exit {proc.returncode}"}
     return json.loads(out.read_text())
 
 
@@ -221,12 +239,14 @@ def main() -> int:
     parser.add_argument("--kernel-regions", default="auto", choices=("auto", "inline", "opaque"),
                         help="patched modules inside the compiled graph (inline) or outside it (opaque)")
     parser.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"), help="torch.compile backend per block")
+    parser.add_argument("--no-async-tp", dest="async_tp", action="store_false", help="TP without Inductor's micro-pipelining")
     parser.add_argument("--budget-s", type=float, default=530, help="total wall-clock budget; later layouts are skipped")
     parser.add_argument("--render", help="write the Markdown table for an existing result JSON and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--kernel-plan", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.render:
         Path(args.render).with_suffix(".md").write_text(markdown(json.loads(Path(args.render).read_text())))
@@ -241,10 +261,13 @@ def main() -> int:
         return 2
     start = time.perf_counter()
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "kernels": args.kernels,
-                    "backend": args.backend, "layouts": {}}  # fmt: skip
+                    "backend": args.backend, "async_tp": args.async_tp, "layouts": {}}  # fmt: skip
     chosen = ["1 GPU"] + [name for name in (args.layouts or LAYOUTS) if name != "1 GPU"]
     with tempfile.TemporaryDirectory() as tmp:
         source = write_config(LLAMA_1B, Path(tmp) / "llama_1b")
+        if args.kernels:
+            report["kernel_plan_s"] = make_kernel_plan(source, Path(tmp) / "kernel_plan.pkl")
+            print(f"kernel plan made in {report['kernel_plan_s']:.0f} s", flush=True)
         for layout in chosen:
             left = args.budget_s - (time.perf_counter() - start)
             if left < 60:
