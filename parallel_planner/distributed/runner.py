@@ -93,13 +93,15 @@ def run_training(
     export_dir: str | None = None,
     trust_remote_code: bool = False,
     on_step=None,
+    adapt: AdaptOptions | None = None,
 ) -> TrainResult:
-    """Train ``source`` under ``plan``; resume from ``ckpt_dir`` when it holds a checkpoint, save there at the end."""
+    """Train ``source`` under ``plan``; resume from ``ckpt_dir`` when it holds a checkpoint, save there at the end.
+    ``adapt`` trains the adapted model (kernel plan, compiled blocks)."""
     init_distributed()
     set_determinism(
         config.seed, config.deterministic
     )  # before loading: config-only models init randomly
-    run = prepare(load_for_training(source, trust_remote_code), plan, config)
+    run = prepare(load_for_training(source, trust_remote_code), plan, config, adapt=adapt)
     if ckpt_dir and (Path(ckpt_dir) / ".metadata").is_file():
         run.trainer.restore(
             checkpoint.load(ckpt_dir, run.pmodel, run.trainer.optimizers)
