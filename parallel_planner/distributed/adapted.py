@@ -91,8 +91,10 @@ class AdaptedReport:
 
 
 def _present(module: nn.Module, path: str | None) -> bool:
+    if path is None:
+        return False
     try:
-        return bool(path is not None) and isinstance(module.get_submodule(path), nn.Module)
+        return isinstance(module.get_submodule(path), nn.Module)
     except AttributeError:
         return False
 
@@ -227,8 +229,18 @@ def apply_kernels(chunk: nn.Module, plan: Any, options: AdaptOptions, device: to
 
 
 def compile_blocks(blocks: nn.Module, backend: str, report: AdaptedReport) -> None:
-    """Compile each block in place (after activation checkpointing, before FSDP), as torchtitan does."""
-    for block in blocks.children():
+    """Compile each block in place (after activation checkpointing, before FSDP), as torchtitan does.
+
+    Blocks share their code: a block whose guards differ (an integer attribute such as a layer
+    index) adds a cache entry, and past dynamo's recompile limit it would silently run eagerly, so
+    the limit is raised to cover every block.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    children = list(blocks.children())
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 2 * len(children)))
+    for block in children:
         block.compile(backend=backend, fullgraph=False)
         report.compiled_blocks += 1
     report.compile_backend = backend
