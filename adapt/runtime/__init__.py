@@ -7,6 +7,8 @@ Modules, in the order ``parallelize`` applies them:
 * ``pipeline``: stage split + ``torch.distributed.pipelining`` schedules (1F1B, interleaved, ...).
 * ``tensor_parallel``: ``parallelize_module`` plans (colwise/rowwise, SP, vocab-parallel, GQA).
 * ``expert_parallel``: experts sharded over ``ep``, all-to-all dispatch and combine.
+* ``adapted``: adapt's kernel plan on each chunk (kernels on local shards under TP), blocks compiled
+  in place, async TP where torch provides it.
 * ``activation_checkpoint``: full or selective recompute per block.
 * ``data_parallel``: FSDP2 ``fully_shard`` per block and root; ZeRO-1/2/3, bf16 mixed precision, offload.
 * ``context_parallel``: PyTorch's ring-attention context manager (CUDA only).

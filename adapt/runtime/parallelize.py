@@ -1,4 +1,5 @@
-"""Apply a ``ParallelPlan`` to a model, in torchtitan's order: PP split, then per chunk TP, EP, AC, FSDP."""
+"""Apply a ``ParallelPlan`` to a model, in torchtitan's order: PP split, then per chunk TP, EP, the
+kernel plan, AC, compile per block, FSDP."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from torch import nn
 from adapt.core.errors import BadInput
 from adapt.runtime.activation_checkpoint import (
     apply_activation_checkpointing,
+)
+from adapt.runtime.adapted import (
+    AdaptedReport,
+    AdaptOptions,
+    apply_kernels,
+    compile_blocks,
+    enable_async_tp,
+    local_row_modules,
 )
 from adapt.runtime.context_parallel import check_context_parallel
 from adapt.runtime.data_parallel import apply_fully_shard
@@ -54,6 +63,7 @@ class ParallelModel:
     stage_indices: tuple[int, ...] = (0,)
     experts: ExpertParallelState | None = None
     tied: TiedAcrossStages | None = None  # tied embedding/head split over pipeline stages
+    adapted: AdaptedReport = dataclasses.field(default_factory=AdaptedReport)
 
     @property
     def has_first_stage(self) -> bool:
@@ -111,9 +121,15 @@ def parallelize(
     micro_batch_shape: tuple[int, int],
     loss_fn=None,
     spec: Any = None,
+    adapt: AdaptOptions | None = None,
 ) -> ParallelModel:
-    """Realise ``dims.plan`` on ``model`` (already on ``dims.device``, identical on every rank)."""
+    """Realise ``dims.plan`` on ``model`` (already on ``dims.device``, identical on every rank).
+
+    ``adapt`` makes it the adapted model: the kernel plan and per-block compilation (``adapted``).
+    """
     plan = dims.plan
+    adapt = adapt or AdaptOptions()
+    report = AdaptedReport()
     if plan.precision == "fp8":
         raise BadInput(
             "fp8 training is not realised by the torch.distributed backend; use bf16 or fp32"
@@ -150,6 +166,8 @@ def parallelize(
         experts = ExpertParallelState(
             dims.ep_mesh, dims.expert_dp_mesh, dp_degree=plan.dp * plan.cp
         )
+    if plan.tp > 1:
+        report.async_tp = enable_async_tp(dims.mesh("tp"), dims.device, adapt, plan.sequence_parallel)
     for _, chunk in stage_modules:
         chunk_parts = parts_in(chunk, parts)
         if plan.tp > 1:
@@ -159,12 +177,17 @@ def parallelize(
                 dims.mesh("tp"),
                 sequence_parallel=plan.sequence_parallel,
                 vocab_parallel=plan.vocab_parallel,
+                local_rows=local_row_modules(adapt.kernel_plan, plan, bool(adapt.compile)),
             )
         ignored: set[nn.Parameter] = set()
         if experts is not None:
             ignored = set(apply_expert_parallel(chunk, chunk_parts, experts))
+        if adapt.kernel_plan is not None:
+            apply_kernels(chunk, plan, adapt, dims.device, report)
         blocks = chunk.get_submodule(parts.blocks_path)
         apply_activation_checkpointing(blocks, plan.recompute)
+        if adapt.compile:
+            compile_blocks(blocks, adapt.compile, report)
         if dims.dp_mesh is not None:
             apply_fully_shard(
                 chunk,
@@ -181,6 +204,7 @@ def parallelize(
         chunks=[m for _, m in stage_modules],
         stage_indices=tuple(s for s, _ in stage_modules),
         experts=experts,
+        adapted=report,
     )
     if plan.pp > 1:
         result.tied = tie_across_stages(result.chunks, result.stage_indices, parts, dims)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from adapt.runtime import checkpoint
+from adapt.runtime.adapted import AdaptOptions
 from adapt.runtime.mesh import (
     ParallelDims,
     build_parallel_dims,
@@ -48,9 +49,14 @@ class TrainingRun:
 
 
 def prepare(
-    model: nn.Module, plan: ParallelPlan, config: TrainConfig, spec: Any = None
+    model: nn.Module,
+    plan: ParallelPlan,
+    config: TrainConfig,
+    spec: Any = None,
+    adapt: AdaptOptions | None = None,
 ) -> TrainingRun:
-    """Parallelise an already-loaded model (same weights on every rank) and build its trainer."""
+    """Parallelise an already-loaded model (same weights on every rank) and build its trainer;
+    ``adapt`` applies the kernel plan and per-block compilation on each chunk."""
     set_determinism(config.seed, config.deterministic)
     dims = build_parallel_dims(plan)
     model = model.to(dims.device).train()
@@ -58,7 +64,12 @@ def prepare(
     micro_shape = (max(1, local_batch // plan.grad_accum), plan.seq_len)
     vocab = model.get_input_embeddings().num_embeddings
     pmodel = parallelize(
-        model, dims, micro_batch_shape=micro_shape, loss_fn=cross_entropy, spec=spec
+        model,
+        dims,
+        micro_batch_shape=micro_shape,
+        loss_fn=cross_entropy,
+        spec=spec,
+        adapt=adapt,
     )
     return TrainingRun(dims, pmodel, Trainer(pmodel, config, vocab), model.config)
 
@@ -82,13 +93,15 @@ def run_training(
     export_dir: str | None = None,
     trust_remote_code: bool = False,
     on_step=None,
+    adapt: AdaptOptions | None = None,
 ) -> TrainResult:
-    """Train ``source`` under ``plan``; resume from ``ckpt_dir`` when it holds a checkpoint, save there at the end."""
+    """Train ``source`` under ``plan``; resume from ``ckpt_dir`` when it holds a checkpoint, save there at the end.
+    ``adapt`` trains the adapted model (kernel plan, compiled blocks)."""
     init_distributed()
     set_determinism(
         config.seed, config.deterministic
     )  # before loading: config-only models init randomly
-    run = prepare(load_for_training(source, trust_remote_code), plan, config)
+    run = prepare(load_for_training(source, trust_remote_code), plan, config, adapt=adapt)
     if ckpt_dir and (Path(ckpt_dir) / ".metadata").is_file():
         run.trainer.restore(
             checkpoint.load(ckpt_dir, run.pmodel, run.trainer.optimizers)

@@ -11,6 +11,11 @@ With sequence parallelism the residual stream between branches is sharded on the
 (plain local tensors): per-token modules (norms, pointwise ops) run as ``SequenceParallel``; each
 branch gathers its input once (a pre-hook) and the fan-in linear reduce-scatters back.  The embedding output stays full-length (HF derives positions and
 masks from it) and the first block takes its sequence shard.
+
+Row-wise modules that adapt's kernel plan patches (``local_rows``) keep their activations plain
+local tensors instead (``LocalRowsParallel``): only their parameters become replicated DTensors,
+and the patched forward computes on local views of them (``adapted.guard_dtensor_inputs``), so no
+DTensor crosses into or out of a kernel.
 """
 
 from __future__ import annotations
@@ -77,6 +82,19 @@ def _shard_sequence_hook(mesh: DeviceMesh):
         return _replace_stream(args, kwargs, shard)
 
     return hook
+
+
+class LocalRowsParallel(ParallelStyle):
+    """A per-row module fed this rank's rows of a sharded stream: parameters replicated over the
+    mesh, activations left as plain local tensors.  Its forward must read local views of the
+    parameters, whose gradients are then partial sums over the ranks' rows."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param.detach(), device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module._adapt_rows_mesh = device_mesh
+        return module
 
 
 def _attention_branch(parts: ModelParts) -> tuple[str, BranchParts] | None:
@@ -226,10 +244,20 @@ def check_tensor_parallel(parts: ModelParts, tp: int, vocab_parallel: bool) -> N
 
 
 def block_plan(
-    parts: ModelParts, index: int, sequence_parallel: bool
+    parts: ModelParts,
+    index: int,
+    sequence_parallel: bool,
+    local_rows: frozenset[str] = frozenset(),
 ) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan of one block, keyed by paths relative to the block."""
+    """The ``parallelize_module`` plan of one block, keyed by paths relative to the block;
+    ``local_rows`` (absolute paths) are row-wise modules that run on local tensors."""
     block = parts.blocks[index]
+
+    def rows(name: str, sequence_dim: int = 1) -> ParallelStyle:
+        if f"{block.path}.{name}" in local_rows:
+            return LocalRowsParallel()
+        return SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
+
     out_layout = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
     for branch in block.branches:
@@ -238,10 +266,10 @@ def block_plan(
         plan[branch.rowwise[0]] = RowwiseParallel(output_layouts=out_layout)
         for name in branch.head_norms:
             # Per-head norm weights are replicated; their inputs are head-sharded on dim -2.
-            plan[name] = SequenceParallel(sequence_dim=-2, use_local_output=True)
+            plan[name] = rows(name, sequence_dim=-2)
     if sequence_parallel:
         for name in block.norms:
-            plan[name] = SequenceParallel(use_local_output=True)
+            plan[name] = rows(name)
     return plan
 
 
@@ -252,13 +280,16 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool,
     vocab_parallel: bool,
+    local_rows: frozenset[str] = frozenset(),
 ) -> None:
     """Shard ``model`` in place over ``tp_mesh`` (the same on every tp rank)."""
     check_tensor_parallel(parts, tp_mesh.size(), vocab_parallel)
     _localise_head_counts(model, parts, tp_mesh.size())
     for index, block in enumerate(parts.blocks):
         module = model.get_submodule(block.path)
-        parallelize_module(module, tp_mesh, block_plan(parts, index, sequence_parallel))
+        parallelize_module(
+            module, tp_mesh, block_plan(parts, index, sequence_parallel, local_rows)
+        )
         if sequence_parallel:
             for branch in block.branches:
                 module.get_submodule(branch.path).register_forward_pre_hook(
@@ -272,7 +303,9 @@ def apply_tensor_parallel(
             parallelize_module(
                 model.get_submodule(parts.final_norm),
                 tp_mesh,
-                SequenceParallel(use_local_output=True),
+                LocalRowsParallel()
+                if parts.final_norm in local_rows
+                else SequenceParallel(use_local_output=True),
             )
     if vocab_parallel and parts.embedding:  # a later pipeline stage holds no embedding
         # Row-sharded table: each rank looks up its vocabulary range, partial sums are all-reduced.

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from adapt.runtime.context_parallel import (
     context_parallel_batch,
@@ -103,6 +103,24 @@ def _peak_memory_gib(device: torch.device) -> float:
     return (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     )  # ru_maxrss is KiB on Linux
+
+
+def reduce_partial_grads(params: list[nn.Parameter]) -> int:
+    """Sum gradients left as partial sums (replicated parameters fed sharded rows: norms under sequence
+    parallelism) once, in one all-reduce per mesh; returns how many.  Left partial, every optimizer
+    and clipping op on them would all-reduce again (several collectives per parameter per step)."""
+    pending: dict[Any, list[nn.Parameter]] = {}
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements == (Partial(),) and param.placements == (Replicate(),):
+            pending.setdefault(grad.device_mesh, []).append(param)
+    for mesh, group in pending.items():
+        locals_ = [p.grad.to_local() for p in group]
+        flat = torch.cat([g.reshape(-1) for g in locals_])
+        dist.all_reduce(flat, group=mesh.get_group())
+        for param, piece in zip(group, flat.split([g.numel() for g in locals_])):
+            param.grad = DTensor.from_local(piece.view_as(param.grad.to_local()), mesh, [Replicate()], run_check=False)
+    return sum(len(g) for g in pending.values())
 
 
 def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
@@ -275,6 +293,8 @@ class Trainer:
             self.pmodel.experts.reduce_expert_gradients()
         if self.pmodel.tied is not None:
             self.pmodel.tied.sync_grads()
+        if self.plan.tp > 1:
+            reduce_partial_grads(self.pmodel.parameters())
         grad_norm = clip_grad_norm(self.pmodel, self.config.max_grad_norm)
         lr = self.schedulers[0].get_last_lr()[0]
         for opt, sched in zip(self.optimizers, self.schedulers):

@@ -72,7 +72,12 @@ CASES: dict[str, tuple[str, dict]] = {
     "pp_fsdp_tied": ("qwen3", {"pp": 2, "dp_shard": 2, "grad_accum": 2}),
     "pp_tp": ("llama", {"pp": 2, "tp": 2, "grad_accum": 2}),
     "ep_fsdp": ("qwen3_moe", {"dp_shard": 4, "ep": 2}),
+    # The adapted model: adapt's kernel plan, blocks compiled (aot_eager on CPU), under each layout.
+    "adapted_tp_sp": ("llama", {"tp": 2, "sequence_parallel": True}),
+    "adapted_fsdp": ("llama", {"dp_shard": 2, "recompute": "selective"}),
+    "adapted_pp": ("llama4", {"pp": 2, "vpp": 2, "grad_accum": 2, "pp_schedule": "interleaved_1f1b"}),
 }
+ADAPTED_BACKEND = "aot_eager"
 
 
 def load(models: dict[str, str], name: str) -> torch.nn.Module:
@@ -106,12 +111,28 @@ def train_case(models: dict[str, str], case: str) -> dict:
         if overrides.get("tp", 1) > 1 and model_name in models
         else None
     )
-    run = prepare(model, ParallelPlan(**BASE, **overrides), TRAIN, spec=spec)
+    adapt = adapt_options(model) if case.startswith("adapted_") else None
+    run = prepare(model, ParallelPlan(**BASE, **overrides), TRAIN, spec=spec, adapt=adapt)
     initial = checkpoint.gather_full_state_dict(run.pmodel)
     steps = [run.trainer.train_step() for _ in range(STEPS)]
     params = checkpoint.gather_full_state_dict(run.pmodel)
     losses, norms = [s.loss for s in steps], [s.grad_norm for s in steps]
-    return {"losses": losses, "grad_norms": norms, "initial": initial, "params": params}
+    adapted = run.pmodel.adapted.to_dict()
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, adapted)
+    return {"losses": losses, "grad_norms": norms, "initial": initial, "params": params, "adapted": reports}
+
+
+def adapt_options(model: torch.nn.Module):
+    """The operators stage's kernel plan for ``model`` (float32 training on this machine), compiled blocks."""
+    from operators import load_profile, plan_kernels, recognise
+    from operators.inventory import trace_model
+    from operators.registry import Target
+    from adapt.runtime.adapted import AdaptOptions
+
+    inventory = trace_model(model)
+    plan = plan_kernels(inventory, recognise(model, inventory), load_profile("cuda-hopper"), Target.here())
+    return AdaptOptions(kernel_plan=plan, compile=ADAPTED_BACKEND)
 
 
 def probe_logits(run, vocab: int) -> torch.Tensor | None:
