@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from adapt.errors import BadInput
+from adapt.interrupts import Terminated, deferred_interrupts
 from adapt.pipeline.options import STAGE_NAMES, RunOptions
+from adapt.pipeline.preflight import check_options, check_source_config, plan_seq_len_notes
 from adapt.pipeline.progress import RunProgress
 from adapt.pipeline.stages import STAGES, Stage, StageBlocked, StageContext, StageUnavailable, require, to_result_dict
-from adapt.pipeline.store import RunStore, StageRecord, adapt_version, source_fingerprint, stage_key, to_jsonable
+from adapt.pipeline.store import RunLock, RunStore, StageRecord, adapt_version, source_fingerprint, stage_key, to_jsonable
 
 REUSABLE = ("passed", "failed")  # statuses whose stored result can stand in for a rerun
 NOT_AVAILABLE = ("error", "blocked", "interrupted", "skipped", "pending")
@@ -44,9 +46,9 @@ class RunOutcome:
 
 
 def resolve(options: RunOptions) -> SourceInfo:
-    """Resolve the source through intake (hub id or directory) and fingerprint its files."""
+    """Resolve the source (hub id, directory or config.json) and fingerprint its files; imports no torch."""
     try:
-        resolve_source = require("adapt.intake", "resolve_source")
+        resolve_source = require("adapt.source", "resolve_source")
     except StageUnavailable:
         resolve_source = None
     if resolve_source is not None:
@@ -54,12 +56,10 @@ def resolve(options: RunOptions) -> SourceInfo:
             options.source, trust_remote_code=options.trust_remote_code, allow_pickle=options.allow_pickle
         )
         path = Path(_local_path(handle))
-    else:  # intake not importable: a local directory can still be fingerprinted; its stage will say why it failed
+    else:  # source resolution not importable: a local directory can still be fingerprinted
         path = Path(options.source)
         if not path.exists():
-            raise BadInput(
-                f"{options.source}: no such file or directory (and adapt.intake is unavailable to resolve it)"
-            )
+            raise BadInput(f"{options.source}: no such file or directory (and adapt.source is unavailable)")
         handle = path
     return SourceInfo(options.source, str(path), source_fingerprint(path, exclude=options.out_dir), handle)
 
@@ -84,6 +84,7 @@ class PipelineRun:
         self.keys: dict[str, str] = {}
         self.typed: dict[str, Any] = {}
         self.rebuilt: list[str] = []  # cached stages re-executed because their result type has no from_dict
+        self.preflight_notes: dict[str, list[str]] = {}  # what the input checks changed, per stage
 
     # ---- upstream typed results ------------------------------------------------------------
     def upstream(self, name: str) -> Any:
@@ -157,7 +158,8 @@ class PipelineRun:
             record.status = "passed" if summary.passed else "failed"
             record.verdict = summary.verdict
             rebuilt = [f"re-ran the cached {n} stage to rebuild its typed result (time included)" for n in self.rebuilt]
-            notes = [*ctx.notes, *rebuilt, *(raw.get("notes") or [])]  # the pipeline's notes, then the stage's own
+            preflight = self.preflight_notes.get(stage.name, [])
+            notes = [*preflight, *ctx.notes, *rebuilt, *(raw.get("notes") or [])]  # the pipeline's notes, then the stage's own
             record.summary = {**summary.data, "notes": notes} if notes else summary.data
             self.typed[stage.name] = result
         except KeyboardInterrupt:
@@ -181,24 +183,37 @@ class PipelineRun:
 
     # ---- the whole run -------------------------------------------------------------------------
     def run(self) -> RunOutcome:
+        """Check every input, lock the run directory, then run the stages; reports survive Ctrl-C/SIGTERM."""
+        check_options(self.options)  # before anything is read, written or imported
+        self.source = resolve(self.options)
+        check_source_config(self.source.handle)
+        self.preflight_notes["plan"] = plan_seq_len_notes(self.options, self.source.handle)
+        with RunLock(self.options.out_dir):
+            return self._run_stages()
+
+    def _run_stages(self) -> RunOutcome:
         from reports import build_report, write_reports
 
-        self.source = resolve(self.options)
+        name = STAGE_NAMES[0]
         try:
             for name in STAGE_NAMES:
                 record = self.records[name] = self.run_stage(STAGES[name])
                 self.progress.verdict(name, record.status, record.verdict, record.duration_s, record.cached)
-                if not record.cached and record.status not in ("skipped", "blocked"):
-                    self.store.save(record)  # never overwrite a stored result with "did not run this time"
-                write_reports(self._report(build_report), self.options.out_dir, formats=("json",))
-        except KeyboardInterrupt:
+                with deferred_interrupts():  # a record and its report are written whole or not at all
+                    if not record.cached and record.status not in ("skipped", "blocked"):
+                        self.store.save(record)  # never overwrite a stored result with "did not run this time"
+                    write_reports(self._report(build_report), self.options.out_dir, formats=("json",))
+        except KeyboardInterrupt as interrupt:
             if self.records[name].status == "pending":  # the stage that was running
+                signal_name = "SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
                 self.records[name].status = "interrupted"
-                self.records[name].verdict = "interrupted by the user"
-            write_reports(self._report(build_report), self.options.out_dir)
+                self.records[name].verdict = f"interrupted ({signal_name})"
+            with deferred_interrupts():
+                write_reports(self._report(build_report), self.options.out_dir)
             raise
         report = self._report(build_report)
-        write_reports(report, self.options.out_dir)
+        with deferred_interrupts():
+            write_reports(report, self.options.out_dir)
         return RunOutcome(self.records, report, exit_code_of(self.records), Path(self.options.out_dir))
 
     def _report(self, build_report) -> dict[str, Any]:
