@@ -32,9 +32,8 @@ SUBCOMMAND_MODULES = [
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors are bad input too: exit 2
-        self.print_usage(sys.stderr)
-        raise SystemExit(_fail(f"{self.prog}: {message}", EXIT_BAD_INPUT))
+    def error(self, message: str) -> None:  # argparse's own errors are bad input too: exit 2, one line
+        raise SystemExit(_fail(f"{self.prog}: {message} (see {self.prog} --help)", EXIT_BAD_INPUT))
 
 
 def _fail(message: str, code: int) -> int:
