@@ -24,7 +24,7 @@ def exit_code_of_interrupt(err: KeyboardInterrupt) -> int:
     return EXIT_TERMINATED if isinstance(err, Terminated) else EXIT_INTERRUPTED
 
 
-def _raise_terminated(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 

@@ -10,7 +10,13 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from adapt.commands.flags import CLUSTER_HELP, DEFAULT_CLUSTER, DEFAULT_GLOBAL_BATCH, add_json, add_plan_target
+from adapt.commands.flags import (
+    CLUSTER_HELP,
+    DEFAULT_CLUSTER,
+    DEFAULT_GLOBAL_BATCH,
+    add_json,
+    add_plan_target,
+)
 from adapt.commands.inspect import add_source_flags
 from adapt.errors import BadInput
 from adapt.spec import ModelSpec
@@ -164,7 +170,11 @@ def check_plan_flags(args: argparse.Namespace) -> None:
 
 def _cluster_and_workload(args: argparse.Namespace):
     from parallel_planner.calibration import load_calibration
-    from parallel_planner.cluster import local_cluster, make_cluster, parse_cluster_option
+    from parallel_planner.cluster import (
+        local_cluster,
+        make_cluster,
+        parse_cluster_option,
+    )
     from parallel_planner.search import plan_parallel  # noqa: F401 - imported while a spec worker runs
     from parallel_planner.workload import Workload
 

@@ -16,7 +16,13 @@ from adapt.commands.flags import (
     add_plan_target,
     add_validation_shape,
 )
-from adapt.pipeline import STAGE_NAMES, RunOptions, RunProgress, run_pipeline, select_stages
+from adapt.pipeline import (
+    STAGE_NAMES,
+    RunOptions,
+    RunProgress,
+    run_pipeline,
+    select_stages,
+)
 
 
 def _comma_list(text: str) -> list[str]:

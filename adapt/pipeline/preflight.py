@@ -65,7 +65,5 @@ def plan_seq_len_notes(options: RunOptions, handle: Any) -> list[str]:
         return []
     asked = options.plan_seq_len
     options.plan_seq_len = max_positions
-    return [
-        f"plan sequence length capped at {max_positions}, the model's max_position_embeddings "
-        f"(--plan-seq-len asked for {asked})"
-    ]
+    note = f"plan sequence length capped at {max_positions}, the model's max_position_embeddings "
+    return [note + f"(--plan-seq-len asked for {asked})"]

@@ -17,10 +17,30 @@ from typing import Any
 from adapt.errors import BadInput
 from adapt.interrupts import Terminated, deferred_interrupts
 from adapt.pipeline.options import STAGE_NAMES, RunOptions
-from adapt.pipeline.preflight import check_options, check_source_config, plan_seq_len_notes
+from adapt.pipeline.preflight import (
+    check_options,
+    check_source_config,
+    plan_seq_len_notes,
+)
 from adapt.pipeline.progress import RunProgress
-from adapt.pipeline.stages import STAGES, Stage, StageBlocked, StageContext, StageUnavailable, require, to_result_dict
-from adapt.pipeline.store import RunLock, RunStore, StageRecord, adapt_version, source_fingerprint, stage_key, to_jsonable
+from adapt.pipeline.stages import (
+    STAGES,
+    Stage,
+    StageBlocked,
+    StageContext,
+    StageUnavailable,
+    require,
+    to_result_dict,
+)
+from adapt.pipeline.store import (
+    RunLock,
+    RunStore,
+    StageRecord,
+    adapt_version,
+    source_fingerprint,
+    stage_key,
+    to_jsonable,
+)
 
 REUSABLE = ("passed", "failed")  # statuses whose stored result can stand in for a rerun
 NOT_AVAILABLE = ("error", "blocked", "interrupted", "skipped", "pending")

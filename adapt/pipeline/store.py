@@ -227,7 +227,7 @@ class RunLock:
             self._fh.close()  # closing drops the flock
             self._fh = None
 
-    def __enter__(self) -> RunLock:
+    def __enter__(self) -> RunLock:  # noqa: PYI034 - a final class
         self.acquire()
         return self
 

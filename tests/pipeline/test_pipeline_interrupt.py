@@ -69,7 +69,7 @@ def test_signal_inside_a_checkpoint_write(tmp_path, monkeypatch, capsys, signum,
 
 def test_sigterm_while_reports_are_written_leaves_them_whole(tmp_path, monkeypatch):
     """A signal during the report write is held until every file is written, then exits 143."""
-    import reports.writer as writer
+    from reports import writer
 
     real, sent = writer.write_reports, []
 
