@@ -37,6 +37,7 @@ from adapt.pipeline.store import (
     RunStore,
     StageRecord,
     adapt_version,
+    atomic_write_json,
     source_fingerprint,
     stage_key,
     to_jsonable,
@@ -213,6 +214,7 @@ class PipelineRun:
 
     def _run_stages(self) -> RunOutcome:
         from reports import build_report, write_reports
+        from reports.tables import PLAN_FILE
 
         name = STAGE_NAMES[0]
         try:
@@ -222,6 +224,8 @@ class PipelineRun:
                 with deferred_interrupts():  # a record and its report are written whole or not at all
                     if not record.cached and record.status not in ("skipped", "blocked"):
                         self.store.save(record)  # never overwrite a stored result with "did not run this time"
+                    if name == "plan" and record.status == "passed" and record.result:
+                        atomic_write_json(Path(self.options.out_dir) / PLAN_FILE, record.result)  # what launch reads
                     write_reports(self._report(build_report), self.options.out_dir, formats=("json",))
         except KeyboardInterrupt as interrupt:
             if self.records[name].status == "pending":  # the stage that was running
