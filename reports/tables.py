@@ -124,9 +124,18 @@ def _describe(entry: dict[str, Any]) -> str:
     return f"{head}: {rest}" if rest else str(head)
 
 
+NATIVE_PROVIDER, NATIVE_KERNEL = "torch-native", "aten ops as traced"  # the operators stage's words for "as is"
+
+
 def operator_table(report: dict[str, Any]) -> pd.DataFrame:
-    comps = summary(report, "operators").get("components", [])
-    return pd.DataFrame(comps, columns=["module", "kind", "provider", "kernel", "status"])
+    """One row per component; a native one without a provider (e.g. where rotary is applied) runs as traced."""
+    rows = []
+    for comp in summary(report, "operators").get("components", []):
+        row = dict(comp)
+        if row.get("status") == "native" and not row.get("provider"):
+            row["provider"], row["kernel"] = NATIVE_PROVIDER, row.get("kernel") or NATIVE_KERNEL
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["module", "kind", "provider", "kernel", "status"])
 
 
 def coverage_table(report: dict[str, Any]) -> pd.DataFrame:
