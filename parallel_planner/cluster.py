@@ -172,7 +172,7 @@ def parse_cluster_option(text: str, flag: str = "--cluster") -> Cluster | None:
             gpu_type(match.group(2))
         except BadInput:
             raise BadInput(
-                f"{flag} {text!r}: GPU type {match.group(2)!r} is unknown; allowed: {', '.join(GPU_CATALOG)}"
+                f"{flag} {text!r}: GPU type {match.group(2)!r} is not in the catalogue; allowed: {', '.join(GPU_CATALOG)}"
             ) from None
         return make_cluster(match.group(2), count)
     if Path(text).is_file():

@@ -165,7 +165,7 @@ def check_plan_flags(args: argparse.Namespace) -> None:
         try:
             gpu_type(args.gpu)
         except BadInput:
-            raise BadInput(f"--gpu {args.gpu!r} is unknown; allowed: {', '.join(GPU_CATALOG)} or local") from None
+            raise BadInput(f"--gpu {args.gpu!r} is not in the catalogue; allowed: {', '.join(GPU_CATALOG)} or local") from None
 
 
 def _cluster_and_workload(args: argparse.Namespace):
