@@ -146,7 +146,7 @@ def test_bad_config_values_are_bad_input(capsys, zoo, tmp_path, change, fragment
     _check_bad_config(capsys, zoo, tmp_path, change, fragments, "inspect")
 
 
-@pytest.mark.parametrize("command", ["ops", "run", "align"])
+@pytest.mark.parametrize("command", ["ops", "run", "align", "plan"])
 def test_every_command_checks_the_config(capsys, zoo, tmp_path, command):
     _check_bad_config(capsys, zoo, tmp_path, {"rms_norm_eps": "tiny"}, ["transformers rejects"], command)
     _check_bad_config(capsys, zoo, tmp_path / "b", {"num_hidden_layers": 0}, ["num_hidden_layers"], command)
