@@ -168,7 +168,6 @@ def run_soak(args: argparse.Namespace) -> int:
 
 def run_env(args: argparse.Namespace) -> int:
     from parallel_planner.plan import ParallelPlan
-    from validators.environment import check_environment
 
     plan = None
     if args.plan:
@@ -176,6 +175,8 @@ def run_env(args: argparse.Namespace) -> int:
             plan = ParallelPlan.load(args.plan)
         except (OSError, ValueError, TypeError) as err:
             raise BadInput(f"{args.plan}: not a readable plan JSON ({err})") from None
+    from validators.environment import check_environment  # torch: only once the input is known to be usable
+
     report = check_environment(plan, precision=args.precision, device=args.device)
     return _emit(report, args, [], _print_env)
 
