@@ -86,7 +86,7 @@ def test_bad_input_exits_2(argv, tmp_path, capsys):
     assert "adapt: error:" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("cluster", ["banana", "8xNOT_A_GPU", "0xH100", "-2xH100"])
+@pytest.mark.parametrize("cluster", ["banana", "8xNOT_A_GPU", "0xH100", "2x"])
 def test_bad_cluster_is_rejected_before_any_stage(cluster, tmp_path, capsys):
     out = tmp_path / "run"
     assert adapt_run(EXAMPLE, out, "--cluster", cluster) == 2
