@@ -38,8 +38,10 @@ def check_options(options: RunOptions) -> None:
     """The options alone (no source read yet): stage selection, cluster and thresholds."""
     check_stage_selection(options.stages)
     if "plan" in options.stages or "environment" in options.stages:
-        from parallel_planner.cluster import parse_cluster_option
-
+        try:
+            from parallel_planner.cluster import parse_cluster_option
+        except ImportError:  # no planner installed: the plan stage itself reports it as unavailable
+            return
         parse_cluster_option(options.cluster)
     if options.thresholds is not None:
         from reports.judge import load_thresholds
