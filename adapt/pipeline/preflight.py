@@ -38,15 +38,19 @@ def check_options(options: RunOptions) -> None:
     """The options alone (no source read yet): stage selection, cluster and thresholds."""
     check_stage_selection(options.stages)
     if "plan" in options.stages or "environment" in options.stages:
-        try:
-            from parallel_planner.cluster import parse_cluster_option
-        except ImportError:  # no planner installed: the plan stage itself reports it as unavailable
-            return
-        parse_cluster_option(options.cluster)
+        _check_cluster(options.cluster)
     if options.thresholds is not None:
         from reports.judge import load_thresholds
 
         load_thresholds(options.thresholds)
+
+
+def _check_cluster(text: str) -> None:
+    try:
+        from parallel_planner.cluster import parse_cluster_option
+    except ImportError:  # no planner installed: the plan stage itself reports it as unavailable
+        return
+    parse_cluster_option(text)
 
 
 def check_source_config(handle: Any) -> None:
