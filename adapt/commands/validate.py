@@ -175,7 +175,9 @@ def run_env(args: argparse.Namespace) -> int:
             plan = ParallelPlan.load(args.plan)
         except (OSError, ValueError, TypeError) as err:
             raise BadInput(f"{args.plan}: not a readable plan JSON ({err})") from None
-    from validators.environment import check_environment  # torch: only once the input is known to be usable
+    from validators.environment import (
+        check_environment,  # torch: only once the input is known to be usable
+    )
 
     report = check_environment(plan, precision=args.precision, device=args.device)
     return _emit(report, args, [], _print_env)

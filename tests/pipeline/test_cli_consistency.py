@@ -9,7 +9,12 @@ import pytest
 from pipeline_helpers import EXAMPLE, cli
 
 from adapt.cli import build_parser
-from adapt.commands.flags import DEFAULT_BATCH_SIZE, DEFAULT_GLOBAL_BATCH, DEFAULT_PLAN_SEQ_LEN, DEFAULT_SEQ_LEN
+from adapt.commands.flags import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_PLAN_SEQ_LEN,
+    DEFAULT_SEQ_LEN,
+)
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

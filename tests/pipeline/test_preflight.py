@@ -78,8 +78,8 @@ def test_plan_sequence_length_is_capped_at_the_models_positions():
     options = RunOptions(source="x", out_dir="o", plan_seq_len=4096)
     notes = plan_seq_len_notes(options, SimpleNamespace(config_dict={"max_position_embeddings": 256}))
     assert options.plan_seq_len == 256
-    assert notes == ["plan sequence length capped at 256, the model's max_position_embeddings "
-                     "(--plan-seq-len asked for 4096)"]  # fmt: skip
+    expected = "plan sequence length capped at 256, the model's max_position_embeddings (--plan-seq-len asked for 4096)"
+    assert notes == [expected]
     options = RunOptions(source="x", out_dir="o", plan_seq_len=128)
     assert plan_seq_len_notes(options, SimpleNamespace(config_dict={"max_position_embeddings": 256})) == []
     assert options.plan_seq_len == 128

@@ -24,7 +24,7 @@ def _text(page: str) -> str:
 
 
 def _section(markdown: str, title: str) -> str:
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", markdown, re.S | re.M)
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", markdown, re.DOTALL | re.MULTILINE)
     assert match, f"no section {title!r}"
     return match.group(1)
 
@@ -117,7 +117,7 @@ def test_every_share_figure_says_what_it_is_a_share_of(report):
     ops = _section(render_markdown(report), "Operator mapping")
     assert "share of components" in ops
     assert "share of traced ops: fused" in ops and "share of FLOPs on fused or native paths" in ops
-    assert not re.search(r"^\| share_by_status|^\| flops_share", ops, re.M)  # no bare keys
+    assert not re.search(r"^\| share_by_status|^\| flops_share", ops, re.MULTILINE)  # no bare keys
 
 
 def test_throughput_figure_labels_do_not_overlap(report):
