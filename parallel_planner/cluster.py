@@ -15,6 +15,8 @@ or ``gpu:`` as a mapping with every ``GpuType`` field, for hardware the catalogu
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +54,56 @@ def make_cluster(gpu: str, num_gpus: int, gpus_per_node: int | None = None) -> C
     return Cluster(dataclasses.replace(kind, gpus_per_node=per_node), num_gpus, per_node)
 
 
+# Each GpuType field: the check a cluster file's value must pass, and how the message states it.
+_POSITIVE = "a number > 0"
+_FIELD_RULES: dict[str, str] = {
+    "memory_gib": _POSITIVE,
+    "bf16_tflops": _POSITIVE,
+    "fp8_tflops": "a number >= 0 (0: no fp8 tensor cores)",
+    "hbm_gbps": _POSITIVE,
+    "intra_node_gbps": _POSITIVE,
+    "inter_node_gbps": _POSITIVE,
+    "gpus_per_node": "an integer >= 1",
+    "gemm_ceiling": "a number in (0, 1]",
+    "pcie_gbps": _POSITIVE,
+}
+_TOP_LEVEL_KEYS = ("gpu", "gpus", "gpus_per_node", "overrides")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field_ok(name: str, value: Any) -> bool:
+    if name == "gpus_per_node":
+        return _is_whole(value) and value >= 1
+    if not _is_number(value):
+        return False
+    if name == "fp8_tflops":
+        return value >= 0
+    if name == "gemm_ceiling":
+        return 0 < value <= 1
+    return value > 0
+
+
+def _check_fields(where: str, values: dict[str, Any]) -> None:
+    for name, value in values.items():
+        rule = _FIELD_RULES.get(name)
+        if rule is None:
+            if name == "name" and isinstance(value, str) and value.strip():
+                continue
+            allowed = "a non-empty string" if name == "name" else f"one of {', '.join(('name', *_FIELD_RULES))}"
+            raise BadInput(f"{where}.{name} is {value!r}; allowed: {allowed}")
+        if not _field_ok(name, value):
+            raise BadInput(f"{where}.{name} is {value!r}; allowed: {rule}")
+
+
 def load_cluster_file(path: str | Path) -> Cluster:
+    """A cluster YAML/TOML file, every value checked: one line naming the field, its value and what is allowed."""
     import yaml  # only cluster files need a YAML/TOML parser
 
     if sys.version_info >= (3, 11):
@@ -67,29 +118,66 @@ def load_cluster_file(path: str | Path) -> Cluster:
         text = path.read_text()
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as err:
-        raise BadInput(f"cluster file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {err}") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise BadInput(f"cluster file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None
     if not isinstance(data, dict) or "gpu" not in data or "gpus" not in data:
         raise BadInput(f"cluster file {path} needs 'gpu' and 'gpus' keys")
+    unknown = sorted(str(k) for k in data if k not in _TOP_LEVEL_KEYS)
+    if unknown:
+        raise BadInput(f"cluster file {path}: unknown key {unknown[0]!r}; allowed: {', '.join(_TOP_LEVEL_KEYS)}")
+    where = f"cluster file {path}:"
     gpu = data["gpu"]
     if isinstance(gpu, dict):
         names = {f.name for f in dataclasses.fields(GpuType)}
         missing = sorted(n for n in names if n not in gpu and n != "pcie_gbps")
         if missing:
-            raise BadInput(f"cluster file {path}: gpu mapping lacks {', '.join(missing)}")
-        kind = GpuType(**{k: v for k, v in gpu.items() if k in names})
+            raise BadInput(f"{where} gpu mapping lacks {', '.join(missing)}")
+        _check_fields(f"{where} gpu", gpu)
+        kind = GpuType(**gpu)
+    elif isinstance(gpu, str):
+        kind = gpu_type(gpu)
     else:
-        kind = gpu_type(str(gpu))
+        raise BadInput(f"{where} gpu is {gpu!r}; allowed: a catalogue name ({', '.join(GPU_CATALOG)}) or a mapping")
     overrides = data.get("overrides") or {}
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(GpuType)}
-    if unknown:
-        raise BadInput(f"cluster file {path}: unknown override(s) {', '.join(sorted(unknown))}")
+    if not isinstance(overrides, dict):
+        raise BadInput(f"{where} overrides is {overrides!r}; allowed: a mapping of GPU fields to numbers")
+    _check_fields(f"{where} overrides", {k: v for k, v in overrides.items()})
     kind = dataclasses.replace(kind, **overrides)
-    try:
-        num_gpus = int(data["gpus"])
-        per_node = int(data.get("gpus_per_node") or kind.gpus_per_node)
-    except (TypeError, ValueError):
-        raise BadInput(f"cluster file {path}: 'gpus' and 'gpus_per_node' must be integers") from None
+    num_gpus = data["gpus"]
+    if not _is_whole(num_gpus) or num_gpus < 1:
+        raise BadInput(f"{where} gpus is {num_gpus!r}; allowed: an integer >= 1")
+    per_node = data.get("gpus_per_node", kind.gpus_per_node)
+    if not _is_whole(per_node) or per_node < 1:
+        raise BadInput(f"{where} gpus_per_node is {per_node!r}; allowed: an integer >= 1")
     return Cluster(dataclasses.replace(kind, gpus_per_node=per_node), num_gpus, min(per_node, num_gpus))
+
+
+_CLUSTER_SPEC = re.compile(r"^\s*(-?\d+)\s*[x×*]\s*([A-Za-z0-9_.\-]+)\s*$")
+LOCAL = "local"
+
+
+def parse_cluster_option(text: str, flag: str = "--cluster") -> Cluster | None:
+    """``<N>x<GPU>`` (a catalogue GPU), a cluster YAML/TOML file, or ``local`` (None: measured when work starts).
+
+    The one parser of ``--cluster`` for every command, so a bad value fails before any stage runs.
+    """
+    if text.strip().lower() == LOCAL:
+        return None
+    match = _CLUSTER_SPEC.match(text)
+    if match:
+        count = int(match.group(1))
+        if count < 1:
+            raise BadInput(f"{flag} {text!r}: GPU count {count}; allowed: an integer >= 1, as in 8xH100")
+        try:
+            gpu_type(match.group(2))
+        except BadInput:
+            raise BadInput(
+                f"{flag} {text!r}: GPU type {match.group(2)!r} is not in the catalogue; allowed: {', '.join(GPU_CATALOG)}"
+            ) from None
+        return make_cluster(match.group(2), count)
+    if Path(text).is_file():
+        return load_cluster_file(text)
+    raise BadInput(f"{flag} {text!r}: allowed: <N>x<GPU> (e.g. 8xH100), a cluster YAML/TOML file, or 'local'")
 
 
 def cluster_from_environment(report: dict[str, Any]) -> Cluster:
@@ -114,10 +202,3 @@ def cluster_from_environment(report: dict[str, Any]) -> Cluster:
     if report.get("allreduce_gbps"):
         measured["intra_node_gbps"] = report["allreduce_gbps"]
     return Cluster(dataclasses.replace(kind, **measured), len(devices), len(devices))
-
-
-def local_cluster() -> Cluster:
-    """Run the environment stage's measurements on this machine and plan for what it found."""
-    from validators.environment import check_environment
-
-    return cluster_from_environment(check_environment(measure=True).to_dict())

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from adapt.core.errors import AdaptError, BadInput, CheckFailed
+from adapt.inputs import config_error_line, is_config_validation_error
 from adapt.core.source import ModelSource
 from adapt.core.spec import ModelSpec
 
@@ -88,6 +89,9 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
     except AdaptError as err:
         return {"error": str(err), "exit_code": err.exit_code}
     except Exception as err:  # noqa: BLE001 - reported to the parent, which turns it into one line
+        if is_config_validation_error(err):  # transformers rejected a value of the user's config: bad input
+            return {"error": f"config.json: transformers rejects it: {config_error_line(err)}",
+                    "exit_code": BadInput.exit_code}
         if os.environ.get("ADAPT_DEBUG"):
             traceback.print_exc()
         return {"error": f"{type(err).__name__}: {err}", "exit_code": None}

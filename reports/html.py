@@ -43,7 +43,7 @@ def render_html(report: dict[str, Any]) -> str:
         _stage_table(report),
         f'<p class="muted">{_e(shapes_line(report).replace("`", ""))}</p>',
         "<h2>What is new in this model</h2>",
-        _list(tables.novelties(report)) or "<p>Nothing: every component matches a known kind.</p>",
+        *_what_is_new(report),
     ]
     parts += _section(report, "intake", "Model", [tables.model_facts(report), tables.block_groups(report)])
     parts += _section(
@@ -67,8 +67,20 @@ def render_html(report: dict[str, Any]) -> str:
     parts += _section(report, "alignment", "Alignment", [tables.alignment_table(report)], rows_by_passed=True)
     parts += _section(report, "throughput", "Throughput", [tables.throughput_table(report)])
     parts += _section(report, "soak", "Soak", [tables.soak_facts(report)])
+    problems = tables.errors_and_notes(report)
+    if problems:
+        parts += ["<h2>Errors and notes</h2>", _list(problems)]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _what_is_new(report: dict[str, Any]) -> list[str]:
+    items, empty = tables.what_is_new(report)
+    out = [_list(items) or f"<p>{_e(empty)}</p>"]
+    features = tables.known_features(report)
+    if features:
+        out.append(f"<p>Architecture features (kinds adapt knows): {_e('; '.join(features))}.</p>")
+    return out
 
 
 def _e(value: Any) -> str:
@@ -133,6 +145,10 @@ def _section(
         )
     if name == "alignment":
         out += [f"<p>{_e(line)}</p>" for line in tables.alignment_extras(report)]
+    if name == "plan" and tables.launch_command(report):
+        out.append(f"<p>Launch (the plan is saved beside this report):</p><pre><code>{_e(tables.launch_command(report))}</code></pre>")
+    if name == "throughput":
+        out += [f'<p class="caveat">{_e(line)}</p>' for line in tables.throughput_caveats(report)]
     if name in plots.FIGURES:
         out.append(_figure(report, name))
     out += [_table(df, rows_by_passed) for df in frames]

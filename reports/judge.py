@@ -75,7 +75,7 @@ def load_thresholds(path: str | Path | None) -> dict[str, Any]:
             import yaml
 
             data = yaml.safe_load(text)
-    except Exception as err:  # noqa: BLE001 - any parse error is the user's file
+    except Exception as err:
         raise BadInput(f"{path}: cannot parse thresholds ({err})") from err
     data = data or {}
     if not isinstance(data, dict):
@@ -230,9 +230,15 @@ def _operators(ops: dict[str, Any], section: dict[str, Any]) -> list[Check]:
     return checks
 
 
+RATE_UNITS = ("tokens/s", "fraction")  # rows where adapted/baseline is a speed-up; times and memory are not
+
+
 def _throughput(tp: dict[str, Any], section: dict[str, Any]) -> list[Check]:
+    """``min_speedup`` judges the rows that measure a rate; a rate row without a speed-up fails (not measured)."""
     checks = []
     for row in tp.get("rows", []):
+        if "speedup" not in row and row.get("unit") not in RATE_UNITS:
+            continue  # step time, peak memory: reported, not a speed-up
         speedup = row.get("speedup")
         ok = speedup is not None and speedup >= section.get("min_speedup", 0.0)
         checks.append(

@@ -68,9 +68,12 @@ def _not_available(report: dict[str, Any], name: str) -> list[str]:
 
 
 def _section_new(report: dict[str, Any]) -> list[str]:
-    items = tables.novelties(report)
+    items, empty = tables.what_is_new(report)
     lines = ["## What is new in this model", ""]
-    lines += [f"- {item}" for item in items] if items else ["Nothing: every component matches a known kind."]
+    lines += [f"- {item}" for item in items] if items else [empty]
+    features = tables.known_features(report)
+    if features:
+        lines += ["", "Architecture features (kinds adapt knows): " + "; ".join(features) + "."]
     return lines + [""]
 
 
@@ -110,8 +113,9 @@ def _section_plan(report: dict[str, Any]) -> list[str]:
     lines += [tables.to_markdown(tables.plan_layout(report)), "Memory per GPU of the chosen plan:", ""]
     lines += [tables.to_markdown(tables.memory_breakdown(report))]
     lines += ["Predicted step time of the chosen plan:", "", tables.to_markdown(tables.time_breakdown(report))]
-    if plan["best"].get("command"):
-        lines += ["```", str(plan["best"]["command"]), "```", ""]
+    command = tables.launch_command(report)
+    if command:
+        lines += ["Launch (the plan is saved beside this report):", "", "```", command, "```", ""]
     lines += ["Ranked alternatives:", "", tables.to_markdown(tables.ranked_plans(report))]
     return lines
 
@@ -153,6 +157,8 @@ def _section_throughput(report: dict[str, Any]) -> list[str]:
         return lines + _not_available(report, "throughput")
     if tp.get("truncated"):
         lines += [f"Measured on a depth-truncated model: {tables._cell(tp['truncated'])}.", ""]
+    for caveat in tables.throughput_caveats(report):
+        lines += [caveat, ""]
     return lines + [tables.to_markdown(tables.throughput_table(report))]
 
 
@@ -166,10 +172,5 @@ def _section_soak(report: dict[str, Any]) -> list[str]:
 
 
 def _section_problems(report: dict[str, Any]) -> list[str]:
-    lines = []
-    for entry in report["stages"]:
-        notes = (entry.get("summary") or {}).get("notes", [])
-        if entry.get("error"):
-            lines.append(f"- **{entry['name']}** {entry['status']}: {entry['error']}")
-        lines += [f"- {entry['name']}: {note}" for note in notes]
+    lines = [f"- {line}" for line in tables.errors_and_notes(report)]
     return ["## Errors and notes", "", *lines, ""] if lines else []

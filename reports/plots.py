@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from typing import Any
 
 import matplotlib
@@ -87,20 +88,28 @@ def memory_breakdown(report: dict[str, Any]) -> bytes | None:
     return _png(fig)
 
 
-def throughput_bars(report: dict[str, Any]) -> bytes | None:
+def throughput_figure(report: dict[str, Any]):
+    """One panel per measurement; constrained layout keeps titles, unit labels and the heading apart."""
     df = tables.throughput_table(report)
     if df.empty or not {"metric", "baseline", "adapted"} <= set(df.columns):
         return None
     series = [c for c in ("baseline", "adapted", "compiled") if c in df.columns]
-    fig, axes = plt.subplots(1, len(df), figsize=(2.4 * len(df) + 1, 3.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(df), figsize=(2.6 * len(df) + 1, 3.4), squeeze=False, layout="constrained")
     for ax, (_, row) in zip(axes[0], df.iterrows(), strict=True):
         values = [_finite(row[s]) or 0.0 for s in series]
         ax.bar(series, values, color=["#9e9e9e", "#1e88e5", "#8e24aa"][: len(series)])
-        ax.set_title(f"{row['metric']}", fontsize=9)
+        ax.set_title(textwrap.fill(str(row["metric"]), 14), fontsize=9)
         ax.set_ylabel(str(row.get("unit", "")), fontsize=8)
-        ax.tick_params(labelsize=8)
+        ax.tick_params(labelsize=7)
+        ax.tick_params(axis="x", labelrotation=30)
+        ax.yaxis.get_offset_text().set_fontsize(7)
     fig.suptitle("Throughput: baseline against adapted")
-    return _png(fig)
+    return fig
+
+
+def throughput_bars(report: dict[str, Any]) -> bytes | None:
+    fig = throughput_figure(report)
+    return None if fig is None else _png(fig)
 
 
 def soak_timeline(report: dict[str, Any]) -> bytes | None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
+import shlex
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from reports.schema import summary
+from reports.schema import stage, summary
 
 GIB = 1024**3
 
@@ -17,14 +20,20 @@ def stage_table(report: dict[str, Any]) -> pd.DataFrame:
         {
             "stage": s["name"],
             "status": s["status"],
-            "time": "cached"
-            if s.get("cached")
-            else (f"{s.get('duration_s', 0):.1f}s" if s["status"] not in ("skipped", "pending", "blocked") else ""),
+            "time": _stage_time(s),
             "verdict": s.get("verdict", ""),
         }
         for s in report["stages"]
     ]
     return pd.DataFrame(rows, columns=["stage", "status", "time", "verdict"])
+
+
+def _stage_time(entry: dict[str, Any]) -> str:
+    """The measured duration; a cached stage keeps the time it took when it ran, marked as reused."""
+    if entry["status"] in ("skipped", "pending", "blocked"):
+        return ""
+    measured = f"{entry.get('duration_s', 0):.1f}s"
+    return f"{measured} (cached)" if entry.get("cached") else measured
 
 
 def model_facts(report: dict[str, Any]) -> pd.DataFrame:
@@ -70,15 +79,43 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def novelties(report: dict[str, Any]) -> list[str]:
-    """What is new in this model: intake's structural novelties, then what no kernel kind covers."""
-    items = list(summary(report, "intake").get("novelties", []))
-    for entry in summary(report, "operators").get("new", []):
-        items.append(entry if isinstance(entry, str) else _describe(entry))
+_EXAMINED = ("passed", "failed")  # stages whose result was actually computed
+
+
+def what_is_new(report: dict[str, Any]) -> tuple[list[str], str]:
+    """What no kind adapt knows covers, and the sentence to show when that list is empty.
+
+    Only the operators stage compares components with the known kinds, and intake names modules
+    it could not place; a run where neither examined the model says so instead of "nothing".
+    """
+    examined = {name: (stage(report, name) or {}).get("status") for name in ("intake", "operators")}
+    items = [e if isinstance(e, str) else _describe(e) for e in summary(report, "operators").get("new", [])]
     unrecognised = summary(report, "intake").get("unrecognized", [])
     if unrecognised:
         items.append(f"modules whose role was not identified structurally: {', '.join(unrecognised)}")
-    return list(dict.fromkeys(items))
+    items = list(dict.fromkeys(items))
+    if examined["operators"] not in _EXAMINED:
+        items.append(f"not examined: the operators stage {examined['operators'] or 'absent'}, so components were "
+                     "not compared with the kinds adapt knows")  # fmt: skip
+        return items, ""
+    return items, "Nothing: every component matches a kind adapt knows."
+
+
+def known_features(report: dict[str, Any]) -> list[str]:
+    """Architecture features intake found (GQA, sliding windows, MoE, ...): known kinds, worth stating, not new."""
+    return [n for n in summary(report, "intake").get("novelties", []) if not n.startswith("unrecognised component")]
+
+
+def errors_and_notes(report: dict[str, Any]) -> list[str]:
+    """Every stage's error and notes, one line each: where a failed run's reason is."""
+    lines = []
+    for entry in report["stages"]:
+        if entry.get("error"):
+            lines.append(f"{entry['name']} {entry['status']}: {entry['error']}")
+        elif entry.get("status") in ("blocked", "interrupted") and entry.get("verdict"):
+            lines.append(f"{entry['name']} {entry['status']}: {entry['verdict']}")
+        lines += [f"{entry['name']}: {note}" for note in (entry.get("summary") or {}).get("notes", [])]
+    return lines
 
 
 def _describe(entry: dict[str, Any]) -> str:
@@ -87,32 +124,80 @@ def _describe(entry: dict[str, Any]) -> str:
     return f"{head}: {rest}" if rest else str(head)
 
 
+NATIVE_PROVIDER, NATIVE_KERNEL = "torch-native", "aten ops as traced"  # the operators stage's words for "as is"
+
+
 def operator_table(report: dict[str, Any]) -> pd.DataFrame:
-    comps = summary(report, "operators").get("components", [])
-    return pd.DataFrame(comps, columns=["module", "kind", "provider", "kernel", "status"])
+    """One row per component; a native one without a provider (e.g. where rotary is applied) runs as traced."""
+    rows = []
+    for comp in summary(report, "operators").get("components", []):
+        row = dict(comp)
+        if row.get("status") == "native" and not row.get("provider"):
+            row["provider"], row["kernel"] = NATIVE_PROVIDER, row.get("kernel") or NATIVE_KERNEL
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["module", "kind", "provider", "kernel", "status"])
 
 
 def coverage_table(report: dict[str, Any]) -> pd.DataFrame:
     ops = summary(report, "operators")
     counts = ops.get("status_counts", {})
     total = sum(counts.values())
+    column = "share of components"
     rows = [
-        {"status": k, "components": n, "share": _share(n / total if total else None)} for k, n in sorted(counts.items())
+        {"status": k, "components": n, column: _share(n / total if total else None)} for k, n in sorted(counts.items())
     ]
-    df = pd.DataFrame(rows, columns=["status", "components", "share"])
-    return df
+    return pd.DataFrame(rows, columns=["status", "components", column])
+
+
+# Each coverage figure says what it is a share of: components, traced ops and FLOPs differ.
+_COVERAGE_LABELS = {
+    "ops_total": "traced ops",
+    "unmapped": "traced ops without a decision",
+    "flops_total": "FLOPs traced",
+    "flops_share_fused_or_native": "share of FLOPs on fused or native paths",
+}
 
 
 def coverage_facts(report: dict[str, Any]) -> pd.DataFrame:
     cov = _flatten(summary(report, "operators").get("coverage", {}))
-    rows = [{"metric": k, "value": _cell(v)} for k, v in cov.items()]
+    rows = [{"metric": _coverage_label(k), "value": _coverage_value(k, v)} for k, v in cov.items()]
     return pd.DataFrame(rows, columns=["metric", "value"])
+
+
+def _coverage_label(key: str) -> str:
+    if key.startswith("share_by_status."):
+        return f"share of traced ops: {key.split('.', 1)[1]}"
+    return _COVERAGE_LABELS.get(key, key)
+
+
+def _coverage_value(key: str, value: Any) -> str:
+    is_share = "share" in key and isinstance(value, (int, float)) and not isinstance(value, bool)
+    return _share(float(value)) if is_share else _cell(value)
 
 
 def plan_layout(report: dict[str, Any]) -> pd.DataFrame:
     best = summary(report, "plan").get("best") or {}
     rows = [{"field": k, "value": _cell(v)} for k, v in best.items() if not isinstance(v, dict) and k != "command"]
     return pd.DataFrame(rows, columns=["field", "value"])
+
+
+PLAN_FILE = "plan.json"  # the run directory's copy of the planner's answer, written with the plan stage
+
+
+def launch_command(report: dict[str, Any]) -> str | None:
+    """The chosen plan's launch command as a user can paste it: ``python`` from their PATH (not this
+    machine's interpreter path) and ``--plan`` pointing at the run directory's plan.json."""
+    command = (summary(report, "plan").get("best") or {}).get("command")
+    if not command:
+        return None
+    tokens = shlex.split(str(command))
+    if tokens and os.path.isabs(tokens[0]) and "python" in os.path.basename(tokens[0]):
+        tokens[0] = "python"
+    out_dir = (report.get("options") or {}).get("out_dir")
+    for i, token in enumerate(tokens[:-1]):
+        if token == "--plan" and out_dir:
+            tokens[i + 1] = str(Path(out_dir) / PLAN_FILE)
+    return shlex.join(tokens)
 
 
 def memory_breakdown(report: dict[str, Any]) -> pd.DataFrame:
@@ -181,6 +266,26 @@ def throughput_table(report: dict[str, Any]) -> pd.DataFrame:
     if {"baseline", "adapted"} <= set(df.columns) and "speedup" not in df.columns:
         df["speedup"] = [_ratio(a, b) for a, b in zip(df["adapted"], df["baseline"], strict=True)]
     return df
+
+
+def throughput_caveats(report: dict[str, Any]) -> list[str]:
+    """What the throughput figures can and cannot claim, stated beside them."""
+    tp = summary(report, "throughput")
+    lines = []
+    if str(tp.get("device", "")).startswith("cpu"):
+        shapes = tp.get("shapes") or {}
+        lines.append(
+            f"CPU figures at batch {shapes.get('batch_size')} x seq {shapes.get('seq_len')} are below the noise "
+            "floor of a shared CPU: they show that both variants run, not which is faster (reruns of one model "
+            "have ranged from 0.01x to 21x). Measure speed-ups on the target GPU."
+        )
+    spreads = [r for r in tp.get("rows", []) if isinstance(r.get("spread"), (int, float))]
+    if spreads:
+        lines.append("Spread over repeats (max/min): " + ", ".join(
+            f"{r['metric']} {r['spread']:.2f}x" for r in spreads) + ".")  # fmt: skip
+    elif tp:
+        lines.append("The validator reported one median per variant, so the spread over repeats is unknown.")
+    return lines
 
 
 def _ratio(new: Any, old: Any) -> float | None:

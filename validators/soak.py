@@ -17,6 +17,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from adapt.core.errors import BadInput
+from adapt.interrupts import deferred_interrupts
 from validators.align import check_device, kernel_plan_transform
 from validators.compare import parse_dtype
 
@@ -120,29 +122,58 @@ def _malloc_bytes_in_use() -> int | None:
 
 
 class CheckpointStore:
-    """``ckpt_dir/step-NNNNNNNN`` DCP directories, ``rng.pt`` inside each, ``latest`` naming the newest complete one."""
+    """``ckpt_dir/step-NNNNNNNN`` DCP directories, ``rng.pt`` inside each, ``latest`` naming the newest complete one.
+
+    A step is written under ``.partial-step-NNNNNNNN`` and renamed once DCP and the RNG state are on
+    disk, so an interrupted write (Ctrl-C, SIGTERM, a crash) leaves no folder that looks like a
+    checkpoint; leftovers are removed when the store opens.  The rename and the pointer update run
+    with signals held, and an interrupt DCP wrapped into its own exception is raised as itself.
+    """
+
+    PARTIAL_PREFIX = ".partial-"
 
     def __init__(self, root: str):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.history = self.root / "history.jsonl"
+        for leftover in self.root.glob(f"{self.PARTIAL_PREFIX}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
     def latest(self) -> Path | None:
         pointer = self.root / "latest"
-        return self.root / pointer.read_text().strip() if pointer.is_file() else None
+        if not pointer.is_file():
+            return None
+        target = self.root / pointer.read_text().strip()
+        return target if (target / "rng.pt").is_file() else None
 
     def save(self, run, step: int) -> None:
         from adapt.runtime import checkpoint
 
-        target = self.root / f"step-{step:08d}"
-        checkpoint.save(target, run.pmodel, run.trainer.optimizers, step)
+        name = f"step-{step:08d}"
+        partial = self.root / f"{self.PARTIAL_PREFIX}{name}"
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            checkpoint.save(partial, run.pmodel, run.trainer.optimizers, step)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # DCP's CheckpointException is a BaseException wrapping each rank's error
+            interrupt = _wrapped_interrupt(err)
+            if interrupt is not None:
+                raise interrupt from None
+            if isinstance(err, Exception):
+                raise
+            raise RuntimeError(f"checkpoint save at step {step} failed: {_last_line(str(err))}") from err
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, target / "rng.pt")
-        tmp = self.root / "latest.tmp"
-        tmp.write_text(target.name)
-        os.replace(tmp, self.root / "latest")
+        torch.save(rng, partial / "rng.pt")
+        with deferred_interrupts():  # the step folder and the pointer to it change together
+            target = self.root / name
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(partial, target)
+            tmp = self.root / "latest.tmp"
+            tmp.write_text(target.name)
+            os.replace(tmp, self.root / "latest")
 
     def restore(self, run) -> int:
         from adapt.runtime import checkpoint
@@ -167,6 +198,32 @@ class CheckpointStore:
         kept = [r for r in rows if r["step"] < before]
         self.history.write_text("".join(json.dumps(r) + "\n" for r in kept))
         return kept
+
+
+def _wrapped_interrupt(err: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (or Terminated) inside an exception DCP raised, if there is one."""
+    seen: set[int] = set()
+    pending: list[Any] = [err]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, KeyboardInterrupt):
+            return item
+        if isinstance(item, BaseException):
+            pending.extend(x for x in (item.__cause__, item.__context__) if x is not None)
+            failures = getattr(item, "failures", None)
+            if isinstance(failures, dict):
+                pending.extend(failures.values())
+        elif isinstance(item, tuple):  # DCP keeps (exception, traceback) pairs per rank
+            pending.extend(item)
+    return None
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else text
 
 
 def soak(

@@ -14,6 +14,8 @@ import os
 import sys
 
 from adapt.core.errors import EXIT_BAD_INPUT, AdaptError
+from adapt.inputs import config_error_line, is_config_validation_error
+from adapt.interrupts import Terminated, exit_code_of_interrupt, sigterm_raises
 
 # Modules that contribute subcommands, in the order they appear in --help.
 SUBCOMMAND_MODULES = [
@@ -30,9 +32,8 @@ SUBCOMMAND_MODULES = [
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors are bad input too: exit 2
-        self.print_usage(sys.stderr)
-        raise SystemExit(_fail(f"{self.prog}: {message}", EXIT_BAD_INPUT))
+    def error(self, message: str) -> None:  # argparse's own errors are bad input too: exit 2, one line
+        raise SystemExit(_fail(f"{self.prog}: {message} (see {self.prog} --help)", EXIT_BAD_INPUT))
 
 
 def _fail(message: str, code: int) -> int:
@@ -43,7 +44,7 @@ def _fail(message: str, code: int) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; given the subcommand about to run, only its module is imported when it registers it
     (subcommands live in modules of their name), so one command never pays for another's imports."""
-    parser = _Parser(prog="adapt", description="Day-0 model adaptation: run, train and serve a new model correctly and fast.")
+    parser = _Parser(prog="adapt", description="Day-0 model adaptation: inspect, validate, plan and train a new model correctly and fast.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     likely = [name for name in SUBCOMMAND_MODULES if name.rsplit(".", 1)[-1] == command]
     for name in likely:
@@ -63,19 +64,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
-        return int(args.func(args) or 0)
+        with sigterm_raises():
+            return int(args.func(args) or 0)
     except AdaptError as err:
         if os.environ.get("ADAPT_DEBUG"):
             raise
-        return _fail(str(err), err.exit_code)
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return _fail(_one_line(str(err)), err.exit_code)
+    except KeyboardInterrupt as err:
+        return _fail("terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted", exit_code_of_interrupt(err))
     except BrokenPipeError:  # output piped into head & co.
         return 0
     except Exception as err:  # a bug in adapt, not the user's fault: one line, traceback on request
         if os.environ.get("ADAPT_DEBUG"):
             raise
-        return _fail(f"internal error: {type(err).__name__}: {err} (set ADAPT_DEBUG=1 for the traceback)", 1)
+        if is_config_validation_error(err):  # transformers rejected a value of the user's config.json
+            return _fail(f"config.json: transformers rejects it: {config_error_line(err)}", EXIT_BAD_INPUT)
+        message = _one_line(f"{type(err).__name__}: {err}")
+        return _fail(f"internal error: {message} (set ADAPT_DEBUG=1 for the traceback)", 1)
+
+
+def _one_line(text: str) -> str:
+    """Messages are one line: a wrapped library error keeps its first non-empty line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " ".join(lines[:1]) if lines else text
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from adapt.core.errors import BadInput
+from adapt.inputs import check_config_values
 
 SourceKind = Literal["hub", "directory", "config"]
 
@@ -98,6 +99,7 @@ def resolve_source(
         raise BadInput(f"{text}: no such file or directory, and not a Hugging Face id of the form org/name[@revision]")
 
     config_dict = _read_config(config_path)
+    check_config_values(config_dict, str(config_path))
     _check_remote_code(config_dict, root, trust_remote_code)
 
     weight_format, weight_files, index_file = "none", [], None

@@ -127,3 +127,75 @@ def test_cli_subprocess_prints_no_traceback(tmp_path):
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        ({"hidden_size": -1}, ["hidden_size", "-1", "integer >= 1"]),
+        ({"num_hidden_layers": 0}, ["num_hidden_layers", "0", "integer >= 1"]),
+        ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None}, ["hidden_size 64", "num_attention_heads 3", "head_dim"]),
+        ({"intermediate_size": -8}, ["intermediate_size", "-8"]),
+        ({"num_key_value_heads": 3}, ["num_key_value_heads", "3", "divisor"]),
+        ({"vocab_size": "lots"}, ["vocab_size", "'lots'"]),
+        ({"hidden_act": 5}, ["transformers rejects", "hidden_act"]),
+        ({"rms_norm_eps": "tiny"}, ["transformers rejects", "rms_norm_eps"]),
+    ],
+)
+def test_bad_config_values_are_bad_input(capsys, zoo, tmp_path, change, fragments):
+    _check_bad_config(capsys, zoo, tmp_path, change, fragments, "inspect")
+
+
+@pytest.mark.parametrize("command", ["ops", "run", "align", "plan"])
+def test_every_command_checks_the_config(capsys, zoo, tmp_path, command):
+    _check_bad_config(capsys, zoo, tmp_path, {"rms_norm_eps": "tiny"}, ["transformers rejects"], command)
+    _check_bad_config(capsys, zoo, tmp_path / "b", {"num_hidden_layers": 0}, ["num_hidden_layers"], command)
+
+
+def _check_bad_config(capsys, zoo, tmp_path, change, fragments, command):
+    """adapt's own size checks and transformers' own config validation both answer as bad input."""
+    ckpt = clone(zoo, "llama", tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, **change}))
+    extra = ["--out", str(tmp_path / "out")] if command == "run" else []
+    assert_bad(capsys, [command, str(ckpt), *extra], "config.json", *fragments)
+    assert not (tmp_path / "out" / "stages").exists()  # rejected before any stage
+
+
+def test_nested_text_config_is_checked(tmp_path):
+    from adapt.inputs import check_config_values
+
+    with pytest.raises(BadInput, match="text_config: num_hidden_layers is 0"):
+        check_config_values({"model_type": "x", "text_config": {"num_hidden_layers": 0}}, "config.json")
+    check_config_values({"num_experts": 0, "n_shared_experts": 0, "sliding_window": None}, "config.json")  # 0 = none
+
+
+def test_input_errors_answer_without_importing_torch(tmp_path):
+    """Bad ids, options and configs are rejected before torch (seconds of start-up) is imported."""
+    bad_config = tmp_path / "config.json"
+    bad_config.write_text(json.dumps({"model_type": "llama", "hidden_size": -1}))
+    probe = (
+        "import sys\nfrom adapt.app.cli import main\n"
+        "codes = [main(a) for a in ({cases})]\n"
+        "print(codes, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    cases = [
+        ["run", "acme//bad"],
+        ["inspect", "acme//bad"],
+        ["ops", "acme//bad"],
+        ["plan", "acme//bad"],
+        ["align", "acme//bad"],
+        ["soak", "acme//bad", "--steps", "2"],
+        ["env", "--plan", str(tmp_path / "none.json")],
+        ["train", "acme//bad", "--plan", str(tmp_path / "none.json")],
+        ["launch", "acme//bad", "--plan", str(tmp_path / "none.json")],
+        ["gate", str(tmp_path / "none.json")],
+        ["run", str(bad_config)],
+        ["run", str(bad_config.parent), "--stages", "soak"],
+        ["run", str(bad_config.parent), "--cluster", "0xH100"],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", probe.format(cases=repr(cases)[1:-1] + ",")], capture_output=True, text=True, check=False
+    )
+    assert proc.stdout.strip() == f"{[2] * len(cases)} False False", proc.stdout + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -104,7 +104,8 @@ def test_cached_typed_results_are_read_back_not_recomputed(tmp_path):
 def planned():
     """The example's ModelSpec and its plan for the CPU's default cluster."""
     from adapt.model.intake import build_spec, resolve_source
-    from adapt.app.pipeline.stages import plan_workload, target_cluster
+    from adapt.app.clusters import target_cluster
+    from adapt.app.pipeline.stages import plan_workload
     from parallel_planner.search import plan_parallel
 
     spec = build_spec(resolve_source(str(EXAMPLE)))

@@ -64,9 +64,10 @@ def test_skip_and_stages_select(tmp_path):
     got = statuses(load(out))
     assert got["intake"] == got["plan"] == "passed"
     assert {got[n] for n in STAGE_NAMES if n not in ("intake", "plan")} == {"skipped"}
-    # a stage whose input was not selected is blocked, not faked
-    assert adapt_run(EXAMPLE, out, "--stages", "alignment") == 1
-    assert statuses(load(out))["alignment"] == "blocked"
+    # a selection whose stage lacks its input cannot run: bad input, and the earlier report is untouched
+    before = (out / "report.json").read_text()
+    assert adapt_run(EXAMPLE, out, "--stages", "alignment") == 2
+    assert (out / "report.json").read_text() == before
 
 
 @pytest.mark.parametrize(
@@ -86,12 +87,13 @@ def test_bad_input_exits_2(argv, tmp_path, capsys):
     assert "adapt: error:" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("cluster", ["banana", "8xNOT_A_GPU"])
-def test_bad_cluster_is_bad_input(cluster, tmp_path):
+@pytest.mark.parametrize("cluster", ["banana", "8xNOT_A_GPU", "0xH100", "2x"])
+def test_bad_cluster_is_rejected_before_any_stage(cluster, tmp_path, capsys):
     out = tmp_path / "run"
-    assert adapt_run(EXAMPLE, out, "--stages", "intake,plan", "--cluster", cluster) == 2
-    plan = next(s for s in load(out)["stages"] if s["name"] == "plan")
-    assert plan["status"] == "error" and plan["error_kind"] == "BadInput"
+    assert adapt_run(EXAMPLE, out, "--cluster", cluster) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cluster" in err[0] and cluster in err[0] and "allowed" in err[0]
+    assert not (out / "stages").exists()
 
 
 def test_unimportable_stage_fails_that_stage_only(tmp_path, monkeypatch):

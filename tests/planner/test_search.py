@@ -13,7 +13,6 @@ from adapt.core.errors import BadInput
 from parallel_planner.cluster import (
     cluster_from_environment,
     load_cluster_file,
-    local_cluster,
     make_cluster,
 )
 from parallel_planner.plan import ParallelPlan
@@ -126,6 +125,8 @@ def test_cluster_files_and_local_machine(tmp_path):
 
     if not torch.cuda.is_available():
         with pytest.raises(BadInput, match="no GPU"):
+            from adapt.app.clusters import local_cluster
+
             local_cluster()
     # What the environment stage reported on one H200 (anchors: 4,274 GB/s copy, ~684 TFLOP/s bf16 matmul).
     env = {"device_type": "cuda", "devices": [{"name": "NVIDIA H200", "memory_bytes": 150_000_000_000}],

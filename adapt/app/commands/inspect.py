@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from adapt.core.errors import BadInput
 from adapt.core.spec import ModelSpec
 
 
@@ -17,15 +18,35 @@ def add_source_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-pickle", action="store_true", help="accept pickled .bin weights (loaded weights_only)")
 
 
+def resolve_checked(args: argparse.Namespace, config_only: bool | None = None):
+    """The source, resolved without importing torch (bad ids and configs answer at once), then the config
+    checked by transformers' own validation; its rejections are bad input, not internal errors."""
+    from adapt.inputs import check_with_transformers
+    from adapt.core.source import resolve_source
+
+    src = resolve_source(
+        args.source,
+        config_only=args.config_only if config_only is None else config_only,
+        trust_remote_code=args.trust_remote_code,
+        allow_pickle=args.allow_pickle,
+    )
+    check_with_transformers(src.config_dict, src.config_path)
+    return src
+
+
 def register(sub) -> None:
     parser = sub.add_parser("inspect", help="describe a checkpoint: architecture, parameters, FLOPs, KV cache")
     add_source_flags(parser)
-    parser.add_argument("--seq", type=int, default=None, help="sequence length for FLOP accounting (default min(4096, max positions))")
+    parser.add_argument("--seq-len", "--seq", dest="seq", type=int, default=None,
+                        help="sequence length for FLOP accounting (default min(4096, max positions))")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.seq is not None and args.seq < 1:
+        raise BadInput(f"--seq-len is {args.seq}; allowed: an integer >= 1")
+    resolve_checked(args)
     from adapt.model.intake import inspect
 
     spec = inspect(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 
+from adapt.app.commands.flags import add_json
 from adapt.app.commands.train import _plan, add_train_arguments
 
 
@@ -33,6 +35,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--execute", action="store_true", help="run the command instead of printing it"
     )
+    add_json(p, "the command (as an argument list and as shell text)")
     p.set_defaults(func=handler)
 
 
@@ -42,6 +45,7 @@ _LAUNCH_ONLY = {
     "rdzv_endpoint",
     "rdzv_id",
     "execute",
+    "json",
     "func",
     "command",
 }
@@ -72,6 +76,9 @@ def handler(args: argparse.Namespace) -> int:
         rdzv_id=args.rdzv_id,
     )
     cmd = torchrun_command(plan, launch, _train_args(args))
+    if args.json and not args.execute:
+        print(json.dumps({"command": cmd, "text": render(cmd)}))
+        return 0
     if not args.execute:
         print(render(cmd))
         return 0

@@ -22,10 +22,11 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adapt.model.intake import resolve_source
+    from adapt.app.commands.inspect import resolve_checked
+
+    src = resolve_checked(args)
     from operators import run_ops
 
-    src = resolve_source(args.source, config_only=args.config_only, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
     report = run_ops(src, profile=args.profile, out_dir=args.out, onnx=not args.no_onnx)
     data = report.to_dict()
     if args.json:

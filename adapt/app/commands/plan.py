@@ -10,6 +10,13 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from adapt.app.commands.flags import (
+    CLUSTER_HELP,
+    DEFAULT_CLUSTER,
+    DEFAULT_GLOBAL_BATCH,
+    add_json,
+    add_plan_target,
+)
 from adapt.app.commands.inspect import add_source_flags
 from adapt.core.errors import BadInput
 from adapt.core.spec import ModelSpec
@@ -19,14 +26,14 @@ def register(sub) -> None:
     parser = sub.add_parser("plan", help="search parallel layouts: memory per GPU, step time, tokens/s, MFU")
     add_source_flags(parser)
     cluster = parser.add_argument_group("cluster (a catalogue GPU, a cluster file, or this machine)")
+    cluster.add_argument("--cluster", default=None, help=f"{CLUSTER_HELP} (default {DEFAULT_CLUSTER})")
     cluster.add_argument("--gpu", default=None, help="GPU type: a100, h100, h800, h200, b200, mi300x, or 'local' (measured)")
-    cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs")
+    cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs (with --gpu; default 8)")
     cluster.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
-    cluster.add_argument("--cluster", metavar="FILE", help="cluster description (YAML or TOML) instead of --gpu/--gpus")
     work = parser.add_argument_group("workload")
-    work.add_argument("--seq", type=int, required=True, help="sequence length")
-    batch = work.add_mutually_exclusive_group(required=True)
-    batch.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    add_plan_target(work, old_spelling="--seq")
+    batch = work.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
     batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     work.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     work.add_argument("--mode", choices=("train", "inference"), default="train")
@@ -45,7 +52,7 @@ def register(sub) -> None:
     parser.add_argument("--calibration", metavar="FILE", help="measurements of the target machine: GEMM rate, dispatch costs, measured steps, "
                         "per-block timings (see parallel_planner.calibration)")
     parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
-    parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    add_json(parser, "the plans")
     parser.add_argument("--no-cache", action="store_true", help="rebuild the model spec instead of reusing a cached one")
     parser.set_defaults(func=run)
 
@@ -81,7 +88,7 @@ class SpecLoader:
 
         src = resolve_source(args.source, config_only=args.config_only, trust_remote_code=args.trust_remote_code,
                              allow_pickle=args.allow_pickle)
-        digest = hashlib.sha256(f"{src.content_hash()}|seq={args.seq}|{metadata.version('transformers')}".encode())
+        digest = hashlib.sha256(f"{src.content_hash()}|seq={args.plan_seq_len}|{metadata.version('transformers')}".encode())
         package = Path(__file__).resolve().parents[2]
         for name in _INTAKE_MODULES:
             digest.update((package / name).read_bytes())
@@ -93,9 +100,9 @@ class SpecLoader:
         from parallel_planner.spec_worker import WorkerSpec, describe
 
         if "torch" in sys.modules:
-            self._spec = self._store(describe(src, args.seq))
+            self._spec = self._store(describe(src, args.plan_seq_len))
         else:
-            self._worker = WorkerSpec(src, args.seq)
+            self._worker = WorkerSpec(src, args.plan_seq_len)
 
     def result(self) -> ModelSpec:
         if self._worker is not None:
@@ -120,8 +127,7 @@ class SpecLoader:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.top < 1:
-        raise BadInput("--top must be at least 1")
+    check_plan_flags(args)
     spec_loader = SpecLoader(args)  # a cold spec is described in a worker while the planner sets up here
     try:
         cluster, workload, calibration = _cluster_and_workload(args)
@@ -152,25 +158,49 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """Every plan flag judged before the model is read: one line naming the flag, its value and what is allowed."""
+    for flag in ("top", "plan_seq_len", "global_batch", "global_batch_tokens", "gpus", "gpus_per_node"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise BadInput(f"--{flag.replace('_', '-')} is {value}; allowed: an integer >= 1")
+    if args.moe_imbalance < 1:
+        raise BadInput(f"--moe-imbalance is {args.moe_imbalance}; allowed: a number >= 1")
+    if args.cluster and (args.gpu or args.gpus or args.gpus_per_node):
+        raise BadInput(f"--cluster {args.cluster!r} with --gpu/--gpus/--gpus-per-node; allowed: one of the two forms")
+    if (args.gpus or args.gpus_per_node) and not args.gpu:
+        raise BadInput(f"--gpus {args.gpus} without --gpu; allowed: --gpu TYPE --gpus N, or --cluster NxGPU")
+    if args.cluster:
+        from parallel_planner.cluster import parse_cluster_option
+
+        parse_cluster_option(args.cluster)
+    elif args.gpu and args.gpu != "local":
+        from parallel_planner.catalog import GPU_CATALOG, gpu_type
+
+        try:
+            gpu_type(args.gpu)
+        except BadInput:
+            raise BadInput(f"--gpu {args.gpu!r} is not in the catalogue; allowed: {', '.join(GPU_CATALOG)} or local") from None
+
+
 def _cluster_and_workload(args: argparse.Namespace):
     from parallel_planner.calibration import load_calibration
-    from parallel_planner.cluster import load_cluster_file, local_cluster, make_cluster
+    from adapt.app.clusters import local_cluster
+    from parallel_planner.cluster import make_cluster, parse_cluster_option
     from parallel_planner.search import plan_parallel  # noqa: F401 - imported while a spec worker runs
     from parallel_planner.workload import Workload
 
-    if args.cluster:
-        cluster = load_cluster_file(args.cluster)
-    elif args.gpu == "local":
+    if args.gpu == "local" and not args.cluster:
         cluster = local_cluster()
-    elif args.gpu and args.gpus:
-        cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
+    elif args.gpu:
+        cluster = make_cluster(args.gpu, args.gpus or 8, args.gpus_per_node)
     else:
-        raise BadInput("say where to run: --gpu TYPE --gpus N, --cluster FILE, or --gpu local")
+        cluster = parse_cluster_option(args.cluster or DEFAULT_CLUSTER) or local_cluster()
     options = dict(mode=args.mode, precision=args.precision, optimizer=args.optimizer, moe_imbalance=args.moe_imbalance)
     if args.global_batch_tokens:
-        workload = Workload.from_tokens(args.seq, args.global_batch_tokens, **options)
+        workload = Workload.from_tokens(args.plan_seq_len, args.global_batch_tokens, **options)
     else:
-        workload = Workload(args.seq, args.global_batch, **options)
+        workload = Workload(args.plan_seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, **options)
     calibration = load_calibration(args.calibration) if args.calibration else None
     return cluster, workload, calibration
 

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from pathlib import Path
 
-from adapt.app.pipeline import STAGE_NAMES, RunOptions, RunProgress, run_pipeline, select_stages
+from adapt.app.commands.flags import (
+    CLUSTER_HELP,
+    DEFAULT_GLOBAL_BATCH,
+    add_json,
+    add_plan_target,
+)
+from adapt.app.pipeline import (
+    STAGE_NAMES,
+    RunOptions,
+    RunProgress,
+    run_pipeline,
+    select_stages,
+)
 from adapt.app.pipeline.options import defaults_help
 
 
@@ -20,11 +34,16 @@ def default_out_dir(source: str) -> str:
 
 
 def _quiet_third_party_progress() -> None:
-    """transformers' and the hub's tqdm bars would tear through the live stage display."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from transformers.utils import logging as hf_logging
+    """transformers' and the hub's tqdm bars would tear through the live stage display.
 
-    hf_logging.disable_progress_bar()
+    transformers reads the hub's switch when it is imported; only an already imported one is told
+    directly, so a bad option is still answered before transformers (and torch) load.
+    """
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def register(subparsers) -> None:
@@ -45,8 +64,7 @@ def register(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="recompute every selected stage, ignoring stored results")
     p.add_argument(
         "--cluster",
-        help="target cluster for the plan: <N>x<GPU>, a cluster file, or 'local' (this machine, measured); "
-        "default: chosen by --device (see below)",
+        help=f"{CLUSTER_HELP}; default: chosen by --device (see below)",
     )
     p.add_argument("--profile", help="backend profile (name or file) for the operator mapping")
     p.add_argument("--device", default="cpu", help="device for alignment/throughput/soak (default cpu)")
@@ -59,9 +77,12 @@ def register(subparsers) -> None:
     p.add_argument("--bench-steps", type=int, help=f"timed steps per throughput measurement {by_device}")
     p.add_argument("--soak-steps", type=int, help=f"training steps of the soak {by_device}")
     p.add_argument("--ckpt-every", type=int, help=f"soak checkpoint interval in steps {by_device}")
-    p.add_argument("--plan-seq-len", type=int, default=4096, help="sequence length the plan targets (default 4096)")
+    add_plan_target(p)
     p.add_argument(
-        "--global-batch", type=int, default=64, help="global batch (sequences) the plan targets (default 64)"
+        "--global-batch",
+        type=int,
+        default=DEFAULT_GLOBAL_BATCH,
+        help=f"global batch (sequences) the plan targets (default {DEFAULT_GLOBAL_BATCH})",
     )
     p.add_argument(
         "--precision", choices=("bf16", "fp8"), default="bf16", help="training precision for plan/environment"
@@ -72,6 +93,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--quiet", action="store_true", help="print nothing; the exit code and the report files tell the result"
     )
+    add_json(p, "report.json")
     p.set_defaults(func=handle)
 
 
@@ -98,9 +120,12 @@ def handle(args: argparse.Namespace) -> int:
         ckpt_every=args.ckpt_every,
         thresholds=args.thresholds,
     )
-    progress = RunProgress(quiet=args.quiet)
+    progress = RunProgress(quiet=args.quiet or args.json)
     outcome = run_pipeline(options, progress)
-    if not args.quiet:
+    if args.json:
+        json.dump(outcome.report, sys.stdout)
+        sys.stdout.write("\n")
+    elif not args.quiet:
         progress.console.print(
             f"[bold]{outcome.report['status'].upper()}[/] (exit {outcome.exit_code}) — "
             f"report: {outcome.out_dir / 'report.md'}, {outcome.out_dir / 'report.html'}, "

@@ -9,6 +9,7 @@ import os
 import socket
 from pathlib import Path
 
+from adapt.app.commands.flags import add_json
 from adapt.core.errors import BadInput
 
 
@@ -113,6 +114,7 @@ def register(subparsers) -> None:
         "Prints loss, gradient norm, tokens/s and peak memory per step.",
     )
     add_train_arguments(p)
+    add_json(p, "every step's metrics")
     p.set_defaults(func=handler)
 
 
@@ -145,14 +147,19 @@ def handler(args: argparse.Namespace) -> int:
             else None
         )
 
+        steps: list[dict] = []
+
         def report(m) -> None:
             if not is_main_process():
                 return
-            print(
-                f"step {m.step:>5}  loss {m.loss:.4f}  grad_norm {m.grad_norm:.3f}  lr {m.lr:.2e}  "
-                f"tokens/s {m.tokens_per_s:,.0f}  peak_mem {m.peak_memory_gib:.2f} GiB",
-                flush=True,
-            )
+            if args.json:
+                steps.append(m.to_dict())
+            else:
+                print(
+                    f"step {m.step:>5}  loss {m.loss:.4f}  grad_norm {m.grad_norm:.3f}  lr {m.lr:.2e}  "
+                    f"tokens/s {m.tokens_per_s:,.0f}  peak_mem {m.peak_memory_gib:.2f} GiB",
+                    flush=True,
+                )
             if metrics_file:
                 metrics_file.write(json.dumps(m.to_dict()) + "\n")
                 metrics_file.flush()
@@ -167,4 +174,6 @@ def handler(args: argparse.Namespace) -> int:
             trust_remote_code=args.trust_remote_code,
             on_step=report,
         )
+    if args.json and is_main_process():
+        print(json.dumps({"steps": steps}), flush=True)
     return 0

@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from adapt.app.commands.flags import add_validation_shape
 from adapt.app.commands.inspect import add_source_flags
 from adapt.core.errors import BadInput
 
@@ -24,8 +25,7 @@ def register(sub) -> None:
     _common(align)
     align.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16", help="candidate dtype (default bf16)")
     align.add_argument("--streamed", action="store_true", help="one block at a time from the shards (checkpoints bigger than memory)")
-    align.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
-    align.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
+    add_validation_shape(align)
     align.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     align.add_argument("--no-backward", action="store_true", help="skip gradients and the loss-parity run")
     align.add_argument("--parity-steps", type=int, default=4, help="loss-curve parity steps (default 4)")
@@ -35,8 +35,7 @@ def register(sub) -> None:
     bench = sub.add_parser("bench", help="training step, prefill and decode throughput, MFU, memory; eager vs adapted")
     _common(bench)
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
-    bench.add_argument("--seq", type=int, default=256)
-    bench.add_argument("--batch", type=int, default=2)
+    add_validation_shape(bench)
     bench.add_argument("--steps", type=int, default=6, help="timed training steps per variant (after 2 warm-up)")
     bench.add_argument("--compile", action="store_true", help="also measure the adapted model under torch.compile")
     bench.add_argument("--max-layers", type=int, default=None, help="measure only the first N blocks, at real width")
@@ -50,8 +49,7 @@ def register(sub) -> None:
     soak.add_argument("--ckpt-every", type=int, default=0)
     soak.add_argument("--ckpt-dir", default=None, help="checkpoint directory; an existing checkpoint there is resumed")
     soak.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
-    soak.add_argument("--seq", type=int, default=128)
-    soak.add_argument("--batch", type=int, default=2)
+    add_validation_shape(soak)
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--nondeterministic", action="store_true", help="allow nondeterministic kernels")
     soak.set_defaults(func=run_soak)
@@ -75,15 +73,15 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         value = getattr(args, name, None)
         if value is not None and value < 1:
-            raise BadInput(f"--{name.replace('_', '-')} must be at least 1")
+            raise BadInput(f"--{name.replace('_', '-')} is {value}; allowed: an integer >= 1")
 
 
 def _source(args: argparse.Namespace):
-    from adapt.model.intake import resolve_source
+    from adapt.app.commands.inspect import resolve_checked
 
     if args.config_only:
         raise BadInput("validation runs the model: --config-only cannot be used here")
-    return resolve_source(args.source, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
+    return resolve_checked(args)
 
 
 def _kernel_plan(src, args: argparse.Namespace, notes: list[str]) -> Any:
@@ -108,16 +106,16 @@ def _emit(result, args: argparse.Namespace, notes: list[str], summary) -> int:
 
 
 def run_align(args: argparse.Namespace) -> int:
+    _positive(args, "seq_len", "batch_size")
+    if args.seq_len < 2:
+        raise BadInput(f"--seq-len is {args.seq_len}; allowed: an integer >= 2 (next-token targets)")
+    src, notes = _source(args), []
     from validators.align import AlignOptions, align
 
-    _positive(args, "seq", "batch")
-    if args.seq < 2:
-        raise BadInput("--seq must be at least 2")
-    src, notes = _source(args), []
     plan = _kernel_plan(src, args, notes)
     options = AlignOptions(
-        batch=args.batch,
-        seq_len=args.seq,
+        batch=args.batch_size,
+        seq_len=args.seq_len,
         seed=args.seed,
         backward=not args.no_backward,
         parity_steps=args.parity_steps,
@@ -128,13 +126,13 @@ def run_align(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    _positive(args, "seq_len", "batch_size", "steps", "max_layers")
+    src, notes = _source(args), []
     from validators.throughput import BenchOptions, bench
 
-    _positive(args, "seq", "batch", "steps", "max_layers")
-    src, notes = _source(args), []
     plan = _kernel_plan(src, args, notes)
     options = BenchOptions(
-        dtype=args.dtype, seq_len=args.seq, batch=args.batch, steps=args.steps, compile=args.compile, max_layers=args.max_layers
+        dtype=args.dtype, seq_len=args.seq_len, batch=args.batch_size, steps=args.steps, compile=args.compile, max_layers=args.max_layers
     )
     report = bench(src, plan, device=args.device, options=options)
     if args.calibration_out:
@@ -144,10 +142,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_soak(args: argparse.Namespace) -> int:
+    _positive(args, "steps", "seq_len", "batch_size")
+    if args.ckpt_every < 0:
+        raise BadInput(f"--ckpt-every is {args.ckpt_every}; allowed: an integer >= 0 (0: no checkpoints)")
+    src, notes = _source(args), []
     from validators.soak import soak
 
-    _positive(args, "steps", "seq", "batch")
-    src, notes = _source(args), []
     plan = _kernel_plan(src, args, notes)
     report = soak(
         src,
@@ -156,8 +156,8 @@ def run_soak(args: argparse.Namespace) -> int:
         ckpt_every=args.ckpt_every,
         device=args.device,
         dtype=args.dtype,
-        seq_len=args.seq,
-        batch_size=args.batch,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
         ckpt_dir=args.ckpt_dir,
         minutes=args.minutes,
         seed=args.seed,
@@ -168,7 +168,6 @@ def run_soak(args: argparse.Namespace) -> int:
 
 def run_env(args: argparse.Namespace) -> int:
     from parallel_planner.plan import ParallelPlan
-    from validators.environment import check_environment
 
     plan = None
     if args.plan:
@@ -176,6 +175,10 @@ def run_env(args: argparse.Namespace) -> int:
             plan = ParallelPlan.load(args.plan)
         except (OSError, ValueError, TypeError) as err:
             raise BadInput(f"{args.plan}: not a readable plan JSON ({err})") from None
+    from validators.environment import (
+        check_environment,  # torch: only once the input is known to be usable
+    )
+
     report = check_environment(plan, precision=args.precision, device=args.device)
     return _emit(report, args, [], _print_env)
 

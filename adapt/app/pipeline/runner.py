@@ -14,10 +14,32 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
+from adapt.interrupts import Terminated, deferred_interrupts
 from adapt.app.pipeline.options import STAGE_NAMES, DeviceDescription, RunOptions, max_positions
+from adapt.app.pipeline.preflight import (
+    check_options,
+    check_source_config,
+    plan_seq_len_notes,
+)
 from adapt.app.pipeline.progress import RunProgress
-from adapt.app.pipeline.stages import STAGES, Stage, StageBlocked, StageContext, StageUnavailable, to_result_dict
-from adapt.app.pipeline.store import RunStore, StageRecord, adapt_version, source_fingerprint, stage_key, to_jsonable
+from adapt.app.pipeline.stages import (
+    STAGES,
+    Stage,
+    StageBlocked,
+    StageContext,
+    StageUnavailable,
+    to_result_dict,
+)
+from adapt.app.pipeline.store import (
+    RunLock,
+    RunStore,
+    StageRecord,
+    adapt_version,
+    atomic_write_json,
+    source_fingerprint,
+    stage_key,
+    to_jsonable,
+)
 
 REUSABLE = ("passed", "failed")  # statuses whose stored result can stand in for a rerun
 NOT_AVAILABLE = ("error", "blocked", "interrupted", "skipped", "pending")
@@ -43,8 +65,8 @@ class RunOutcome:
 
 
 def resolve(options: RunOptions) -> SourceInfo:
-    """Resolve the source through intake (hub id or directory) and fingerprint its files."""
-    from adapt.model.intake import resolve_source
+    """Resolve the source (hub id, directory or config.json) and fingerprint its files; imports no torch."""
+    from adapt.core.source import resolve_source
 
     handle = resolve_source(
         options.source, trust_remote_code=options.trust_remote_code, allow_pickle=options.allow_pickle
@@ -73,6 +95,7 @@ class PipelineRun:
         self.keys: dict[str, str] = {}
         self.typed: dict[str, Any] = {}
         self.rebuilt: list[str] = []  # cached stages re-executed because their result type has no from_dict
+        self.preflight_notes: dict[str, list[str]] = {}  # what the input checks changed, per stage
 
     # ---- upstream typed results ------------------------------------------------------------
     def upstream(self, name: str) -> Any:
@@ -145,7 +168,8 @@ class PipelineRun:
             record.status = "passed" if summary.passed else "failed"
             record.verdict = summary.verdict
             rebuilt = [f"re-ran the cached {n} stage to rebuild its typed result (time included)" for n in self.rebuilt]
-            notes = [*ctx.notes, *rebuilt, *(raw.get("notes") or [])]  # the pipeline's notes, then the stage's own
+            preflight = self.preflight_notes.get(stage.name, [])
+            notes = [*preflight, *ctx.notes, *rebuilt, *(raw.get("notes") or [])]  # the pipeline's notes, then the stage's own
             record.summary = {**summary.data, "notes": notes} if notes else summary.data
             self.typed[stage.name] = result
         except KeyboardInterrupt:
@@ -169,27 +193,43 @@ class PipelineRun:
 
     # ---- the whole run -------------------------------------------------------------------------
     def run(self) -> RunOutcome:
-        from reports import build_report, write_reports
-
+        """Check every input, lock the run directory, then run the stages; reports survive Ctrl-C/SIGTERM."""
+        check_options(self.options)  # before anything is read, written or imported
         self.source = resolve(self.options)
         device = DeviceDescription.of(self.options.device)
         positions = max_positions(getattr(self.source.handle, "config_dict", {}))
         self.options = self.options.with_device_defaults(device, positions)
+        check_source_config(self.source.handle)
+        self.preflight_notes["plan"] = plan_seq_len_notes(self.options, self.source.handle)
+        with RunLock(self.options.out_dir):
+            return self._run_stages()
+
+    def _run_stages(self) -> RunOutcome:
+        from reports import build_report, write_reports
+        from reports.tables import PLAN_FILE
+
+        name = STAGE_NAMES[0]
         try:
             for name in STAGE_NAMES:
                 record = self.records[name] = self.run_stage(STAGES[name])
                 self.progress.verdict(name, record.status, record.verdict, record.duration_s, record.cached)
-                if not record.cached and record.status not in ("skipped", "blocked"):
-                    self.store.save(record)  # never overwrite a stored result with "did not run this time"
-                write_reports(self._report(build_report), self.options.out_dir, formats=("json",))
-        except KeyboardInterrupt:
+                with deferred_interrupts():  # a record and its report are written whole or not at all
+                    if not record.cached and record.status not in ("skipped", "blocked"):
+                        self.store.save(record)  # never overwrite a stored result with "did not run this time"
+                    if name == "plan" and record.status == "passed" and record.result:
+                        atomic_write_json(Path(self.options.out_dir) / PLAN_FILE, record.result)  # what launch reads
+                    write_reports(self._report(build_report), self.options.out_dir, formats=("json",))
+        except KeyboardInterrupt as interrupt:
             if self.records[name].status == "pending":  # the stage that was running
+                signal_name = "SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
                 self.records[name].status = "interrupted"
-                self.records[name].verdict = "interrupted by the user"
-            write_reports(self._report(build_report), self.options.out_dir)
+                self.records[name].verdict = f"interrupted ({signal_name})"
+            with deferred_interrupts():
+                write_reports(self._report(build_report), self.options.out_dir)
             raise
         report = self._report(build_report)
-        write_reports(report, self.options.out_dir)
+        with deferred_interrupts():
+            write_reports(report, self.options.out_dir)
         return RunOutcome(self.records, report, exit_code_of(self.records), Path(self.options.out_dir))
 
     def _report(self, build_report) -> dict[str, Any]:

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapt.core.errors import BadInput
 from adapt.app.pipeline import summaries
 from adapt.app.pipeline.options import LOCAL_CLUSTER, RunOptions
 from adapt.app.pipeline.progress import ProgressCallback
@@ -170,6 +168,8 @@ def _block_done(callback: ProgressCallback, done: int, total: int, label: str, *
 def _plan(ctx: StageContext) -> Any:
     from parallel_planner.search import plan_parallel
 
+    from adapt.app.clusters import target_cluster
+
     cluster = target_cluster(ctx.options.cluster)  # bad --cluster is bad input even before planning
     return plan_parallel(ctx.upstream("intake"), cluster, plan_workload(ctx.options), top_k=5)
 
@@ -187,26 +187,6 @@ def plan_workload(options: RunOptions) -> Any:
     return Workload(
         seq_len=options.plan_seq_len, global_batch=options.plan_global_batch, mode="train", precision=options.precision
     )
-
-
-_CLUSTER_SPEC = re.compile(r"^\s*(\d+)\s*[x×*]\s*([A-Za-z0-9_.\-]+)\s*$")
-
-
-def target_cluster(text: str) -> Any:
-    """``8xH100`` (count x catalogue GPU), a cluster YAML/TOML file, or ``local`` (this machine, measured)."""
-    from parallel_planner.cluster import cluster_from_environment, load_cluster_file, make_cluster
-
-    if text == LOCAL_CLUSTER:
-        from validators.environment import check_environment
-
-        # bf16 matmul: the measured rate becomes the GEMM ceiling against the catalogue's bf16 peak
-        return cluster_from_environment(check_environment(precision="bf16", device="cuda").to_dict())
-    match = _CLUSTER_SPEC.match(text)
-    if match:
-        return make_cluster(match.group(2), int(match.group(1)))
-    if Path(text).is_file():
-        return load_cluster_file(text)
-    raise BadInput(f"--cluster {text!r}: expected <N>x<GPU> (e.g. 8xH100), a cluster file, or 'local'")
 
 
 # ---- environment ----------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adapt.core.errors import BadInput
+
 # Files whose bytes define the model (config, remote code, tokenizer); weights are fingerprinted
 # by their safetensors header, size and mtime so that multi-GB shards are never read in full.
 _CONTENT_SUFFIXES = (".json", ".py", ".txt", ".model", ".tiktoken", ".yaml", ".jinja")
@@ -184,3 +186,50 @@ class RunStore:
 
     def clear_log(self, stage: str) -> None:
         (self.stages_dir / f"{stage}.log").unlink(missing_ok=True)
+
+
+class RunLock:
+    """An exclusive lock on a run directory: a second run on the same ``--out`` refuses at once.
+
+    ``flock`` on ``OUT/.lock`` is released by the kernel when the process ends, however it ends, so a
+    killed run never leaves a stale lock behind.  The file holds the owner's pid for the message.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.path = Path(out_dir) / ".lock"
+        self._fh: Any = None
+
+    def acquire(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # no flock on this platform: runs are not serialised
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fh = self.path.open("a+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            owner = fh.read().strip() or "unknown"
+            fh.close()
+            raise BadInput(
+                f"--out {self.path.parent}: another adapt run (pid {owner}) is using this directory; "
+                "wait for it to finish or choose another --out"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        self._fh = fh
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()  # closing drops the flock
+            self._fh = None
+
+    def __enter__(self) -> RunLock:  # noqa: PYI034 - a final class
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,75 @@
+"""Everything about a run's input that can be judged before the first stage starts.
+
+Stage selection, ``--cluster``, the thresholds file and the model config are checked here, so a
+bad value costs well under a second and never a partial run: each failure is ``BadInput`` (exit 2)
+with one line naming the option or field, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adapt.core.errors import BadInput
+from adapt.inputs import check_with_transformers
+from adapt.app.pipeline.options import STAGE_NAMES, RunOptions
+
+# What each stage reads from earlier stages: a selection without them cannot run.  Mirrors
+# ``Stage.needs`` in adapt.app.pipeline.stages, which imports torch-heavy code this module must not load.
+STAGE_NEEDS: dict[str, tuple[str, ...]] = {
+    "plan": ("intake",),
+    "alignment": ("operators",),
+    "throughput": ("operators",),
+    "soak": ("operators",),
+}
+
+
+def check_stage_selection(stages: list[str]) -> None:
+    for name in stages:
+        missing = [need for need in STAGE_NEEDS.get(name, ()) if need not in stages]
+        if missing:
+            runnable = ",".join(s for s in STAGE_NAMES if s in stages or s in missing)
+            raise BadInput(
+                f"--stages {','.join(stages)}: {name} needs the {', '.join(missing)} stage; "
+                f"allowed: a selection with what it needs, e.g. --stages {runnable}"
+            )
+
+
+def check_options(options: RunOptions) -> None:
+    """The options alone (no source read yet): stage selection, cluster and thresholds."""
+    check_stage_selection(options.stages)
+    if options.cluster is not None and ("plan" in options.stages or "environment" in options.stages):
+        _check_cluster(options.cluster)  # None: the device chooses the target once the source is resolved
+    if options.thresholds is not None:
+        from reports.judge import load_thresholds
+
+        load_thresholds(options.thresholds)
+
+
+def _check_cluster(text: str) -> None:
+    try:
+        from parallel_planner.cluster import parse_cluster_option
+    except ImportError:  # no planner installed: the plan stage itself reports it as unavailable
+        return
+    parse_cluster_option(text)
+
+
+def check_source_config(handle: Any) -> None:
+    """transformers' own validation of the resolved config (adapt's checks ran when it was resolved)."""
+    config = getattr(handle, "config_dict", None)
+    if isinstance(config, dict) and config:
+        check_with_transformers(config, str(getattr(handle, "config_path", "config.json")))
+
+
+def plan_seq_len_notes(options: RunOptions, handle: Any) -> list[str]:
+    """Cap the plan's sequence length at the model's maximum position, saying so in the plan's notes."""
+    config = getattr(handle, "config_dict", None) or {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    max_positions = text.get("max_position_embeddings")
+    if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
+        return []
+    if options.plan_seq_len <= max_positions:
+        return []
+    asked = options.plan_seq_len
+    options.plan_seq_len = max_positions
+    note = f"plan sequence length capped at {max_positions}, the model's max_position_embeddings "
+    return [note + f"(--plan-seq-len asked for {asked})"]

@@ -1,0 +1,106 @@
+"""Checks of a model's ``config.json`` that every command shares, so bad values fail as bad input.
+
+Two layers: adapt's own checks of the sizes every decoder needs (cheap, no imports, run when the
+source is resolved), and transformers' own validation of the config class (``check_with_transformers``,
+run when work starts, because importing transformers costs seconds).  Either raises ``BadInput``
+with one line naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from adapt.core.errors import BadInput
+
+# Sizes every decoder config states, each of which must be a positive integer.
+_POSITIVE_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "head_dim",
+    "num_key_value_heads",
+)
+# Other count- or size-like keys: zero may mean "none" (no shared experts, no dense layers), negative never.
+_SIZE_PREFIXES = ("num_", "n_")
+_SIZE_SUFFIXES = ("_size", "_dim", "_heads", "_experts", "_layers", "_rank")
+# Keys of configs that nest the decoder's own config (multimodal wrappers).
+_NESTED = ("text_config", "language_config", "llm_config")
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _size_like(key: str) -> bool:
+    return key.startswith(_SIZE_PREFIXES) or key.endswith(_SIZE_SUFFIXES)
+
+
+def check_config_values(config: dict[str, Any], where: str) -> None:
+    """adapt's own checks: positive sizes, no negative counts, heads that divide the width."""
+    _check_level(config, where)
+    for key in _NESTED:
+        nested = config.get(key)
+        if isinstance(nested, dict):
+            _check_level(nested, f"{where} {key}")
+
+
+def _check_level(config: dict[str, Any], where: str) -> None:
+    for key in _POSITIVE_SIZES:
+        value = config.get(key)
+        if value is None:
+            continue
+        if not _is_whole(value) or value < 1:
+            raise BadInput(f"{where}: {key} is {value!r}; allowed: an integer >= 1")
+    for key, value in config.items():
+        if key in _POSITIVE_SIZES or not _size_like(key):
+            continue
+        if _is_whole(value) and value < 0 or isinstance(value, float) and (not math.isfinite(value) or value < 0):
+            raise BadInput(f"{where}: {key} is {value!r}; allowed: a number >= 0")
+    hidden, heads, kv = config.get("hidden_size"), config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if hidden and heads and config.get("head_dim") is None and hidden % heads:
+        raise BadInput(
+            f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
+            "allowed: a head count that divides the width, or an explicit head_dim"
+        )
+    if heads and kv and heads % kv:
+        raise BadInput(
+            f"{where}: num_key_value_heads is {kv}; allowed: a divisor of num_attention_heads ({heads})"
+        )
+
+
+def check_with_transformers(config: dict[str, Any], where: str) -> None:
+    """transformers' own validation of the config class; its errors are the user's input, not a bug.
+
+    Configs with remote code or a model type transformers does not know are left to intake, which
+    reports those with their own message.
+    """
+    model_type = config.get("model_type")
+    if config.get("auto_map") or not isinstance(model_type, str):
+        return
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return
+    try:
+        CONFIG_MAPPING[model_type].from_dict(dict(config))
+    except Exception as err:  # noqa: BLE001 - any rejection by the config class is a bad value in the file
+        raise BadInput(f"{where}: transformers rejects this {model_type} config: {config_error_line(err)}") from None
+
+
+def config_error_line(err: BaseException) -> str:
+    """The reason inside transformers' (possibly wrapped, multi-line) validation error, on one line."""
+    cause = err
+    while cause.__cause__ is not None and cause.__cause__ is not cause:
+        cause = cause.__cause__
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(cause).__name__
+    return text[:300]
+
+
+def is_config_validation_error(err: BaseException) -> bool:
+    """transformers' strict-dataclass validation errors (raised from config classes)."""
+    return type(err).__name__ in ("StrictDataclassClassValidationError", "StrictDataclassFieldValidationError")

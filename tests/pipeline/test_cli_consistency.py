@@ -1,0 +1,88 @@
+"""One flag name and one default per quantity, the same --cluster forms, and --json on every command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from pipeline_helpers import EXAMPLE, cli
+
+from adapt.app.cli import build_parser
+from adapt.app.commands.flags import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_PLAN_SEQ_LEN,
+    DEFAULT_SEQ_LEN,
+)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _leaf_commands() -> dict[str, argparse.ArgumentParser]:
+    leaves = {}
+    for name, sub in _subparsers(build_parser()).items():
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            leaves.update({f"{name} {k}": v for k, v in nested[0].choices.items()})
+        else:
+            leaves[name] = sub
+    return leaves
+
+
+def test_every_command_has_json():
+    missing = [name for name, parser in _leaf_commands().items() if "--json" not in parser._option_string_actions]
+    assert not missing
+
+
+def test_one_spelling_and_default_per_quantity():
+    expected = {"--seq-len": DEFAULT_SEQ_LEN, "--batch-size": DEFAULT_BATCH_SIZE}
+    for name in ("run", "align", "bench", "soak"):
+        parser = _leaf_commands()[name]
+        for flag, default in expected.items():
+            assert parser._option_string_actions[flag].default == default, (name, flag)
+    for name in ("run", "plan"):
+        parser = _leaf_commands()[name]
+        assert parser._option_string_actions["--plan-seq-len"].default == DEFAULT_PLAN_SEQ_LEN
+        assert "--cluster" in parser._option_string_actions
+    assert _leaf_commands()["run"]._option_string_actions["--global-batch"].default == DEFAULT_GLOBAL_BATCH
+    # old spellings still parse, into the same quantity
+    args = build_parser("align").parse_args(["align", "x", "--seq", "8", "--batch", "3"])
+    assert (args.seq_len, args.batch_size) == (8, 3)
+    args = build_parser("plan").parse_args(["plan", "x", "--seq", "1024"])
+    assert args.plan_seq_len == 1024
+
+
+def test_plan_runs_on_the_same_defaults_as_run(capsys):
+    assert cli("plan", str(EXAMPLE), "--json") == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["cluster"]["num_gpus"] == 8 and answer["cluster"]["gpu"]["name"] == "h100"
+    assert cli("plan", str(EXAMPLE), "--cluster", "16xa100", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["num_gpus"] == 16
+
+
+def test_run_json_prints_the_report(tmp_path, capsys):
+    assert cli("run", str(EXAMPLE), "--stages", "intake", "--out", str(tmp_path / "r"), "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads((tmp_path / "r" / "report.json").read_text())
+
+
+def test_report_and_launch_json(tmp_path, capsys):
+    run = tmp_path / "r"
+    assert cli("run", str(EXAMPLE), "--stages", "intake,plan", "--out", str(run), "--quiet") == 0
+    assert cli("report", "render", str(run), "--json") == 0
+    written = json.loads(capsys.readouterr().out)["written"]
+    assert set(written) == {"md", "html", "junit"}
+    assert cli("launch", str(EXAMPLE), "--plan", str(run / "plan.json"), "--json") == 0
+    launch = json.loads(capsys.readouterr().out)
+    assert launch["command"][-2:] == ["--plan", str(run / "plan.json")] or str(run / "plan.json") in launch["command"]
+
+
+@pytest.mark.parametrize("argv", [["plan", "x", "--top", "0"], ["run", "x", "--stages", "soak"]])
+def test_input_errors_are_one_line(argv, capsys):
+    assert cli(*argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("adapt: error:")
