@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from adapt.core.errors import AdaptError, BadInput, CheckFailed
-from adapt.inputs import config_error_line, is_config_validation_error
+from adapt.core.inputs import config_error_line, is_config_validation_error
 from adapt.core.source import ModelSource
 from adapt.core.spec import ModelSpec
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from adapt.core.errors import BadInput
-from adapt.interrupts import deferred_interrupts
+from adapt.core.interrupts import deferred_interrupts
 from validators.align import check_device, kernel_plan_transform
 from validators.compare import parse_dtype
 

@@ -14,8 +14,8 @@ import os
 import sys
 
 from adapt.core.errors import EXIT_BAD_INPUT, AdaptError
-from adapt.inputs import config_error_line, is_config_validation_error
-from adapt.interrupts import Terminated, exit_code_of_interrupt, sigterm_raises
+from adapt.core.inputs import config_error_line, is_config_validation_error
+from adapt.core.interrupts import Terminated, exit_code_of_interrupt, sigterm_raises
 
 # Modules that contribute subcommands, in the order they appear in --help.
 SUBCOMMAND_MODULES = [

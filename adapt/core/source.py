@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from adapt.core.errors import BadInput
-from adapt.inputs import check_config_values
+from adapt.core.inputs import check_config_values
 
 SourceKind = Literal["hub", "directory", "config"]
 

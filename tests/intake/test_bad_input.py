@@ -163,7 +163,7 @@ def _check_bad_config(capsys, zoo, tmp_path, change, fragments, command):
 
 
 def test_nested_text_config_is_checked(tmp_path):
-    from adapt.inputs import check_config_values
+    from adapt.core.inputs import check_config_values
 
     with pytest.raises(BadInput, match="text_config: num_hidden_layers is 0"):
         check_config_values({"model_type": "x", "text_config": {"num_hidden_layers": 0}}, "config.json")

@@ -21,7 +21,7 @@ def add_source_flags(parser: argparse.ArgumentParser) -> None:
 def resolve_checked(args: argparse.Namespace, config_only: bool | None = None):
     """The source, resolved without importing torch (bad ids and configs answer at once), then the config
     checked by transformers' own validation; its rejections are bad input, not internal errors."""
-    from adapt.inputs import check_with_transformers
+    from adapt.core.inputs import check_with_transformers
     from adapt.core.source import resolve_source
 
     src = resolve_source(

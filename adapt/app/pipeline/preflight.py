@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from adapt.core.errors import BadInput
-from adapt.inputs import check_with_transformers
+from adapt.core.inputs import check_with_transformers
 from adapt.app.pipeline.options import STAGE_NAMES, RunOptions
 
 # What each stage reads from earlier stages: a selection without them cannot run.  Mirrors

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
-from adapt.interrupts import Terminated, deferred_interrupts
+from adapt.core.interrupts import Terminated, deferred_interrupts
 from adapt.app.pipeline.options import STAGE_NAMES, DeviceDescription, RunOptions, max_positions
 from adapt.app.pipeline.preflight import (
     check_options,
