@@ -499,7 +499,7 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
 
 def launch_command(plan: ParallelPlan, cluster: Cluster, source: str) -> str:
     """The command ``adapt launch`` would print for this plan (``plan.json`` = this answer, saved)."""
-    from adapt.runtime.launch import (
+    from parallel_planner.launch import (
         LaunchConfig,
         render,
         torchrun_command,

@@ -8,7 +8,6 @@ from typing import Any
 
 import pandas as pd
 
-from adapt.app.pipeline.options import STAGE_NAMES
 from reports.schema import stage, summary
 from reports.tables import format_number, to_markdown
 
@@ -24,6 +23,7 @@ MARKS = {
 
 
 def build_matrix(reports: list[dict[str, Any]]) -> pd.DataFrame:
+    stage_names = list(dict.fromkeys(entry["name"] for report in reports for entry in report["stages"]))
     rows = []
     for report in reports:
         intake = summary(report, "intake")
@@ -32,7 +32,7 @@ def build_matrix(reports: list[dict[str, Any]]) -> pd.DataFrame:
             "architecture": ", ".join(intake.get("architectures", [])) or "",
             "params": intake.get("params_total"),
         }
-        for name in STAGE_NAMES:
+        for name in stage_names:  # the columns come from the reports themselves
             entry = stage(report, name)
             row[name] = MARKS.get(entry["status"], entry["status"]) if entry else ""
         row["coverage"] = _coverage(report)

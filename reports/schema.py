@@ -54,7 +54,7 @@ def exit_code_for(stages: list[dict[str, Any]]) -> int:
 
 def build_report(records: list[Any], options: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     """Assemble report.json from the stage records (StageRecord or their dicts) of one run."""
-    from adapt.app.pipeline.store import adapt_version, to_jsonable
+    from adapt.core.jsonio import adapt_version, to_jsonable
 
     stages = [r.to_dict() if hasattr(r, "to_dict") else dict(r) for r in records]
     return to_jsonable(

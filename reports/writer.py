@@ -12,7 +12,7 @@ FORMATS = ("json", "md", "html", "junit")
 
 def write_reports(report: dict[str, Any], out_dir: str | Path, formats: Iterable[str] = FORMATS) -> dict[str, Path]:
     """Render ``report`` into ``out_dir``; returns format -> path."""
-    from adapt.app.pipeline.store import atomic_write_text
+    from adapt.core.jsonio import atomic_write_text
     from reports.html import render_html
     from reports.junit import render_junit
     from reports.markdown import render_markdown

@@ -14,5 +14,5 @@ Modules, in the order ``parallelize`` applies them:
 * ``context_parallel``: PyTorch's ring-attention context manager (CUDA only).
 * ``trainer`` / ``data``: AdamW, clipping, warm-up + cosine, metrics; synthetic or token-file data.
 * ``checkpoint``: DCP save/load across layouts, HF safetensors export.
-* ``launch`` / ``runner``: torchrun command lines and the entry used by ``adapt train``.
+* ``runner``: the entry used by ``adapt train`` (the torchrun command line is the planner's ``parallel_planner.launch``).
 """

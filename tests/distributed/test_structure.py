@@ -10,7 +10,7 @@ import torch
 
 from adapt.core.errors import BadInput
 from adapt.runtime.data import SyntheticTokens, TokenFile
-from adapt.runtime.launch import LaunchConfig, torchrun_command
+from parallel_planner.launch import LaunchConfig, torchrun_command
 from adapt.runtime.model_parts import find_parts
 from adapt.runtime.pipeline import stage_block_counts
 from adapt.runtime.tensor_parallel import check_tensor_parallel

@@ -115,7 +115,7 @@ def planned():
 
 def test_stage_loaders_round_trip_their_results(planned):
     from adapt.app.pipeline.stages import STAGES
-    from adapt.app.pipeline.store import to_jsonable
+    from adapt.core.jsonio import to_jsonable
 
     spec, result = planned
     for name, typed in (("intake", spec), ("plan", result)):

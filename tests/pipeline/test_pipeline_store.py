@@ -9,7 +9,8 @@ import shutil
 import pytest
 from pipeline_helpers import EXAMPLE, adapt_run, load
 
-from adapt.app.pipeline.store import atomic_write_text, source_fingerprint, stage_key
+from adapt.app.pipeline.store import source_fingerprint, stage_key
+from adapt.core.jsonio import atomic_write_text
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):

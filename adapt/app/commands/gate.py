@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from adapt.app.pipeline.store import atomic_write_text
+    from adapt.core.jsonio import atomic_write_text
     from reports import load_report
     from reports.judge import load_thresholds, rejudge, render_gate_junit
 

@@ -62,7 +62,7 @@ def _train_args(args: argparse.Namespace) -> list[str]:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from adapt.runtime.launch import (
+    from parallel_planner.launch import (
         LaunchConfig,
         render,
         torchrun_command,

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
 
 
 def handle_matrix(args: argparse.Namespace) -> int:
-    from adapt.app.pipeline.store import atomic_write_text
+    from adapt.core.jsonio import atomic_write_text
     from reports import load_report
     from reports.matrix import build_matrix, render_matrix_html, render_matrix_markdown
 

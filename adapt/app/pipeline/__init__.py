@@ -10,7 +10,7 @@ Public API::
 from adapt.app.pipeline.options import STAGE_NAMES, RunOptions, select_stages
 from adapt.app.pipeline.progress import RunProgress, report_progress
 from adapt.app.pipeline.runner import RunOutcome, exit_code_of, run_pipeline
-from adapt.app.pipeline.store import RunStore, StageRecord, atomic_write_json, atomic_write_text, source_fingerprint
+from adapt.app.pipeline.store import RunStore, StageRecord, source_fingerprint
 
 __all__ = [
     "STAGE_NAMES",
@@ -19,8 +19,6 @@ __all__ = [
     "RunProgress",
     "RunStore",
     "StageRecord",
-    "atomic_write_json",
-    "atomic_write_text",
     "exit_code_of",
     "report_progress",
     "run_pipeline",

@@ -30,16 +30,8 @@ from adapt.app.pipeline.stages import (
     StageUnavailable,
     to_result_dict,
 )
-from adapt.app.pipeline.store import (
-    RunLock,
-    RunStore,
-    StageRecord,
-    adapt_version,
-    atomic_write_json,
-    source_fingerprint,
-    stage_key,
-    to_jsonable,
-)
+from adapt.app.pipeline.store import RunLock, RunStore, StageRecord, source_fingerprint, stage_key
+from adapt.core.jsonio import adapt_version, atomic_write_json, to_jsonable
 
 REUSABLE = ("passed", "failed")  # statuses whose stored result can stand in for a rerun
 NOT_AVAILABLE = ("error", "blocked", "interrupted", "skipped", "pending")

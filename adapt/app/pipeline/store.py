@@ -21,63 +21,18 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
+from adapt.core.jsonio import atomic_write_json, atomic_write_text, json_default
 
 # Files whose bytes define the model (config, remote code, tokenizer); weights are fingerprinted
 # by their safetensors header, size and mtime so that multi-GB shards are never read in full.
 _CONTENT_SUFFIXES = (".json", ".py", ".txt", ".model", ".tiktoken", ".yaml", ".jinja")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; a report is as readable as any file the user writes
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
-    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
-
-
-def _json_default(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    if hasattr(value, "item"):  # numpy / torch scalars
-        return value.item()
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
-
-
-def to_jsonable(value: Any) -> Any:
-    """Round-trip through JSON so a stored result is exactly what a later run will read back."""
-    return json.loads(json.dumps(value, default=_json_default))
-
-
 def source_fingerprint(root: str | os.PathLike, exclude: str | os.PathLike | None = None) -> str:
     """Content hash of a checkpoint directory (or single file): what a cached stage depends on.
 
@@ -114,20 +69,11 @@ def _safetensors_header(path: Path) -> bytes:
         return fh.read(min(length, _MAX_SAFETENSORS_HEADER))
 
 
-def adapt_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("adapt")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def stage_key(stage: str, options: dict[str, Any], fingerprint: str, upstream: list[str], version: str) -> str:
     payload = json.dumps(
         {"stage": stage, "options": options, "source": fingerprint, "upstream": upstream, "adapt": version},
         sort_keys=True,
-        default=_json_default,
+        default=json_default,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
