@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-# Validation runs on this machine (alignment, throughput, soak): small shapes a tiny model finishes in seconds.
-DEFAULT_SEQ_LEN = 32
-DEFAULT_BATCH_SIZE = 2
+# Validation shapes (alignment, throughput, soak) are chosen by --device: adapt.app.pipeline.options.choose_defaults.
+BY_DEVICE = "default: chosen by --device, see `adapt run --help`"
 # What the parallel plan targets on the cluster.
 DEFAULT_CLUSTER = "8xH100"
 DEFAULT_PLAN_SEQ_LEN = 4096
@@ -22,13 +21,11 @@ def hidden_alias(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag
     parser.add_argument(flag, dest=dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
 
 
-def add_validation_shape(parser: argparse.ArgumentParser, seq_len: int = DEFAULT_SEQ_LEN) -> None:
-    """``--seq-len`` and ``--batch-size`` of the validation runs, as ``adapt run`` spells them."""
-    parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sequence (default {seq_len})")
+def add_validation_shape(parser: argparse.ArgumentParser) -> None:
+    """``--seq-len`` and ``--batch-size`` of the validation runs: one spelling and one device-chosen default."""
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence ({BY_DEVICE})")
     hidden_alias(parser, "--seq", "seq_len", type=int)
-    parser.add_argument(
-        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help=f"sequences per batch (default {DEFAULT_BATCH_SIZE})"
-    )
+    parser.add_argument("--batch-size", type=int, help=f"sequences per batch ({BY_DEVICE})")
     hidden_alias(parser, "--batch", "batch_size", type=int)
 
 

@@ -13,6 +13,7 @@ from adapt.app.commands.flags import (
     DEFAULT_GLOBAL_BATCH,
     add_json,
     add_plan_target,
+    add_validation_shape,
 )
 from adapt.app.pipeline import (
     STAGE_NAMES,
@@ -72,8 +73,7 @@ def register(subparsers) -> None:
         "--dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default: chosen by --device)"
     )
     by_device = "(default: chosen by --device)"
-    p.add_argument("--seq-len", type=int, help=f"sequence length of validation runs {by_device}")
-    p.add_argument("--batch-size", type=int, help=f"batch size of validation runs {by_device}")
+    add_validation_shape(p)
     p.add_argument("--bench-steps", type=int, help=f"timed steps per throughput measurement {by_device}")
     p.add_argument("--soak-steps", type=int, help=f"training steps of the soak {by_device}")
     p.add_argument("--ckpt-every", type=int, help=f"soak checkpoint interval in steps {by_device}")

@@ -81,7 +81,20 @@ def _source(args: argparse.Namespace):
 
     if args.config_only:
         raise BadInput("validation runs the model: --config-only cannot be used here")
-    return resolve_checked(args)
+    src = resolve_checked(args)
+    _fill_device_shape(args, getattr(src, "config_dict", {}) or {})
+    return src
+
+
+def _fill_device_shape(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """Unset ``--seq-len`` / ``--batch-size`` take the device's defaults, exactly as ``adapt run`` chooses them."""
+    from adapt.app.pipeline.options import DeviceDescription, choose_defaults, max_positions
+
+    defaults = choose_defaults(DeviceDescription.of(args.device), max_positions(config))
+    for name in ("seq_len", "batch_size"):
+        if getattr(args, name, None) is None:
+            setattr(args, name, getattr(defaults, name))
+    _positive(args, "seq_len", "batch_size")
 
 
 def _kernel_plan(src, args: argparse.Namespace, notes: list[str]) -> Any:
@@ -107,9 +120,9 @@ def _emit(result, args: argparse.Namespace, notes: list[str], summary) -> int:
 
 def run_align(args: argparse.Namespace) -> int:
     _positive(args, "seq_len", "batch_size")
+    src, notes = _source(args), []
     if args.seq_len < 2:
         raise BadInput(f"--seq-len is {args.seq_len}; allowed: an integer >= 2 (next-token targets)")
-    src, notes = _source(args), []
     from validators.align import AlignOptions, align
 
     plan = _kernel_plan(src, args, notes)
