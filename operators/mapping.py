@@ -97,6 +97,18 @@ class KernelPlan:
     def to_dict(self) -> dict[str, Any]:
         return json_ready({**dataclasses.asdict(self), "coverage": self.coverage()})
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KernelPlan":
+        """The plan back from ``to_dict()`` (a plan saved by one process, applied in another)."""
+        return cls(
+            profile=data["profile"],
+            target=data["target"],
+            components=[KernelChoice(**c) for c in data["components"]],
+            ops=[OpDecision(**o) for o in data["ops"]],
+            providers=data.get("providers", {}),
+            compile=data.get("compile", {"mode": "none", "reason": "not recorded"}),
+        )
+
 
 def plan_kernels(
     inventory: OpInventory,

@@ -144,3 +144,14 @@ def test_repetitions_stop_once_the_spread_is_known():
     benchmark.time_ms(lambda: None, timer("noisy", noisy), warmup=1)
     assert calls["steady"] == 1 + benchmark.MIN_REPS
     assert calls["noisy"] > calls["steady"]
+
+
+def test_a_saved_plan_reads_back_equal(zoo):
+    import json
+
+    from operators import run_ops
+    from operators.mapping import KernelPlan
+
+    plan = run_ops(str(zoo("llama")), config_only=True).plan
+    again = KernelPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.to_dict() == plan.to_dict() and again.compile == plan.compile
