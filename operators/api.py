@@ -16,7 +16,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from operators.generated import GeneratedKernel, generate
-from operators.inventory import OnnxReport, OpInventory, example_batch, json_ready, trace_model
+from operators.inventory import (
+    OnnxReport,
+    OpInventory,
+    example_batch,
+    json_ready,
+    trace_model,
+)
 from operators.mapping import KernelPlan, plan_kernels
 from operators.meta_trace import trace_meta_model
 from operators.patch import PatchHandle, apply_kernel_plan
@@ -154,7 +160,7 @@ def run_ops(
     source = resolve_source(str(src), config_only=config_only, trust_remote_code=trust_remote_code) if isinstance(src, (str, Path)) else src
     label = getattr(source, "text", str(src))
     prof = profile if isinstance(profile, BackendProfile) else load_profile(profile)
-    tgt = target or Target.here()
+    tgt = target or Target.here(dtype="bfloat16" if torch.cuda.is_available() else "float32")  # what adapt run trains in
     out = Path(out_dir) if out_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -209,27 +215,33 @@ def adapt_model(model: nn.Module, plan: KernelPlan, *, compile_mode: str | None 
     "blocks" compiles each repeated block in place (``module.compile()``): identical blocks share one
     compiled graph, and modules outside the blocks (embedding, head, fused loss) stay eager.
     """
-    mode = compile_mode or plan.compile.get("mode", "none")
     handle = apply_kernel_plan(model, plan)
     try:
-        if mode == "blocks":
-            from adapt.structure import find_block_list
-
-            _, blocks = find_block_list(model)
-            targets = list(blocks)
-        elif mode == "whole":
-            targets = [model]
-        elif mode == "none":
-            targets = []
-        else:
-            raise ValueError(f"compile mode must be blocks, whole or none, not {mode!r}")
-        for module in targets:
-            module.compile()
-            handle.releases.append(functools.partial(_uncompile, module))
+        handle.releases.extend(compile_as_planned(model, compile_mode or plan.compile.get("mode", "none")))
     except Exception:
         handle.revert()
         raise
     return handle
+
+
+def compile_as_planned(model: nn.Module, mode: str) -> list[Callable[[], None]]:
+    """Compile ``model`` in place the way a plan's compile mode says; returns the undo callables.
+
+    For callers that patch through their own transform and need only the plan's compilation on top.
+    """
+    if mode == "blocks":
+        from adapt.structure import find_block_list
+
+        targets = list(find_block_list(model)[1])
+    elif mode == "whole":
+        targets = [model]
+    elif mode == "none":
+        targets = []
+    else:
+        raise ValueError(f"compile mode must be blocks, whole or none, not {mode!r}")
+    for module in targets:
+        module.compile()
+    return [functools.partial(_uncompile, module) for module in targets]
 
 
 def _uncompile(module: nn.Module) -> None:

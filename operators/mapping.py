@@ -98,7 +98,7 @@ class KernelPlan:
         return json_ready({**dataclasses.asdict(self), "coverage": self.coverage()})
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "KernelPlan":
+    def from_dict(cls, data: dict[str, Any]) -> KernelPlan:
         """The plan back from ``to_dict()`` (a plan saved by one process, applied in another)."""
         return cls(
             profile=data["profile"],

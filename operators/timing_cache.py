@@ -37,7 +37,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library_versions() -> dict[str, str | None]:
     return {"torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"), "adapt": _version("adapt")}
 

@@ -32,13 +32,13 @@ def register(sub) -> None:
     align.add_argument("--reference", choices=("fp64", "fp32"), default=None, help="reference dtype (default fp64; fp32 from width 4096)")
     align.set_defaults(func=run_align)
 
-    bench = sub.add_parser("bench", help="training step, prefill and decode throughput, MFU, memory; eager vs adapted")
+    bench = sub.add_parser("bench", help="training step, prefill and decode throughput, MFU, memory; adapted vs eager and torch.compile")
     _common(bench)
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
-    bench.add_argument("--seq", type=int, default=256)
-    bench.add_argument("--batch", type=int, default=2)
-    bench.add_argument("--steps", type=int, default=6, help="timed training steps per variant (after 2 warm-up)")
-    bench.add_argument("--compile", action="store_true", help="also measure the adapted model under torch.compile")
+    bench.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: cpu 256; cuda min(max positions, 2048))")
+    bench.add_argument("--batch", type=int, default=None, help="sequences (default: cpu 2; cuda as many as fit 60%% of free memory)")
+    bench.add_argument("--steps", type=int, default=None, help="timed training steps per variant, after 2 warm-up (default: cpu 6, cuda 20)")
+    bench.add_argument("--compile", action="store_true", help="add the torch.compile baseline on a CPU too (always on CUDA)")
     bench.add_argument("--max-layers", type=int, default=None, help="measure only the first N blocks, at real width")
     bench.add_argument("--calibration-out", default=None, help="write the planner calibration JSON here")
     bench.set_defaults(func=run_bench)
@@ -134,7 +134,7 @@ def run_bench(args: argparse.Namespace) -> int:
     src, notes = _source(args), []
     plan = _kernel_plan(src, args, notes)
     options = BenchOptions(
-        dtype=args.dtype, seq_len=args.seq, batch=args.batch, steps=args.steps, compile=args.compile, max_layers=args.max_layers
+        dtype=args.dtype, seq_len=args.seq, batch=args.batch, steps=args.steps, compile=True if args.compile else None, max_layers=args.max_layers
     )
     report = bench(src, plan, device=args.device, options=options)
     if args.calibration_out:
@@ -216,6 +216,8 @@ def _print_bench(data: dict[str, Any]) -> None:
     ]
     _table(f"throughput on {data['device_name']} ({data['dtype']}, {data['batch']}x{data['seq_len']})", ["variant", "train tok/s", "MFU", "prefill tok/s", "decode tok/s", "peak GiB"], rows)
     _print_notes(data)
+    print(f"shapes: {data['shapes_basis']}")
+    print(f"{data['verdict'].upper()}: " + "; ".join(data["reasons"]))
 
 
 def _print_soak(data: dict[str, Any]) -> None:
