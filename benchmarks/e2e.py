@@ -105,7 +105,7 @@ def ops_job(ckpt: Path, plan_path: Path, light: bool) -> dict[str, Any]:
         "seconds": round(seconds, 2),
         "phases": {k: round(v, 2) for k, v in report.phases.items()},
         "compile": report.plan.compile,
-        "patch_check": None if report.patch_check is None else report.patch_check.passed,
+        "patch_check": report.patch_check.passed if report.patch_check is not None and report.patch_check.ran else None,
         "choices": [
             {"module": c.module, "kind": c.kind, "kernel": f"{c.provider}:{c.kernel}", "timings_ms": c.timings, "margin": c.margin}
             for c in report.plan.components
@@ -348,14 +348,18 @@ def main_parent(args: argparse.Namespace) -> int:
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     report: dict[str, Any] = {"budget_s": args.budget_s, "batch": args.batch, "seq": args.seq, "warmup": args.warmup,
-                              "steps": args.steps, "tiny": args.tiny, "models": {}}
+                              "steps": args.steps, "tiny": args.tiny, "models": {},
+                              "ops_cold_means": "adapt's timing cache empty (a fresh ADAPT_CACHE); Triton's and Inductor's caches as found"}
+    previous = out / f"{_stem(args)}.json"
+    if args.merge and previous.is_file():  # keep the other models' entries of an earlier call
+        report["models"] = {k: v for k, v in json.loads(previous.read_text()).get("models", {}).items() if k not in models}
     # Each model gets an equal share of what is left when its turn comes, so a slow model cannot starve the next.
     for index, model in enumerate(models):
         work = out / "e2e-work" / model
         work.mkdir(parents=True, exist_ok=True)
         share = (deadline - time.perf_counter()) / (len(models) - index)
         model_deadline = time.perf_counter() + share
-        entry: dict[str, Any] = {"variants": {}}
+        entry: dict[str, Any] = {"variants": {}, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         report["models"][model] = entry
         cache = work / "adapt-cache"
         env_model = {**env, "ADAPT_CACHE": str(cache)}
@@ -398,8 +402,12 @@ def _brief(result: dict[str, Any]) -> str:
     return f"ok ({result['wall_s']} s)"
 
 
+def _stem(args: argparse.Namespace) -> str:
+    return "e2e-cpu-tiny" if args.tiny else "e2e-h200"
+
+
 def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) -> None:
-    stem = "e2e-cpu-tiny" if args.tiny else "e2e-h200"
+    stem = _stem(args)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
     lines = [f"# One training step, side by side ({'CPU rehearsal, toy sizes' if args.tiny else 'one H200'})", "",
              (f"batch {args.batch} x {args.seq}, {args.warmup} warm-up steps, up to {args.steps} timed steps; "
@@ -458,6 +466,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ops-timeout-s", type=float, default=150.0, help="one operators-stage run's limit")
     parser.add_argument("--ops-light", action="store_true", help="operators stage without ONNX export and patch check")
     parser.add_argument("--profile", action="store_true", help="add a torch-profiler summary per variant")
+    parser.add_argument("--merge", action="store_true", help="keep the other models' entries of an earlier report in --out")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)

@@ -217,6 +217,9 @@ def adapt_model(model: nn.Module, plan: KernelPlan, *, compile_mode: str | None 
     """
     handle = apply_kernel_plan(model, plan)
     try:
+        for choice in plan.components:
+            if choice.kind == "attention" and choice.backend:
+                handle.releases.append(pin_sdpa_backend(model.get_submodule(choice.module), choice.backend))
         handle.releases.extend(compile_as_planned(model, compile_mode or plan.compile.get("mode", "none")))
     except Exception:
         handle.revert()
@@ -242,6 +245,31 @@ def compile_as_planned(model: nn.Module, mode: str) -> list[Callable[[], None]]:
     for module in targets:
         module.compile()
     return [functools.partial(_uncompile, module) for module in targets]
+
+
+def pin_sdpa_backend(module: nn.Module, backend: str) -> Callable[[], None]:
+    """Run ``module`` (an attention module) with SDPA restricted to ``backend``; returns the undo."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from operators.benchmark import SDPA_BACKENDS
+
+    chosen = [getattr(SDPBackend, SDPA_BACKENDS[backend])]
+    previous = module.__dict__.get("forward")
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with sdpa_kernel(chosen):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+
+    def release() -> None:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+
+    return release
 
 
 def _uncompile(module: nn.Module) -> None:

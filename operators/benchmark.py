@@ -109,3 +109,66 @@ def settled(times: list[float]) -> bool:
     """The middle half of the samples lies within ``SPREAD`` of their median."""
     q1, median, q3 = statistics.quantiles(times, n=4)
     return median > 0 and (q3 - q1) <= SPREAD * median
+
+
+# SDPA's backends by measurement: the name the plan records -> ``torch.nn.attention.SDPBackend`` member.
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+ATTENTION_SEQ = 2048
+DEFAULT_DISPATCH = "default"
+
+
+def attention_backend(variant: dict, target: Target) -> tuple[str | None, dict[str, float], str]:
+    """(SDPA backend to pin, or None to leave PyTorch's own dispatch; ms per backend; why).
+
+    Each backend runs causal SDPA (forward, plus backward when training) at the component's heads and
+    head size over ``ATTENTION_SEQ`` tokens, beside the default dispatch; a backend is pinned only when
+    it beats the default by more than the timing noise.  A backend that refuses the shape is left out.
+    """
+    if target.device != "cuda" or not torch.cuda.is_available():
+        return None, {}, f"{target.device}: the SDPA backend is chosen by measurement on CUDA only; PyTorch's dispatch decides here"
+    if variant.get("softcap") or variant.get("sinks"):
+        return None, {}, "score modification (softcap/sinks): FlexAttention, not an SDPA backend"
+    if variant.get("window") or not variant.get("causal") or variant.get("mla"):
+        return None, {}, "needs a mask or unequal head sizes: PyTorch's dispatch decides"
+    cache = DiskCache("attention_timings")
+    shape = [variant.get("num_heads"), variant.get("head_dim"), target.dtype, target.training, ATTENTION_SEQ]
+    timings: dict[str, float] = {}
+    for name in (DEFAULT_DISPATCH, *SDPA_BACKENDS):
+        key = make_key("cuda", "sdpa", name, shape)
+        ms = cache.get(key)
+        if ms is None:
+            ms = _time_sdpa(name, int(variant["num_heads"]), int(variant["head_dim"]), getattr(torch, target.dtype), target.training)
+            cache.put(key, ms)
+        if ms >= 0:  # -1: this backend cannot run the shape
+            timings[name] = ms
+    if DEFAULT_DISPATCH not in timings:
+        return None, timings, "the default dispatch could not be timed"
+    best = min(timings, key=timings.get)
+    if best == DEFAULT_DISPATCH or timings[DEFAULT_DISPATCH] <= timings[best] * (1 + SPREAD):
+        return None, timings, "no backend beats PyTorch's own dispatch beyond timing noise"
+    return best, timings, f"{best} beats the default dispatch x{timings[DEFAULT_DISPATCH] / timings[best]:.2f}"
+
+
+def _time_sdpa(backend: str, heads: int, head_dim: int, dtype: torch.dtype, training: bool) -> float:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch = max(1, TOKENS // ATTENTION_SEQ)
+    q, k, v = (torch.randn(batch, heads, ATTENTION_SEQ, head_dim, device="cuda", dtype=dtype, requires_grad=training) for _ in range(3))
+
+    def run() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if training:
+            out.sum().backward()
+
+    def pinned() -> None:
+        if backend == DEFAULT_DISPATCH:
+            run()
+        else:
+            with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):
+                run()
+
+    try:
+        return time_ms(pinned, cuda_timer)
+    except RuntimeError:  # "No available kernel": the backend does not take this shape or dtype here
+        return -1.0

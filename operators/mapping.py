@@ -48,6 +48,7 @@ class KernelChoice:
     note: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # ms per measured candidate ("provider:kernel")
     margin: float | None = None  # runner-up time / winner time (>1: how much the winner won by)
+    backend: str | None = None  # attention: the SDPA backend pinned by measurement (None: PyTorch's dispatch)
 
     def to_dict(self) -> dict[str, Any]:
         return json_ready(dataclasses.asdict(self))
@@ -173,9 +174,16 @@ def _choose(comp: Component, provs, profile: BackendProfile, target: Target, mod
     timed = f"timed here ({context}): " + ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) if timings else ""
     margin = _margin(timings)
     won = f"{best.provider}:{best.kernel} won by x{margin:.2f}" if margin else ""
+    backend = None
+    if comp.kind == "attention" and best.kernel and "SDPA" in best.kernel:
+        from operators.benchmark import attention_backend
+
+        backend, timings, why = attention_backend(comp.variant, target)
+        margin = _margin(timings)
+        timed = "SDPA backends: " + (", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) + "; " if timings else "") + why
     note = "; ".join(filter(None, [best.note, timed, won]))
     return KernelChoice(comp.module, comp.kind, comp.variant, best.provider, best.kernel, best.status, comp.confirmed,
-                        patch=best.make_forward is not None, note=note, timings=timings, margin=margin)
+                        patch=best.make_forward is not None, note=note, timings=timings, margin=margin, backend=backend)
 
 
 def _margin(timings: dict[str, float]) -> float | None:

@@ -155,3 +155,30 @@ def test_a_saved_plan_reads_back_equal(zoo):
     plan = run_ops(str(zoo("llama")), config_only=True).plan
     again = KernelPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.to_dict() == plan.to_dict() and again.compile == plan.compile
+
+
+def test_the_sdpa_backend_is_pinned_only_when_it_beats_the_default(monkeypatch, tmp_path):
+    from operators.mapping import KernelChoice, KernelPlan
+
+    _fake_cuda(monkeypatch, tmp_path, {})
+    figures = {"default": 1.0, "flash": 0.8, "cudnn": -1.0, "efficient": 1.4}
+    monkeypatch.setattr(benchmark, "_time_sdpa", lambda backend, *args: figures[backend])
+    variant = {"num_heads": 4, "head_dim": 16, "causal": True, "window": None, "softcap": None}
+    backend, timings, why = benchmark.attention_backend(variant, CUDA)
+    assert backend == "flash" and "cudnn" not in timings and "x1.25" in why
+    figures["flash"] = 0.99  # within the noise: PyTorch's dispatch stays
+    assert benchmark.attention_backend({**variant, "head_dim": 32}, CUDA)[0] is None
+    assert benchmark.attention_backend({**variant, "softcap": 50.0}, CUDA)[0] is None
+    off = benchmark.attention_backend(variant, Target("cpu", "float32", True, None))
+    assert off[0] is None and off[1] == {} and "CUDA only" in off[2]
+
+    # a pinned backend is installed on the attention module by adapt_model and undone by revert
+    from operators import adapt_model
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    choice = KernelChoice("0", "attention", variant, "torch-native", "SDPA", "fused", True, backend="flash")
+    plan = KernelPlan({}, CUDA.to_dict(), [choice], [], compile={"mode": "none", "reason": "test"})
+    handle = adapt_model(model, plan)
+    assert "forward" in model[0].__dict__
+    handle.revert()
+    assert "forward" not in model[0].__dict__
