@@ -462,7 +462,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=530.0, help="total wall-clock budget (default 530 s)")
-    parser.add_argument("--variant-timeout-s", type=float, default=110.0, help="one variant's limit, compile included")
+    parser.add_argument("--variant-timeout-s", type=float, default=150.0, help="one variant's limit, compile included")
     parser.add_argument("--ops-timeout-s", type=float, default=150.0, help="one operators-stage run's limit")
     parser.add_argument("--ops-light", action="store_true", help="operators stage without ONNX export and patch check")
     parser.add_argument("--profile", action="store_true", help="add a torch-profiler summary per variant")

@@ -179,7 +179,7 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
     notes: list[str] = []
     on_cuda = device.startswith("cuda")
     patch = transform or kernel_plan_transform(kernel_plan, notes)
-    compile_mode = (kernel_plan.compile.get("mode", "none") if kernel_plan is not None else "none") if on_cuda else "none"
+    compile_mode = (getattr(kernel_plan, "compile", None) or {}).get("mode", "none") if on_cuda else "none"
     spec = build_spec(src, seq_len=options.seq_len)  # what the shapes are chosen from does not depend on seq
     layers = options.max_layers or spec.num_layers
     basis = _choose_shapes(options, spec, dtype, device, on_cuda)
