@@ -11,9 +11,11 @@ Public API:
 - ``apply_kernel_plan(model, plan) -> PatchHandle``: in-place, reversible (``handle.revert()``),
   ``state_dict`` untouched.  The validation stage calls it on a freshly loaded model.
 - ``run_ops(src, profile=None, out_dir=None) -> OpsReport``: the whole stage (``adapt ops``/``adapt run``).
+- ``adapt_model(model, plan) -> PatchHandle``: the adapted configuration (kernels patched in, then
+  compiled as ``plan.compile`` says); what trainer, bench, benchmarks and alignment run.
 """
 
-from operators.api import OpsReport, PatchCheck, build_inventory, check_kernel_plan, run_ops
+from operators.api import OpsReport, PatchCheck, adapt_model, build_inventory, check_kernel_plan, run_ops
 from operators.inventory import OpInventory
 from operators.mapping import KernelPlan, plan_kernels
 from operators.patch import PatchHandle, apply_kernel_plan
@@ -23,6 +25,6 @@ from operators.registry import Target
 
 __all__ = [
     "BackendProfile", "Component", "KernelPlan", "OpInventory", "OpsReport", "PatchCheck", "PatchHandle", "Recognition",
-    "Target", "apply_kernel_plan", "build_inventory", "check_kernel_plan", "load_profile", "plan_kernels", "recognise",
+    "Target", "adapt_model", "apply_kernel_plan", "build_inventory", "check_kernel_plan", "load_profile", "plan_kernels", "recognise",
     "run_ops",
 ]  # fmt: skip

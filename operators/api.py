@@ -3,13 +3,20 @@
 source -> model (real weights, or meta for config-only) -> OpInventory -> Recognition -> KernelPlan
 -> (real weights only) generated-kernel capture, ONNX export, and a patch check: the plan is applied
 to the model, logits and gradients are compared with the unpatched model on fresh inputs, and the
-patch is reverted.
+patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went.
+
+``adapt_model`` is the one way to turn a model into its adapted configuration (the plan's kernels
+patched in, then compiled as the plan says): the trainer, bench, the end-to-end benchmark and
+alignment all call it, so they measure the same thing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +25,16 @@ import torch
 from torch import nn
 
 from operators.generated import GeneratedKernel, generate
-from operators.inventory import OnnxReport, OpInventory, example_batch, json_ready, trace_model
+from operators.inventory import (
+    OnnxReport,
+    OpInventory,
+    example_batch,
+    json_ready,
+    trace_model,
+)
 from operators.mapping import KernelPlan, plan_kernels
 from operators.meta_trace import trace_meta_model
-from operators.patch import apply_kernel_plan
+from operators.patch import PatchHandle, apply_kernel_plan
 from operators.profiles import BackendProfile, load_profile
 from operators.recognition import Recognition, recognise
 from operators.registry import Target
@@ -55,6 +68,8 @@ class OpsReport:
     generated: list[GeneratedKernel] = field(default_factory=list)
     patch_check: PatchCheck | None = None
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per part of the stage
+    onnx_blocks: dict[str, int] | None = None  # blocks in the exported graph, of how many
 
     def new(self) -> list[dict[str, Any]]:
         """What this model has that no recognised kind covers, with how it runs."""
@@ -80,17 +95,21 @@ class OpsReport:
                 "tracer": self.inventory.tracer,
                 "traced_blocks": self.inventory.traced_blocks,
                 "components": [
-                    {"module": c.module, "kind": c.kind, "provider": c.provider, "kernel": c.kernel, "status": c.status, "confirmed": c.confirmed, "variant": c.variant, "note": c.note}
+                    {"module": c.module, "kind": c.kind, "provider": c.provider, "kernel": c.kernel, "status": c.status, "confirmed": c.confirmed, "variant": c.variant, "note": c.note,
+                     "timings_ms": c.timings, "margin": c.margin}
                     for c in self.plan.components
                 ],
                 "ops": [{"overload": o.overload, "count": o.count, "status": o.status, "core": o.core, "replacement": o.replacement, "modules": o.modules} for o in self.plan.ops],
                 "coverage": self.plan.coverage(),
                 "new": self.new(),
                 "onnx": self.onnx,
+                "onnx_blocks": self.onnx_blocks,
                 "generated": self.generated,
                 "providers": self.plan.providers,
+                "compile": self.plan.compile,
                 "patch_check": self.patch_check,
                 "seconds": round(self.seconds, 3),
+                "phases": {k: round(v, 3) for k, v in self.phases.items()},
             }
         )
 
@@ -127,40 +146,134 @@ def run_ops(
     check_patch: bool = True,
     trust_remote_code: bool = False,
     config_only: bool = False,
+    compile_mode: str | None = None,
 ) -> OpsReport:
     """The whole operators stage for ``src`` (a path/hub id, or a resolved ``ModelSource``).
 
     Writes ``ops.json`` (and generated kernel sources, ``model.onnx``) to ``out_dir`` when given.
+    ``compile_mode`` overrides how the plan compiles the adapted model (``mapping.compile_plan``).
     """
     from adapt.model.intake import build_meta_model, load_model, resolve_source
 
     start = time.perf_counter()
+    phases: dict[str, float] = {}
     source = resolve_source(str(src), config_only=config_only, trust_remote_code=trust_remote_code) if isinstance(src, (str, Path)) else src
     label = getattr(source, "text", str(src))
     prof = profile if isinstance(profile, BackendProfile) else load_profile(profile)
-    tgt = target or Target.here()
+    tgt = target or Target.here(dtype="bfloat16" if torch.cuda.is_available() else "float32")  # what adapt run trains in
     out = Path(out_dir) if out_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
     if not source.has_weights:
-        model = build_meta_model(source)
-        inventory = trace_meta_model(model)
-        recognition = recognise(model, inventory, probe=False)
-        plan = plan_kernels(inventory, recognition, prof, tgt)
+        with _phase(phases, "load"):
+            model = build_meta_model(source)
+        with _phase(phases, "trace"):
+            inventory = trace_meta_model(model)
+        with _phase(phases, "recognise"):
+            recognition = recognise(model, inventory, probe=False)
+        with _phase(phases, "plan"):
+            plan = plan_kernels(inventory, recognition, prof, tgt, compile_mode=compile_mode)
         report = OpsReport(label, prof, tgt, inventory, recognition, plan, None, patch_check=PatchCheck(False, note="config-only: no weights"))
     else:
-        model = load_model(source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu")
-        inventory = trace_model(model)
-        recognition = recognise(model, inventory)
-        plan = plan_kernels(inventory, recognition, prof, tgt, model)
-        generated = _capture_generated(model, inventory, plan, out)
-        onnx_report = _onnx(model, out) if onnx else None
-        report = OpsReport(label, prof, tgt, inventory, recognition, plan, onnx_report, generated)
-        report.patch_check = check_kernel_plan(model, plan) if check_patch else PatchCheck(False, note="skipped")
+        with _phase(phases, "load"):
+            model = load_model(source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu")
+        with _phase(phases, "trace"):
+            inventory = trace_model(model)
+        with _phase(phases, "recognise"):
+            recognition = recognise(model, inventory)
+        with _phase(phases, "plan"):
+            plan = plan_kernels(inventory, recognition, prof, tgt, model, compile_mode=compile_mode)
+        with _phase(phases, "generated"):
+            generated = _capture_generated(model, inventory, plan, out)
+        onnx_report, onnx_blocks = None, None
+        if onnx:
+            with _phase(phases, "onnx"):
+                onnx_report, onnx_blocks = _onnx(model, inventory, out)
+        report = OpsReport(label, prof, tgt, inventory, recognition, plan, onnx_report, generated, onnx_blocks=onnx_blocks)
+        with _phase(phases, "patch_check"):
+            report.patch_check = check_kernel_plan(model, plan) if check_patch else PatchCheck(False, note="skipped")
     report.seconds = time.perf_counter() - start
+    report.phases = phases
     if out:
         (out / "ops.json").write_text(json.dumps(report.to_dict(), indent=1))
     return report
+
+
+@contextlib.contextmanager
+def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+
+
+def adapt_model(model: nn.Module, plan: KernelPlan, *, compile_mode: str | None = None) -> PatchHandle:
+    """The adapted configuration of ``model``: the plan's kernels patched in, then compiled as the plan
+    says (``compile_mode`` overrides it: "blocks", "whole" or "none").  ``handle.revert()`` undoes both.
+
+    "blocks" compiles each repeated block in place (``module.compile()``): identical blocks share one
+    compiled graph, and modules outside the blocks (embedding, head, fused loss) stay eager.
+    """
+    handle = apply_kernel_plan(model, plan)
+    try:
+        for choice in plan.components:
+            if choice.kind == "attention" and choice.backend:
+                handle.releases.append(pin_sdpa_backend(model.get_submodule(choice.module), choice.backend))
+        handle.releases.extend(compile_as_planned(model, compile_mode or plan.compile.get("mode", "none")))
+    except Exception:
+        handle.revert()
+        raise
+    return handle
+
+
+def compile_as_planned(model: nn.Module, mode: str) -> list[Callable[[], None]]:
+    """Compile ``model`` in place the way a plan's compile mode says; returns the undo callables.
+
+    For callers that patch through their own transform and need only the plan's compilation on top.
+    """
+    if mode == "blocks":
+        from adapt.model.structure import find_block_list
+
+        targets = list(find_block_list(model)[1])
+    elif mode == "whole":
+        targets = [model]
+    elif mode == "none":
+        targets = []
+    else:
+        raise ValueError(f"compile mode must be blocks, whole or none, not {mode!r}")
+    for module in targets:
+        module.compile()
+    return [functools.partial(_uncompile, module) for module in targets]
+
+
+def pin_sdpa_backend(module: nn.Module, backend: str) -> Callable[[], None]:
+    """Run ``module`` (an attention module) with SDPA restricted to ``backend``; returns the undo."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from operators.benchmark import SDPA_BACKENDS
+
+    chosen = [getattr(SDPBackend, SDPA_BACKENDS[backend])]
+    previous = module.__dict__.get("forward")
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with sdpa_kernel(chosen):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+
+    def release() -> None:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+
+    return release
+
+
+def _uncompile(module: nn.Module) -> None:
+    module._compiled_call_impl = None
 
 
 def _capture_generated(model: nn.Module, inv: OpInventory, plan: KernelPlan, out: Path | None) -> list[GeneratedKernel]:
@@ -184,10 +297,42 @@ def _capture_generated(model: nn.Module, inv: OpInventory, plan: KernelPlan, out
     return kernels
 
 
-def _onnx(model: nn.Module, out: Path | None) -> OnnxReport:
+def _onnx(model: nn.Module, inventory: OpInventory, out: Path | None) -> tuple[OnnxReport, dict[str, int] | None]:
+    """Export the model with one block of each distinct structure: the same op types as the full depth,
+    in a fraction of the time (the exporter's cost grows with every block).  Op counts are for that depth."""
     from operators.onnx_export import export_onnx
 
-    return export_onnx(model, example_batch(model, 2, 16, device=next(model.parameters()).device), out / "model.onnx" if out else None)
+    ids = example_batch(model, 2, 16, device=next(model.parameters()).device)
+    with _distinct_blocks_only(model, inventory) as depth:
+        report = export_onnx(model, ids, out / "model.onnx" if out else None)
+    return report, depth
+
+
+@contextlib.contextmanager
+def _distinct_blocks_only(model: nn.Module, inventory: OpInventory) -> Iterator[dict[str, int] | None]:
+    """Temporarily replace the model's block list by its first block of each structure (``probe_cache.structure_key``)."""
+    from adapt.model.structure import find_block_list
+    from operators.recognition.probe_cache import structure_key
+
+    try:
+        path, blocks = find_block_list(model)
+    except ValueError:
+        yield None
+        return
+    seen, keep = set(), []
+    for i, block in enumerate(blocks):
+        record = inventory.modules.get(f"{path}.{i}")
+        key = structure_key(block, record, inventory) if record is not None else ("untraced", i)
+        if key not in seen:
+            seen.add(key)
+            keep.append(block)
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, nn.ModuleList(keep))
+    try:
+        yield {"exported": len(keep), "of": len(blocks)}
+    finally:
+        setattr(parent, attr, blocks)
 
 
 def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -> PatchCheck:

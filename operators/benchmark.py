@@ -1,71 +1,76 @@
 """Pick between several qualifying kernels by timing them on the target device, with an on-disk cache.
 
 Only used on CUDA: each candidate's replacement forward (plus backward when training) runs on a
-copy of the real module at a representative token count; the median of CUDA-event timings
-decides.  A candidate without a replacement forward is the module's own forward: the path the model
-already takes (an MoE block on transformers' grouped GEMM, say) competes with the kernels.  Results
-are cached per (device name, kind, variant, dtype, tokens) in ``$ADAPT_CACHE/kernel_bench.json``
-(default ``~/.cache/adapt``).
+copy of the real module at a representative token count.  A candidate without a replacement forward
+is the module's own forward: the path the model already takes (an MoE block on transformers' grouped
+GEMM, say) competes with the kernels.  When the plan compiles the model, every candidate is timed
+inside ``torch.compile``: a hand kernel must beat what Inductor makes of the region it replaces, not
+the eager module.
+
+Each (candidate, kind, variant, dtype, tokens, context) is timed once per device and software
+versions and kept in ``operators.timing_cache`` (``kernel_timings.json``), so a second run, or a
+second model with the same shapes, times nothing.  Repetitions stop as soon as the spread is known.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import os
-from pathlib import Path
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 
 from operators.recognition import Component
 from operators.registry import KernelOption, Target
+from operators.timing_cache import DiskCache, make_key
 
 TOKENS = 8192
-
-
-def _cache_path() -> Path:
-    return Path(os.environ.get("ADAPT_CACHE", Path.home() / ".cache" / "adapt")) / "kernel_bench.json"
-
-
-def _key(comp: Component, target: Target) -> str:
-    variant = {k: v for k, v in comp.variant.items() if not k.endswith("evidence")}
-    payload = json.dumps([torch.cuda.get_device_name(), comp.kind, variant, target.dtype, target.training, TOKENS], sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()[:20]
-
-
-def fastest(options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module | None = None) -> tuple[KernelOption, dict[str, float]]:
-    """The fastest option and the timings (ms) that chose it (cached); without a module to time, the
-    first option in provider order and no timings."""
-    if module is None or not torch.cuda.is_available() or "width" not in comp.variant:
-        return options[0], {}
-    path = _cache_path()
-    cache = json.loads(path.read_text()) if path.is_file() else {}
-    key = _key(comp, target)
-    by_name = {_name(o): o for o in options}
-    if key in cache and set(cache[key]["ms"]) == set(by_name):
-        return by_name[cache[key]["winner"]], cache[key]["ms"]
-    timings = measure(options, comp, target, module)
-    winner = min(timings, key=timings.get)
-    cache[key] = {"winner": winner, "ms": timings}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cache, indent=1))
-    return by_name[winner], timings
+MIN_REPS, MAX_REPS = 5, 30
+SPREAD = 0.03  # stop once the interquartile range is within 3% of the median
+BUDGET_S = 1.0  # nor time one candidate for longer than this (after warm-up)
 
 
 def _name(option: KernelOption) -> str:
     return f"{option.provider}:{option.kernel}"
 
 
-def measure(options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module) -> dict[str, float]:
+def _key(option_name: str, comp: Component, target: Target, compiled: bool) -> str:
+    variant = {k: v for k, v in comp.variant.items() if not k.endswith("evidence")}
+    return make_key("cuda", option_name, comp.kind, variant, target.dtype, target.training, TOKENS, "compiled" if compiled else "eager")
+
+
+def fastest(
+    options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module | None = None, *, compiled: bool = False
+) -> tuple[KernelOption, dict[str, float]]:
+    """The fastest option and the timings (ms) that chose it; each option's timing comes from the cache when
+    it is there.  Without a module to time, the first option in provider order and no timings."""
+    if module is None or not torch.cuda.is_available() or "width" not in comp.variant:
+        return options[0], {}
+    cache = DiskCache("kernel_timings")
+    by_name = {_name(o): o for o in options}
+    timings = {name: cache.get(_key(name, comp, target, compiled)) for name in by_name}
+    missing = [by_name[name] for name, ms in timings.items() if ms is None]
+    if missing:
+        for name, ms in measure(missing, comp, target, module, compiled=compiled).items():
+            timings[name] = ms
+            cache.put(_key(name, comp, target, compiled), ms)
+    winner = min(timings, key=timings.get)
+    return by_name[winner], timings
+
+
+def measure(options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module, *, compiled: bool = False) -> dict[str, float]:
     """Median ms of each option's forward (+ backward when training) on a CUDA copy of ``module``."""
     dtype = getattr(torch, target.dtype)
     timings = {}
     for opt in options:
         mod = copy.deepcopy(module).to("cuda", dtype)
         fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
+        if compiled:
+            fwd = torch.compile(fwd, fullgraph=False, dynamic=False)
         x = torch.randn(1, TOKENS, comp.variant["width"], device="cuda", dtype=dtype, requires_grad=target.training)
-        timings[_name(opt)] = _time(lambda fwd=fwd, x=x: _step(fwd, x, target.training))
+        timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), cuda_timer)
+        del mod, fwd
     return timings
 
 
@@ -76,15 +81,94 @@ def _step(fwd, x, training: bool) -> None:
         out.float().sum().backward()
 
 
-def _time(fn, warmup: int = 3, reps: int = 10) -> float:
+def cuda_timer(fn: Callable[[], None]) -> float:
+    """Milliseconds of one call of ``fn`` by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_ms(fn: Callable[[], None], timer: Callable[[Callable[[], None]], float], warmup: int = 2) -> float:
+    """Median of ``timer(fn)`` over as few repetitions as pin it: at least ``MIN_REPS``, then until the
+    interquartile range is within ``SPREAD`` of the median, ``MAX_REPS`` are taken or ``BUDGET_S`` is spent."""
     for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        timer(fn)
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < MAX_REPS:
+        times.append(timer(fn))
+        if len(times) >= MIN_REPS and (settled(times) or time.perf_counter() - started > BUDGET_S):
+            break
+    return statistics.median(times)
+
+
+def settled(times: list[float]) -> bool:
+    """The middle half of the samples lies within ``SPREAD`` of their median."""
+    q1, median, q3 = statistics.quantiles(times, n=4)
+    return median > 0 and (q3 - q1) <= SPREAD * median
+
+
+# SDPA's backends by measurement: the name the plan records -> ``torch.nn.attention.SDPBackend`` member.
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+ATTENTION_SEQ = 2048
+DEFAULT_DISPATCH = "default"
+
+
+def attention_backend(variant: dict, target: Target) -> tuple[str | None, dict[str, float], str]:
+    """(SDPA backend to pin, or None to leave PyTorch's own dispatch; ms per backend; why).
+
+    Each backend runs causal SDPA (forward, plus backward when training) at the component's heads and
+    head size over ``ATTENTION_SEQ`` tokens, beside the default dispatch; a backend is pinned only when
+    it beats the default by more than the timing noise.  A backend that refuses the shape is left out.
+    """
+    if target.device != "cuda" or not torch.cuda.is_available():
+        return None, {}, f"{target.device}: the SDPA backend is chosen by measurement on CUDA only; PyTorch's dispatch decides here"
+    if variant.get("softcap") or variant.get("sinks"):
+        return None, {}, "score modification (softcap/sinks): FlexAttention, not an SDPA backend"
+    if variant.get("window") or not variant.get("causal") or variant.get("mla"):
+        return None, {}, "needs a mask or unequal head sizes: PyTorch's dispatch decides"
+    cache = DiskCache("attention_timings")
+    shape = [variant.get("num_heads"), variant.get("head_dim"), target.dtype, target.training, ATTENTION_SEQ]
+    timings: dict[str, float] = {}
+    for name in (DEFAULT_DISPATCH, *SDPA_BACKENDS):
+        key = make_key("cuda", "sdpa", name, shape)
+        ms = cache.get(key)
+        if ms is None:
+            ms = _time_sdpa(name, int(variant["num_heads"]), int(variant["head_dim"]), getattr(torch, target.dtype), target.training)
+            cache.put(key, ms)
+        if ms >= 0:  # -1: this backend cannot run the shape
+            timings[name] = ms
+    if DEFAULT_DISPATCH not in timings:
+        return None, timings, "the default dispatch could not be timed"
+    best = min(timings, key=timings.get)
+    if best == DEFAULT_DISPATCH or timings[DEFAULT_DISPATCH] <= timings[best] * (1 + SPREAD):
+        return None, timings, "no backend beats PyTorch's own dispatch beyond timing noise"
+    return best, timings, f"{best} beats the default dispatch x{timings[DEFAULT_DISPATCH] / timings[best]:.2f}"
+
+
+def _time_sdpa(backend: str, heads: int, head_dim: int, dtype: torch.dtype, training: bool) -> float:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch = max(1, TOKENS // ATTENTION_SEQ)
+    q, k, v = (torch.randn(batch, heads, ATTENTION_SEQ, head_dim, device="cuda", dtype=dtype, requires_grad=training) for _ in range(3))
+
+    def run() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if training:
+            out.sum().backward()
+
+    def pinned() -> None:
+        if backend == DEFAULT_DISPATCH:
+            run()
+        else:
+            with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):
+                run()
+
+    try:
+        return time_ms(pinned, cuda_timer)
+    except RuntimeError:  # "No available kernel": the backend does not take this shape or dtype here
+        return -1.0

@@ -6,6 +6,11 @@ generated component takes that status; any other op is ``native`` when the profi
 ``decomposed`` when ``torch._decomp`` rewrites it into supported ops, ``generated`` when its
 owning module can be compiled for the device, else ``unsupported``.  On CUDA, when several
 kernels qualify, a cached micro-benchmark on the device picks one.
+
+Compilation is part of the plan (``KernelPlan.compile``).  On CUDA the adapted model is compiled
+block by block, so each candidate is timed inside ``torch.compile``: a hand kernel stays only where
+it beats what Inductor generates from the module's own forward, and each choice records what it
+beat and by how much.  Elsewhere the plan runs eager and says why.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class KernelChoice:
     confirmed: bool
     patch: bool = False  # True when apply_kernel_plan installs something for this component
     note: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # ms per measured candidate ("provider:kernel")
+    margin: float | None = None  # runner-up time / winner time (>1: how much the winner won by)
+    backend: str | None = None  # attention: the SDPA backend pinned by measurement (None: PyTorch's dispatch)
 
     def to_dict(self) -> dict[str, Any]:
         return json_ready(dataclasses.asdict(self))
@@ -64,6 +72,7 @@ class KernelPlan:
     components: list[KernelChoice]
     ops: list[OpDecision]
     providers: dict[str, str] = field(default_factory=dict)
+    compile: dict[str, Any] = field(default_factory=lambda: {"mode": "none", "reason": "not decided"})
 
     def component(self, module: str, kind: str | None = None) -> KernelChoice | None:
         return next((c for c in self.components if c.module == module and (kind is None or c.kind == kind)), None)
@@ -89,6 +98,18 @@ class KernelPlan:
     def to_dict(self) -> dict[str, Any]:
         return json_ready({**dataclasses.asdict(self), "coverage": self.coverage()})
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KernelPlan:
+        """The plan back from ``to_dict()`` (a plan saved by one process, applied in another)."""
+        return cls(
+            profile=data["profile"],
+            target=data["target"],
+            components=[KernelChoice(**c) for c in data["components"]],
+            ops=[OpDecision(**o) for o in data["ops"]],
+            providers=data.get("providers", {}),
+            compile=data.get("compile", {"mode": "none", "reason": "not recorded"}),
+        )
+
 
 def plan_kernels(
     inventory: OpInventory,
@@ -96,22 +117,47 @@ def plan_kernels(
     profile: BackendProfile,
     target: Target,
     model: nn.Module | None = None,
+    compile_mode: str | None = None,
 ) -> KernelPlan:
     """Decide a kernel for every component and a status for every traced op.
 
     ``model`` (optional) lets the CUDA micro-benchmark time candidates on copies of the real modules.
+    ``compile_mode`` ("blocks", "whole" or "none") overrides the device's default (``compile_plan``).
     """
     comps = components.components if isinstance(components, Recognition) else components
     provs = providers()
-    choices = [_choose(c, provs, profile, target, model) for c in comps]
+    compile_choice = compile_plan(target, profile, compile_mode)
+    compiled = compile_choice["mode"] != "none"
+    choices = [_choose(c, provs, profile, target, model, compiled) for c in comps]
     ops, to_generate = _op_decisions(inventory, choices, profile)
     if to_generate:  # whole components become generated kernels: their ops follow them
         _escalate_to_generated(to_generate, choices)
         ops, _ = _op_decisions(inventory, choices, profile)
-    return KernelPlan(profile.to_dict(), target.to_dict(), choices, ops, provider_status(target))
+    return KernelPlan(profile.to_dict(), target.to_dict(), choices, ops, provider_status(target), compile_choice)
 
 
-def _choose(comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None) -> KernelChoice:
+COMPILE_MODES = ("blocks", "whole", "none")
+# Under compile, the module's own forward is a candidate for every timed kind: Inductor's code for it.
+INDUCTOR_OWN_FORWARD = KernelOption("inductor", "own forward, compiled", "native", None,
+                                    note="the module's own forward, compiled with its block")
+
+
+def compile_plan(target: Target, profile: BackendProfile, mode: str | None = None) -> dict[str, Any]:
+    """How the adapted model is compiled.  CUDA with Triton code generation: each repeated block on its own
+    (``module.compile()``), which compiles once for all identical blocks and keeps compile time in seconds;
+    whole-model compilation is the alternative the end-to-end benchmark measures against it."""
+    if mode is not None:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, not {mode!r}")
+        return {"mode": mode, "reason": "chosen by the caller"}
+    if target.device != "cuda":
+        return {"mode": "none", "reason": f"{target.device}: the plan runs eager (Inductor's C++ path is not timed here)"}
+    if profile.codegen != "triton":
+        return {"mode": "none", "reason": f"the profile's code generator is {profile.codegen!r}, not Triton"}
+    return {"mode": "blocks", "reason": "CUDA: every repeated block compiled on its own (one compilation serves all identical blocks)"}
+
+
+def _choose(comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None, compiled: bool = False) -> KernelChoice:
     if comp.kind == "new":
         if profile.codegen == "none":
             return KernelChoice(comp.module, comp.kind, comp.variant, None, None, "unsupported", False, note="profile has no code generator")
@@ -123,28 +169,49 @@ def _choose(comp: Component, provs, profile: BackendProfile, target: Target, mod
                 options.append(opt)
     if not options:
         return KernelChoice(comp.module, comp.kind, comp.variant, None, None, "native", comp.confirmed, note="no provider kernel; runs as traced")
-    best, timings = _rank(options, comp, target, model.get_submodule(comp.module) if model is not None else None)
-    note = "; ".join(filter(None, [best.note, "timed here: " + ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) if timings else ""]))
-    return KernelChoice(comp.module, comp.kind, comp.variant, best.provider, best.kernel, best.status, comp.confirmed, patch=best.make_forward is not None, note=note)
+    best, timings = _rank(options, comp, target, model.get_submodule(comp.module) if model is not None else None, compiled)
+    context = "inside torch.compile" if compiled else "eager"
+    timed = f"timed here ({context}): " + ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) if timings else ""
+    margin = _margin(timings)
+    won = f"{best.provider}:{best.kernel} won by x{margin:.2f}" if margin else ""
+    backend = None
+    if comp.kind == "attention" and best.kernel and "SDPA" in best.kernel:
+        from operators.benchmark import attention_backend
+
+        backend, timings, why = attention_backend(comp.variant, target)
+        margin = _margin(timings)
+        timed = "SDPA backends: " + (", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) + "; " if timings else "") + why
+    note = "; ".join(filter(None, [best.note, timed, won]))
+    return KernelChoice(comp.module, comp.kind, comp.variant, best.provider, best.kernel, best.status, comp.confirmed,
+                        patch=best.make_forward is not None, note=note, timings=timings, margin=margin, backend=backend)
+
+
+def _margin(timings: dict[str, float]) -> float | None:
+    """Runner-up over winner: how much faster the chosen path measured (None: fewer than two timed)."""
+    ordered = sorted(timings.values())
+    return round(ordered[1] / ordered[0], 4) if len(ordered) > 1 and ordered[0] > 0 else None
 
 
 def _codegen_language(target: Target) -> str:
     return "Triton" if target.device == "cuda" else "C++/OpenMP"
 
 
-def _rank(options: list[KernelOption], comp: Component, target: Target, module: nn.Module | None) -> tuple[KernelOption, dict[str, float]]:
+def _rank(options: list[KernelOption], comp: Component, target: Target, module: nn.Module | None, compiled: bool = False) -> tuple[KernelOption, dict[str, float]]:
     """The preferred provider's kernel; else, on CUDA, the fastest measured - the module's own traced
-    path competing where it maps hidden states to hidden states; else the first fused option."""
+    path competing where it maps hidden states to hidden states (under compile: what Inductor makes of
+    it); else the first fused option."""
     fused = [o for o in options if o.status == "fused"] or options
     preferred = [o for o in fused if o.provider in target.prefer]
     if preferred:
         return preferred[0], {}
     traced = [o for o in options if o.status == "native" and o.make_forward is None] if comp.kind in _TIMED_KINDS else []
+    if compiled and comp.kind in _TIMED_KINDS and not traced:
+        traced = [INDUCTOR_OWN_FORWARD]
     candidates = fused + [o for o in traced if o not in fused]
     if len(candidates) > 1 and target.device == "cuda":
         from operators.benchmark import fastest
 
-        return fastest(candidates, comp, target, module)
+        return fastest(candidates, comp, target, module, compiled=compiled)
     return fused[0], {}
 
 

@@ -1,10 +1,16 @@
-"""Throughput: training step, prefill and decode rates, MFU and peak memory, eager against adapted.
+"""Throughput: training step, prefill and decode rates, MFU and peak memory, adapted against what a user would pick.
 
-Each variant (HF eager, adapted, adapted under ``torch.compile``) is trained for a few steps by
-the distributed trainer under a one-rank plan; tokens/s come from the trainer's own step
-timings after warm-up.  MFU divides achieved training FLOP/s (from ``ModelSpec``'s per-token
-FLOPs at the measured sequence length) by the device peak.  Per-block forward and backward
-times are measured on captured real block inputs and emitted in the planner's calibration format.
+Each variant is trained for a few steps by the distributed trainer under a one-rank plan (AdamW fused
+on CUDA); tokens/s come from the trainer's own step timings after warm-up.  The baselines are HF eager
+and, on CUDA, ``torch.compile`` of the unpatched model; the adapted model is the kernel plan with its
+compilation (``operators.adapt_model``).  The adapted model is judged against the best baseline per
+part (train, prefill, decode): slower than it by more than ``SLOWER_TOLERANCE`` fails the stage and
+says where.  On CUDA the shapes are realistic unless given (``cuda_shapes``); on a CPU the verdict is
+"inconclusive" (a toy shape times the host, not kernels), and on CUDA a figure whose training step
+leaves the GPU idle more than ``HOST_BOUND_IDLE`` of the time is marked host-bound.  MFU divides
+achieved training FLOP/s (``ModelSpec``'s per-token FLOPs at the measured sequence length) by the
+device peak.  Per-block forward and backward times are measured on captured real block inputs and
+emitted in the planner's calibration format.
 """
 
 from __future__ import annotations
@@ -32,20 +38,30 @@ from validators.training import batch_for_step, vocab_size
 
 # Dense 16-bit tensor-core peaks from the vendors' datasheets, for MFU on known parts.
 DATASHEET_PEAK_16BIT = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
+SLOWER_TOLERANCE = 0.02  # adapted below 98% of the best baseline counts as slower (run-to-run noise allowance)
+HOST_BOUND_IDLE = 0.3  # GPU idle share of a training step above which the figure is the host's, not the kernels'
+CUDA_SEQ_CAP = 2048
+MEMORY_FRACTION = 0.6  # of the free device memory the training step is sized to use
+SPREAD_TARGET = 0.05  # step-time coefficient of variation a conclusive figure needs
+CPU_SEQ, CPU_BATCH, CPU_STEPS, CUDA_STEPS = 256, 2, 6, 20
+BASELINES = ("eager", "compiled")
 
 
 @dataclass
 class BenchOptions:
+    """None: chosen by the device (realistic shapes on CUDA, see ``cuda_shapes``; small ones on a CPU)."""
+
     dtype: str = "bf16"
-    seq_len: int = 256
-    batch: int = 2
-    steps: int = 6  # timed training steps per variant, after ``warmup``
+    seq_len: int | None = None
+    batch: int | None = None
+    steps: int | None = None  # timed training steps per variant, after ``warmup``
     warmup: int = 2
     decode_tokens: int = 16
-    compile: bool = False
+    compile: bool | None = None  # the torch.compile baseline; None: on CUDA only (Inductor's CPU build is slow)
     max_layers: int | None = None  # measure a depth-truncated model at real width
     peak_flops: float | None = None
     seed: int = 0
+    memory_fraction: float = MEMORY_FRACTION
 
 
 @dataclass
@@ -59,6 +75,9 @@ class VariantResult:
     decode_kv_cache: bool
     peak_memory_bytes: int
     losses: list[float]
+    step_time_cv: float | None = None
+    gpu_idle_share: float | None = None  # from the profiler over one forward+backward (CUDA only)
+    host_bound: bool = False
 
 
 @dataclass
@@ -79,10 +98,14 @@ class ThroughputReport:
     calibration: dict[str, Any]
     passed: bool
     notes: list[str] = field(default_factory=list)
+    verdict: str = "passed"  # "passed", "failed" (adapted slower than the best baseline) or "inconclusive"
+    reasons: list[str] = field(default_factory=list)  # why the verdict, part by part
+    shapes_basis: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["speedup_train"] = self.speedup("train_tokens_per_s")
+        data["speedup_vs_best_baseline"] = {part: ratio for part, (_, ratio) in best_baseline_ratios(self.variants).items()}
         return data
 
     def speedup(self, metric: str) -> float | None:
@@ -150,32 +173,47 @@ def load_for_bench(src, dtype: torch.dtype, device: str, max_layers: int | None,
 def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptions | None = None, transform=None) -> ThroughputReport:
     from adapt.model.intake import build_spec
 
-    options = options or BenchOptions()
+    options = dataclasses.replace(options or BenchOptions())
     check_device(device)
     dtype = parse_dtype(options.dtype)
     notes: list[str] = []
-    transform = transform or kernel_plan_transform(kernel_plan, notes)
-    spec = build_spec(src, seq_len=options.seq_len)
+    on_cuda = device.startswith("cuda")
+    patch = transform or kernel_plan_transform(kernel_plan, notes)
+    compile_mode = (getattr(kernel_plan, "compile", None) or {}).get("mode", "none") if on_cuda else "none"
+    spec = build_spec(src, seq_len=options.seq_len)  # what the shapes are chosen from does not depend on seq
     layers = options.max_layers or spec.num_layers
+    basis = _choose_shapes(options, spec, dtype, device, on_cuda)
     if options.max_layers:
         notes.append(f"depth-truncated: first {layers} of {spec.num_layers} blocks at full width; rates are for that depth")
-    peak, basis = peak_flops_for(device, options.dtype, options.peak_flops)
+    peak, peak_basis = peak_flops_for(device, options.dtype, options.peak_flops)
     flops = train_flops_per_token(spec, layers, options.seq_len)
-    variants_wanted = ["eager", "adapted"] + (["adapted+compile"] if options.compile else [])
-    if transform is None:
+    with_compiled = on_cuda if options.compile is None else options.compile
+    variants_wanted = ["eager", *(["compiled"] if with_compiled else []), "adapted"]
+    if not with_compiled:
+        notes.append("no torch.compile baseline on this device (pass --compile to add it): eager is the only baseline")
+    if patch is None:
         notes.append("no kernel plan given: 'adapted' is the unmodified model")
+    if compile_mode != "none":
+        notes.append(f"adapted = kernel plan + torch.compile ({compile_mode}), as the plan says")
     results, calibration = [], {}
     for name in variants_wanted:
         model = load_for_bench(src, dtype, device, options.max_layers, notes)
-        if name != "eager" and transform is not None:
-            model = transform(model) or model
         if name == "adapted":
+            if patch is not None:
+                model = patch(model) or model
             calibration = block_calibration(model, options, device, spec)
-        if name.endswith("+compile"):
+            if compile_mode != "none":
+                from operators.api import compile_as_planned
+
+                compile_as_planned(model, compile_mode)
+        elif name == "compiled":
             model.compile()
         results.append(_measure(name, model, options, device, flops, peak))
         del model
-    passed = all(r.train_tokens_per_s > 0 and all(map(_finite, r.losses)) for r in results)
+    verdict, reasons = judge(results, device, options)
+    finite = all(r.train_tokens_per_s > 0 and all(map(_finite, r.losses)) for r in results)
+    if not finite:
+        verdict, reasons = "failed", ["a variant produced no rate or a non-finite loss", *reasons]
     return ThroughputReport(
         source=src.text,
         device=device,
@@ -188,12 +226,83 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
         truncated=bool(options.max_layers),
         train_flops_per_token=flops,
         peak_flops=peak,
-        peak_flops_basis=basis,
+        peak_flops_basis=peak_basis,
         variants=results,
         calibration=calibration,
-        passed=passed,
+        passed=verdict != "failed",
         notes=notes,
+        verdict=verdict,
+        reasons=reasons,
+        shapes_basis=basis,
     )
+
+
+def _choose_shapes(options: BenchOptions, spec, dtype: torch.dtype, device: str, on_cuda: bool) -> str:
+    """Fill the options left None; returns how the shapes were chosen (for the report)."""
+    given = [n for n in ("seq_len", "batch", "steps") if getattr(options, n) is not None]
+    suffix = f"; given: {', '.join(given)}" if given else ""
+    if not on_cuda:
+        options.seq_len = options.seq_len or min(CPU_SEQ, spec.max_position_embeddings or CPU_SEQ)
+        options.batch = options.batch or CPU_BATCH
+        options.steps = options.steps or CPU_STEPS
+        return "CPU defaults" + suffix
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    seq, batch, why = cuda_shapes(spec, free, dtype.itemsize, options.memory_fraction)
+    options.seq_len = options.seq_len or seq
+    options.batch = options.batch or batch
+    options.steps = options.steps or CUDA_STEPS
+    return why + suffix
+
+
+def cuda_shapes(spec, free_bytes: int, elem_bytes: int, fraction: float) -> tuple[int, int, str]:
+    """(seq, batch, how): seq = min(max positions, 2048); batch = as many sequences as fit the training step
+    in ``fraction`` of the free memory, after weights, gradients and AdamW state (12 bytes/parameter in 16 bit,
+    fp32 moments), with activations estimated at 34 x hidden bytes per token per block (16 bit, no recompute,
+    fused attention) and the logits at 3 fp32 copies of the vocabulary per token."""
+    max_positions = spec.max_position_embeddings
+    seq = min(max_positions or CUDA_SEQ_CAP, CUDA_SEQ_CAP)
+    params = spec.params_total
+    static = params * (2 * elem_bytes + 8)
+    per_token = spec.num_layers * 34 * spec.hidden_size * elem_bytes / 2 + 3 * 4 * spec.vocab_size
+    budget = fraction * free_bytes - static
+    batch = max(1, min(64, int(budget // (per_token * seq)))) if budget > 0 else 1
+    how = (f"seq min(max positions {max_positions}, {CUDA_SEQ_CAP}) = {seq}; batch {batch}: the training step sized to "
+           f"{fraction:.0%} of {free_bytes / 2**30:.0f} GiB free")
+    return seq, batch, how
+
+
+def best_baseline_ratios(variants: list[VariantResult]) -> dict[str, tuple[str, float]]:
+    """Per part, (best baseline's name, adapted / best baseline) where both were measured."""
+    by_name = {v.name: v for v in variants}
+    adapted = by_name.get("adapted")
+    out = {}
+    for part, metric in (("train", "train_tokens_per_s"), ("prefill", "prefill_tokens_per_s"), ("decode", "decode_tokens_per_s")):
+        base = [(getattr(by_name[b], metric), b) for b in BASELINES if b in by_name and getattr(by_name[b], metric) > 0]
+        if adapted is None or not base:
+            continue
+        rate, name = max(base)
+        out[part] = (name, getattr(adapted, metric) / rate)
+    return out
+
+
+def judge(variants: list[VariantResult], device: str, options: BenchOptions) -> tuple[str, list[str]]:
+    """Passed, failed or inconclusive, with the reasons: a part slower than the best baseline fails."""
+    reasons = []
+    ratios = best_baseline_ratios(variants)
+    slower = [f"{part} x{ratio:.2f} of {name}" for part, (name, ratio) in ratios.items() if ratio < 1 - SLOWER_TOLERANCE]
+    for v in variants:
+        if v.host_bound:
+            reasons.append(f"{v.name} is host-bound: the GPU sat idle {v.gpu_idle_share:.0%} of its training step")
+        if v.step_time_cv is not None and v.step_time_cv > SPREAD_TARGET:
+            reasons.append(f"{v.name}'s step time varies by {v.step_time_cv:.1%} (more than {SPREAD_TARGET:.0%})")
+    if not device.startswith("cuda"):
+        return "inconclusive", [f"on a CPU at batch {options.batch} x {options.seq_len} the rates time the host, not the kernels",
+                                *([f"slower than the best baseline: {', '.join(slower)}"] if slower else []), *reasons]
+    if slower:
+        return "failed", [f"adapted is slower than the best baseline: {', '.join(slower)}", *reasons]
+    if reasons:
+        return "inconclusive", reasons
+    return "passed", [f"adapted vs best baseline: {', '.join(f'{p} x{r:.2f} of {n}' for p, (n, r) in ratios.items())}"]
 
 
 def _finite(x: float) -> bool:
@@ -221,9 +330,12 @@ def _measure(name: str, model: nn.Module, options: BenchOptions, device: str, fl
     steps = run.trainer.fit(options.warmup + options.steps).steps
     timed = steps[options.warmup :]
     step_s = statistics.median(s.step_time_s for s in timed)
+    times = [s.step_time_s for s in timed]
+    cv = statistics.pstdev(times) / statistics.fmean(times) if len(times) > 1 else None
     tokens_per_s = options.batch * options.seq_len / step_s
     peak_mem = _peak_bytes(device)
     model = run.pmodel.chunks[0]
+    idle = gpu_idle_share(model, options, device) if device.startswith("cuda") else None
     model.eval()
     with quiet_transformers():  # transformers >= 5.2x logs a rename notice for past_key_values
         prefill, decode, cached = _inference_rates(model, options, device)
@@ -237,7 +349,34 @@ def _measure(name: str, model: nn.Module, options: BenchOptions, device: str, fl
         decode_kv_cache=cached,
         peak_memory_bytes=peak_mem,
         losses=[s.loss for s in steps],
+        step_time_cv=cv,
+        gpu_idle_share=idle,
+        host_bound=idle is not None and idle > HOST_BOUND_IDLE,
     )
+
+
+def gpu_idle_share(model: nn.Module, options: BenchOptions, device: str) -> float:
+    """Share of the wall time of one forward+backward with no kernel running on the GPU (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from validators.training import loss_from_output, model_output
+
+    vocab = vocab_size(model)
+    ids = batch_for_step(options.seed, 30_000, options.batch, options.seq_len, vocab, device)
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loss_from_output(model_output(model, ids), ids, vocab).backward()
+        synchronize(device)
+    wall_us = (time.perf_counter() - start) * 1e6
+    model.zero_grad(set_to_none=True)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if "cuda" in str(getattr(e, "device_type", "")).lower())
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:  # union of kernel intervals: overlapping streams count once
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else 0.0
 
 
 def _timed(fn, device: str, reps: int) -> float:

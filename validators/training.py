@@ -53,8 +53,10 @@ def loss_from_output(
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW as a user would run it: the fused kernel on CUDA, the multi-tensor (foreach) one elsewhere."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=on_cuda or None, foreach=None if on_cuda else True)
 
 
 def train_step(

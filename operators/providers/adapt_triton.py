@@ -36,7 +36,7 @@ class AdaptTritonProvider:
             device = "cpu"
         else:
             return False, f"no Triton backend for device {target.device!r} (CPU needs TRITON_INTERPRET=1)"
-        failure = _self_test(device)
+        failure = _self_test_remembered(device)
         return (False, f"kernel self-test failed on {device}: {failure}") if failure else (True, "")
 
     def options(self, component: Component, target: Target) -> list[KernelOption]:
@@ -95,6 +95,25 @@ def glu_forward(module: nn.Module, component: Component):
         return down(h)
 
     return forward
+
+
+@functools.lru_cache(maxsize=None)
+def _self_test_remembered(device: str) -> str | None:
+    """``_self_test``, with a pass kept on disk per device, library versions and kernel sources (a failure is
+    never kept: it is tried again next run)."""
+    from pathlib import Path
+
+    from operators.timing_cache import DiskCache, make_key, source_digest
+
+    here = Path(__file__).parent
+    cache = DiskCache("kernel_self_test")
+    key = make_key(device, "self-test", source_digest(here, here.parent / "kernels"))
+    if cache.get(key) == "passed":
+        return None
+    failure = _self_test(device)
+    if failure is None:
+        cache.put(key, "passed")
+    return failure
 
 
 @functools.lru_cache(maxsize=None)

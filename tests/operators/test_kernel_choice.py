@@ -45,7 +45,7 @@ def test_the_models_own_path_wins_when_it_is_faster(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "test device")
     timed: list[list[str]] = []
 
-    def measure(options, comp, target, module):
+    def measure(options, comp, target, module, compiled=False):
         timed.append([f"{o.provider}:{o.kernel}" for o in options])
         return {"kernels:grouped": 2.5, "native:as traced": 1.5}
 
@@ -62,3 +62,123 @@ def test_the_models_own_path_wins_when_it_is_faster(monkeypatch, tmp_path):
     # attention has no hidden->hidden forward to time: its one fused kernel is taken without timing
     attention = Component("0", "attention", {"width": 8}, True)
     assert _choose(attention, provider_options(), Profile(), CUDA, model).provider == "kernels" and len(timed) == 1
+
+
+def _fake_cuda(monkeypatch, tmp_path, figures: dict[str, float]) -> list[tuple[list[str], bool]]:
+    monkeypatch.setenv("ADAPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "test device")
+    timed: list[tuple[list[str], bool]] = []
+
+    def measure(options, comp, target, module, compiled=False):
+        names = [f"{o.provider}:{o.kernel}" for o in options]
+        timed.append((names, compiled))
+        return {name: figures[name] for name in names}
+
+    monkeypatch.setattr(benchmark, "measure", measure)
+    return timed
+
+
+def norm_providers():
+    kernel = KernelOption("adapt", "rms_norm", "fused", lambda module, component: module.forward)
+    return [Provider("adapt", [kernel])]
+
+
+def test_under_compile_a_hand_kernel_must_beat_inductor_on_its_own_forward(monkeypatch, tmp_path):
+    timed = _fake_cuda(monkeypatch, tmp_path, {"adapt:rms_norm": 0.30, "inductor:own forward, compiled": 0.20})
+    model = nn.Sequential(nn.LayerNorm(8))
+    norm = Component("0", "rms_norm", {"width": 8, "eps": 1e-6}, True)
+    choice = _choose(norm, norm_providers(), Profile(), CUDA, model, compiled=True)
+    assert timed == [(["adapt:rms_norm", "inductor:own forward, compiled"], True)]
+    assert (choice.provider, choice.status, choice.patch) == ("inductor", "native", False)
+    assert choice.timings == {"adapt:rms_norm": 0.30, "inductor:own forward, compiled": 0.20}
+    assert choice.margin == 1.5 and "won by x1.50" in choice.note and "inside torch.compile" in choice.note
+
+
+def test_a_hand_kernel_that_beats_inductor_stays_and_eager_timings_are_kept_apart(monkeypatch, tmp_path):
+    timed = _fake_cuda(monkeypatch, tmp_path, {"adapt:rms_norm": 0.10, "inductor:own forward, compiled": 0.25})
+    model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8))
+    norm = Component("0", "rms_norm", {"width": 8, "eps": 1e-6}, True)
+    choice = _choose(norm, norm_providers(), Profile(), CUDA, model, compiled=True)
+    assert (choice.provider, choice.patch, choice.margin) == ("adapt", True, 2.5)
+    # eager: the module's own forward only competes when a provider offers it; one kernel is taken untimed
+    eager = _choose(norm, norm_providers(), Profile(), CUDA, model, compiled=False)
+    assert eager.provider == "adapt" and eager.timings == {} and len(timed) == 1
+    # the compiled timings came from the cache: the same shape is never timed twice
+    _choose(Component("1", "rms_norm", {"width": 8, "eps": 1e-6}, True), norm_providers(), Profile(), CUDA, model, compiled=True)
+    assert len(timed) == 1
+
+
+def test_a_new_candidate_is_timed_alone_beside_cached_ones(monkeypatch, tmp_path):
+    figures = {"kernels:grouped": 2.0, "native:as traced": 3.0, "extra:fast": 1.0}
+    timed = _fake_cuda(monkeypatch, tmp_path, figures)
+    model = nn.Sequential(nn.Linear(8, 8))
+    moe = Component("0", "moe", {"width": 8, "top_k": 2}, True)
+    _choose(moe, provider_options(), Profile(), CUDA, model)
+    extra = Provider("extra", [KernelOption("extra", "fast", "fused", lambda module, component: module.forward)])
+    choice = _choose(moe, [*provider_options(), extra], Profile(), CUDA, model)
+    assert [names for names, _ in timed] == [["kernels:grouped", "native:as traced"], ["extra:fast"]]
+    assert choice.provider == "extra" and choice.margin == 2.0
+
+
+def test_compile_is_planned_on_cuda_and_said_to_be_off_elsewhere():
+    from operators.mapping import compile_plan
+
+    assert compile_plan(CUDA, Profile())["mode"] == "blocks"
+    cpu = compile_plan(Target("cpu", "float32", True, None), Profile())
+    assert cpu["mode"] == "none" and "cpu" in cpu["reason"]
+    assert compile_plan(Target("cpu", "float32", True, None), Profile(), "whole")["mode"] == "whole"
+
+
+def test_repetitions_stop_once_the_spread_is_known():
+    steady, noisy = iter([1.0] * 100), iter([1.0, 2.0, 0.5, 3.0] * 25)
+    calls = {"steady": 0, "noisy": 0}
+
+    def timer(name, source):
+        def run(fn):
+            calls[name] += 1
+            return next(source)
+        return run
+
+    assert benchmark.time_ms(lambda: None, timer("steady", steady), warmup=1) == 1.0
+    benchmark.time_ms(lambda: None, timer("noisy", noisy), warmup=1)
+    assert calls["steady"] == 1 + benchmark.MIN_REPS
+    assert calls["noisy"] > calls["steady"]
+
+
+def test_a_saved_plan_reads_back_equal(zoo):
+    import json
+
+    from operators import run_ops
+    from operators.mapping import KernelPlan
+
+    plan = run_ops(str(zoo("llama")), config_only=True).plan
+    again = KernelPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.to_dict() == plan.to_dict() and again.compile == plan.compile
+
+
+def test_the_sdpa_backend_is_pinned_only_when_it_beats_the_default(monkeypatch, tmp_path):
+    from operators.mapping import KernelChoice, KernelPlan
+
+    _fake_cuda(monkeypatch, tmp_path, {})
+    figures = {"default": 1.0, "flash": 0.8, "cudnn": -1.0, "efficient": 1.4}
+    monkeypatch.setattr(benchmark, "_time_sdpa", lambda backend, *args: figures[backend])
+    variant = {"num_heads": 4, "head_dim": 16, "causal": True, "window": None, "softcap": None}
+    backend, timings, why = benchmark.attention_backend(variant, CUDA)
+    assert backend == "flash" and "cudnn" not in timings and "x1.25" in why
+    figures["flash"] = 0.99  # within the noise: PyTorch's dispatch stays
+    assert benchmark.attention_backend({**variant, "head_dim": 32}, CUDA)[0] is None
+    assert benchmark.attention_backend({**variant, "softcap": 50.0}, CUDA)[0] is None
+    off = benchmark.attention_backend(variant, Target("cpu", "float32", True, None))
+    assert off[0] is None and off[1] == {} and "CUDA only" in off[2]
+
+    # a pinned backend is installed on the attention module by adapt_model and undone by revert
+    from operators import adapt_model
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    choice = KernelChoice("0", "attention", variant, "torch-native", "SDPA", "fused", True, backend="flash")
+    plan = KernelPlan({}, CUDA.to_dict(), [choice], [], compile={"mode": "none", "reason": "test"})
+    handle = adapt_model(model, plan)
+    assert "forward" in model[0].__dict__
+    handle.revert()
+    assert "forward" not in model[0].__dict__

@@ -32,12 +32,12 @@ def register(sub) -> None:
     align.add_argument("--reference", choices=("fp64", "fp32"), default=None, help="reference dtype (default fp64; fp32 from width 4096)")
     align.set_defaults(func=run_align)
 
-    bench = sub.add_parser("bench", help="training step, prefill and decode throughput, MFU, memory; eager vs adapted")
+    bench = sub.add_parser("bench", help="training step, prefill and decode throughput, MFU, memory; adapted vs eager and torch.compile")
     _common(bench)
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
-    add_validation_shape(bench)
-    bench.add_argument("--steps", type=int, default=6, help="timed training steps per variant (after 2 warm-up)")
-    bench.add_argument("--compile", action="store_true", help="also measure the adapted model under torch.compile")
+    add_validation_shape(bench)  # unset batch on CUDA: as many sequences as fit 60% of free memory
+    bench.add_argument("--steps", type=int, default=None, help="timed training steps per variant, after 2 warm-up (default: cpu 6, cuda 20)")
+    bench.add_argument("--compile", action="store_true", help="add the torch.compile baseline on a CPU too (always on CUDA)")
     bench.add_argument("--max-layers", type=int, default=None, help="measure only the first N blocks, at real width")
     bench.add_argument("--calibration-out", default=None, help="write the planner calibration JSON here")
     bench.set_defaults(func=run_bench)
@@ -82,16 +82,18 @@ def _source(args: argparse.Namespace):
     if args.config_only:
         raise BadInput("validation runs the model: --config-only cannot be used here")
     src = resolve_checked(args)
-    _fill_device_shape(args, getattr(src, "config_dict", {}) or {})
+    # bench sizes an unset batch on CUDA from free memory itself
+    sized = ("seq_len",) if args.func is run_bench and args.device != "cpu" else ("seq_len", "batch_size")
+    _fill_device_shape(args, getattr(src, "config_dict", {}) or {}, sized)
     return src
 
 
-def _fill_device_shape(args: argparse.Namespace, config: dict[str, Any]) -> None:
+def _fill_device_shape(args: argparse.Namespace, config: dict[str, Any], names: tuple[str, ...]) -> None:
     """Unset ``--seq-len`` / ``--batch-size`` take the device's defaults, exactly as ``adapt run`` chooses them."""
     from adapt.app.pipeline.options import DeviceDescription, choose_defaults, max_positions
 
     defaults = choose_defaults(DeviceDescription.of(args.device), max_positions(config))
-    for name in ("seq_len", "batch_size"):
+    for name in names:
         if getattr(args, name, None) is None:
             setattr(args, name, getattr(defaults, name))
     _positive(args, "seq_len", "batch_size")
@@ -145,7 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     plan = _kernel_plan(src, args, notes)
     options = BenchOptions(
-        dtype=args.dtype, seq_len=args.seq_len, batch=args.batch_size, steps=args.steps, compile=args.compile, max_layers=args.max_layers
+        dtype=args.dtype, seq_len=args.seq_len, batch=args.batch_size, steps=args.steps, compile=True if args.compile else None, max_layers=args.max_layers
     )
     report = bench(src, plan, device=args.device, options=options)
     if args.calibration_out:
@@ -232,6 +234,8 @@ def _print_bench(data: dict[str, Any]) -> None:
     ]
     _table(f"throughput on {data['device_name']} ({data['dtype']}, {data['batch']}x{data['seq_len']})", ["variant", "train tok/s", "MFU", "prefill tok/s", "decode tok/s", "peak GiB"], rows)
     _print_notes(data)
+    print(f"shapes: {data['shapes_basis']}")
+    print(f"{data['verdict'].upper()}: " + "; ".join(data["reasons"]))
 
 
 def _print_soak(data: dict[str, Any]) -> None:

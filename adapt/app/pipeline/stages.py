@@ -256,7 +256,10 @@ def _throughput(ctx: StageContext) -> Any:
 
     opts = ctx.options
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
-    bench_options = BenchOptions(dtype=opts.dtype, seq_len=opts.seq_len, batch=opts.batch_size, steps=opts.bench_steps)
+    # a device-chosen batch on a GPU is left to the bench, which sizes the step from free memory
+    sized_by_bench = opts.device != "cpu" and "batch_size" in opts.device_chosen
+    bench_options = BenchOptions(dtype=opts.dtype, seq_len=opts.seq_len, batch=None if sized_by_bench else opts.batch_size,
+                                 steps=opts.bench_steps)
     with candidate(kernel_plan) as transform:
         return bench(ctx.source, kernel_plan, device=opts.device, options=bench_options, transform=transform)
 

@@ -1,0 +1,489 @@
+"""One training step, side by side: HF eager, torch.compile, Liger and adapt, on one device, in one call.
+
+    PYTHONPATH=$PWD python benchmarks/e2e.py --out benchmarks/results                  # the H200 run (< 9 min)
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/e2e.py --out DIR --tiny       # CPU rehearsal at toy sizes
+
+Models (random weights from transformers configs, saved once with ``save_pretrained`` so every variant
+loads the same weights and adapt's operators stage reads a real checkpoint): the Llama-3.2-1B shape, the
+Gemma-2-2B shape, and Qwen3-30B-A3B's width at 3 layers with 128 experts top-8.
+
+Per model, first the operators stage exactly as ``adapt run`` calls it (``operators.run_ops``), in a
+process of its own with an empty timing cache (cold), then again in a fresh process (warm); its plan is
+what the adapt variants apply, through ``operators.adapt_model``.  Then every variant in its own process:
+
+* ``eager``: the HF model as loaded.           * ``compile``: ``model.compile()`` (whole model).
+* ``liger``: ``apply_liger_kernel_to_<type>()`` where Liger has that entry point (import guarded).
+* ``adapt``: the plan's kernels and its compilation (the default adapted configuration).
+* ``adapt-eager``: the plan's kernels, not compiled.   * ``adapt-whole``: kernels, whole model compiled.
+* ``compile-blocks``: no kernels, every block compiled (the plan's compile mode on the unpatched model).
+
+Same loop for all: bf16 weights, AdamW (fused on CUDA, foreach on CPU), the HF forward with ``labels``,
+``--warmup`` steps, then ``--steps`` timed steps (CUDA events), tokens/s, MFU (6 x active params +
+6 x layers x heads x head_dim x seq per token, against 989 TFLOP/s), peak memory, step-time spread and
+every step's loss.  ``--profile`` adds a torch-profiler summary per variant: top kernels by device
+time and the device's idle share.  A total budget bounds the run: a variant that does not fit in
+what is left is skipped and the report says so.  Writes ``e2e-h200.{json,md}`` (``e2e-cpu-tiny`` with
+``--tiny``) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+PEAK_FLOPS = 989e12  # H200 dense bf16
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-1b": {
+        "model_type": "llama",
+        "full": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 8192},
+        "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "vocab_size": 256, "tie_word_embeddings": True, "max_position_embeddings": 256},
+    },
+    "gemma2-2b": {
+        "model_type": "gemma2",
+        "full": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                     "head_dim": 256, "vocab_size": 256000, "tie_word_embeddings": True, "max_position_embeddings": 8192, "sliding_window": 4096,
+                     "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+        "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 16, "vocab_size": 256, "tie_word_embeddings": True, "max_position_embeddings": 256, "sliding_window": 16,
+                     "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    },
+    "qwen3-moe": {
+        "model_type": "qwen3_moe",
+        "full": {"hidden_size": 2048, "moe_intermediate_size": 768, "intermediate_size": 6144, "num_hidden_layers": 3, "num_attention_heads": 32,
+                     "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 8192},
+        "tiny": {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 256, "tie_word_embeddings": False, "max_position_embeddings": 256},
+    },
+}
+VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager", "compile-blocks", "adapt-whole")
+DEFAULT_VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager")
+ADAPT_VARIANTS = {"adapt": None, "adapt-eager": "none", "adapt-whole": "whole"}  # variant -> compile mode override
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker side: one process per (model, job)
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_checkpoint(model_name: str, tiny: bool, path: Path, device: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = MODELS[model_name]
+    config = AutoConfig.for_model(spec["model_type"], **spec["tiny" if tiny else "full"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def ops_job(ckpt: Path, plan_path: Path, light: bool) -> dict[str, Any]:
+    """The operators stage as ``adapt run`` calls it; its plan is saved for the adapt variants."""
+    from operators import run_ops
+
+    start = time.perf_counter()
+    report = run_ops(str(ckpt), onnx=not light, check_patch=not light)
+    seconds = time.perf_counter() - start
+    plan_path.write_text(json.dumps(report.plan.to_dict()))
+    return {
+        "seconds": round(seconds, 2),
+        "phases": {k: round(v, 2) for k, v in report.phases.items()},
+        "compile": report.plan.compile,
+        "patch_check": report.patch_check.passed if report.patch_check is not None and report.patch_check.ran else None,
+        "choices": [
+            {"module": c.module, "kind": c.kind, "kernel": f"{c.provider}:{c.kernel}", "timings_ms": c.timings, "margin": c.margin}
+            for c in report.plan.components
+            if c.timings or c.patch
+        ],
+    }
+
+
+def active_params(model) -> tuple[int, int]:
+    """(all parameters, parameters a token uses): routed experts count top_k / num_experts of their bank."""
+    total = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return total, total
+    bank = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name or name.endswith(".experts"))
+    return total, int(total - bank + bank * top_k / experts)
+
+
+def flops_per_token(model, seq: int) -> float:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _, active = active_params(model)
+    return 6.0 * active + 6.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq
+
+
+def apply_liger(model_type: str) -> str:
+    """Liger's own entry point for this model type (class-level patch, before the model is built)."""
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as err:
+        raise SkipVariant(f"liger_kernel is not importable ({err})") from None
+    entry = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+    if entry is None:
+        raise SkipVariant(f"Liger has no apply_liger_kernel_to_{model_type}")
+    entry()
+    return entry.__name__
+
+
+class SkipVariant(Exception):
+    """This variant does not apply to this model (said in the report, not an error)."""
+
+
+def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    variant, info = args.variant, {}
+    model_type = MODELS[args.model]["model_type"]
+    if variant == "liger":
+        info["liger"] = apply_liger(model_type)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(device)
+    model.train()
+    info["attn_implementation"] = model.config._attn_implementation
+    if variant == "compile":
+        model.compile()
+    elif variant == "compile-blocks":
+        from adapt.model.structure import find_block_list
+
+        for block in find_block_list(model)[1]:
+            block.compile()
+    elif variant in ADAPT_VARIANTS:
+        from operators import adapt_model
+        from operators.mapping import KernelPlan
+
+        plan = KernelPlan.from_dict(json.loads(plan_path.read_text()))
+        handle = adapt_model(model, plan, compile_mode=ADAPT_VARIANTS[variant])
+        info["patched"] = len(handle.patched)
+        info["compile_mode"] = ADAPT_VARIANTS[variant] or plan.compile["mode"]
+    fused = device == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused, foreach=None if fused else True)
+    info["optimizer"] = "AdamW fused" if fused else "AdamW foreach"
+    gen = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen).to(device) for _ in range(4)]
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    def step(i: int) -> float:
+        ids = batches[i % len(batches)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    losses, times = [], []
+    started = time.perf_counter()
+    first = time.perf_counter()
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        if device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        losses.append(step(i))
+        if device == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            elapsed = begin.elapsed_time(end) / 1e3
+        else:
+            elapsed = time.perf_counter() - t0
+        if i == 0:
+            first = time.perf_counter() - first
+        if i >= args.warmup:
+            times.append(elapsed)
+        if time.perf_counter() - started > args.variant_budget_s and len(times) >= 3:
+            info["stopped_early"] = f"{len(times)} timed steps within the variant budget of {args.variant_budget_s:.0f} s"
+            break
+    mean = statistics.fmean(times)
+    tokens_per_s = args.batch * args.seq / mean
+    total, active = active_params(model)
+    result = {
+        **info,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "steps_timed": len(times),
+        "step_s_mean": mean,
+        "step_s_median": statistics.median(times),
+        "step_s_cv": statistics.pstdev(times) / mean if len(times) > 1 else None,
+        "step_s_min": min(times),
+        "step_s_max": max(times),
+        "first_step_s": first,
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token(model, args.seq) / PEAK_FLOPS if device == "cuda" else None,
+        "params": total,
+        "active_params": active,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "losses": losses,
+    }
+    if args.profile:
+        result["profile"] = profile_steps(step, device)
+    return result
+
+
+def profile_steps(step, device: str, steps: int = 3) -> dict[str, Any]:
+    """Top kernels by device time over a few steps, and the device's idle share of the wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(i)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) * 1e6
+    events = prof.key_averages()
+    kernel_time = {e.key: getattr(e, "device_time_total", 0.0) if device == "cuda" else e.self_cpu_time_total for e in events}
+    top = sorted(kernel_time.items(), key=lambda kv: -kv[1])[:15]
+    busy = _device_busy_us(prof) if device == "cuda" else None
+    return {
+        "steps": steps,
+        "wall_ms": wall_us / 1e3,
+        "top": [{"name": name[:90], "ms": t / 1e3} for name, t in top],
+        "device_busy_ms": busy / 1e3 if busy is not None else None,
+        "device_idle_share": 1 - busy / wall_us if busy is not None else None,
+    }
+
+
+def _device_busy_us(prof) -> float:
+    """Union of device kernel intervals (overlapping kernels on several streams count once)."""
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events() if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
+    )
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in intervals:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy
+
+
+def worker(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    ckpt, plan_path = out / "e2e-work" / args.model / "checkpoint", out / "e2e-work" / args.model / "plan.json"
+    result_path = out / "e2e-work" / args.model / f"{args.job}.json"
+    try:
+        if args.job == "checkpoint":
+            import torch
+
+            build_checkpoint(args.model, args.tiny, ckpt, "cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+            result: dict[str, Any] = {"ok": True}
+        elif args.job in ("ops-cold", "ops-warm"):
+            result = {"ok": True, **ops_job(ckpt, plan_path, args.ops_light)}
+        else:
+            result = {"ok": True, **train_job(args, ckpt, plan_path)}
+    except SkipVariant as why:
+        result = {"ok": False, "skipped": str(why)}
+    except Exception as err:  # noqa: BLE001 - one variant's failure is a finding of the run, not the end of it
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+    result_path.write_text(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parent side: schedule the jobs under one budget, then write the report
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_job(args: argparse.Namespace, model: str, job: str, timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
+    out = Path(args.out)
+    result_path = out / "e2e-work" / model / f"{job}.json"
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--model", model, "--job", job, "--variant", job,
+           "--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--variant-budget-s", str(max(5.0, timeout_s - 30))]
+    cmd += ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--ops-light"] * args.ops_light
+    start = time.perf_counter()
+    log_path = out / "e2e-work" / model / f"{job}.log"
+    with open(log_path, "w") as log_file:
+        try:
+            subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"no result within {timeout_s:.0f} s", "wall_s": round(time.perf_counter() - start, 1)}
+    wall = round(time.perf_counter() - start, 1)
+    if not result_path.is_file():
+        tail = log_path.read_text()[-300:].strip().splitlines()
+        return {"ok": False, "error": f"the process wrote no result: {tail[-1] if tail else 'no output'}", "wall_s": wall}
+    return {**json.loads(result_path.read_text()), "wall_s": wall}
+
+
+def main_parent(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.perf_counter() + args.budget_s
+    models = args.models.split(",")
+    variants = args.variants.split(",")
+    for name in models + variants:
+        if name not in MODELS and name not in VARIANTS:
+            print(f"unknown model or variant {name!r}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}", file=sys.stderr)
+            return 2
+    env = dict(os.environ)
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    report: dict[str, Any] = {"budget_s": args.budget_s, "batch": args.batch, "seq": args.seq, "warmup": args.warmup,
+                              "steps": args.steps, "tiny": args.tiny, "models": {},
+                              "ops_cold_means": "adapt's timing cache empty (a fresh ADAPT_CACHE); Triton's and Inductor's caches as found"}
+    previous = out / f"{_stem(args)}.json"
+    if args.merge and previous.is_file():  # keep the other models' entries of an earlier call
+        report["models"] = {k: v for k, v in json.loads(previous.read_text()).get("models", {}).items() if k not in models}
+    # Each model gets an equal share of what is left when its turn comes, so a slow model cannot starve the next.
+    for index, model in enumerate(models):
+        work = out / "e2e-work" / model
+        work.mkdir(parents=True, exist_ok=True)
+        share = (deadline - time.perf_counter()) / (len(models) - index)
+        model_deadline = time.perf_counter() + share
+        entry: dict[str, Any] = {"variants": {}, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        report["models"][model] = entry
+        cache = work / "adapt-cache"
+        env_model = {**env, "ADAPT_CACHE": str(cache)}
+        if cache.exists():
+            import shutil
+
+            shutil.rmtree(cache)
+        # The comparison that matters first (adapt against the baselines), then the warm operators stage, then extras.
+        first = [v for v in ("adapt", "compile", "eager", "liger") if v in variants]
+        jobs = ["checkpoint", "ops-cold", *first, "ops-warm", *[v for v in variants if v not in first]]
+        for job in jobs:
+            left = model_deadline - time.perf_counter()
+            cap = {"checkpoint": 120.0, "ops-cold": args.ops_timeout_s, "ops-warm": args.ops_timeout_s}.get(job, args.variant_timeout_s)
+            timeout = min(cap, left)
+            if timeout < 20:
+                result = {"ok": False, "skipped": f"budget spent ({left:.0f} s left for this model)"}
+            else:
+                log(f"{model}: {job} (up to {timeout:.0f} s)")
+                result = run_job(args, model, job, timeout, env_model)
+            log(f"{model}: {job} -> {_brief(result)}")
+            if job == "checkpoint":
+                if not result.get("ok"):
+                    entry["error"] = f"checkpoint: {result.get('error')}"
+                    break
+            elif job.startswith("ops"):
+                entry[job] = result
+            else:
+                entry["variants"][job] = result
+    write_report(report, out, args)
+    return 0
+
+
+def _brief(result: dict[str, Any]) -> str:
+    if not result.get("ok"):
+        return result.get("skipped") or result.get("error") or "failed"
+    if "tokens_per_s" in result:
+        return f"{result['tokens_per_s']:,.0f} tok/s, step cv {result['step_s_cv'] or 0:.3f}, {result['wall_s']} s"
+    if "seconds" in result:
+        return f"{result['seconds']} s {result['phases']}"
+    return f"ok ({result['wall_s']} s)"
+
+
+def _stem(args: argparse.Namespace) -> str:
+    return "e2e-cpu-tiny" if args.tiny else "e2e-h200"
+
+
+def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) -> None:
+    stem = _stem(args)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    lines = [f"# One training step, side by side ({'CPU rehearsal, toy sizes' if args.tiny else 'one H200'})", "",
+             (f"batch {args.batch} x {args.seq}, {args.warmup} warm-up steps, up to {args.steps} timed steps; "
+             "bf16, AdamW fused (CUDA) / foreach (CPU), HF forward with labels. MFU: 6 x active params + 6 x L x H x seq per token, 989 TFLOP/s."), ""]
+    lines += ["| model | variant | tokens/s | vs best baseline | MFU | peak GiB | step cv | steps | first step s | note |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for model, entry in report["models"].items():
+        variants = entry["variants"]
+        baselines = [v["tokens_per_s"] for k, v in variants.items() if k in ("eager", "compile", "liger") and v.get("ok")]
+        best = max(baselines) if baselines else None
+        for name, v in variants.items():
+            if not v.get("ok"):
+                lines.append(f"| {model} | {name} | – | – | – | – | – | – | – | {v.get('skipped') or v.get('error')} |")
+                continue
+            ratio = f"x{v['tokens_per_s'] / best:.3f}" if best else "–"
+            mfu = f"{v['mfu']:.1%}" if v.get("mfu") is not None else "–"
+            peak = f"{v['peak_memory_gib']:.1f}" if v.get("peak_memory_gib") is not None else "–"
+            note = v.get("stopped_early") or (f"compile {v['compile_mode']}" if v.get("compile_mode") else "")
+            lines.append(f"| {model} | {name} | {v['tokens_per_s']:,.0f} | {ratio} | {mfu} | {peak} | {v['step_s_cv'] or 0:.3f} | "
+                         f"{v['steps_timed']} | {v['first_step_s']:.1f} | {note} |")
+    lines += ["", "## Operators stage (the plan the adapt variants applied)", "", "| model | cold s | warm s | warm phases | compile |",
+              "| --- | --- | --- | --- | --- |"]
+    for model, entry in report["models"].items():
+        cold, warm = entry.get("ops-cold", {}), entry.get("ops-warm", {})
+        lines.append(f"| {model} | {cold.get('seconds', cold.get('error', '–'))} | {warm.get('seconds', warm.get('error', '–'))} | "
+                     f"{warm.get('phases', '–')} | {(warm.get('compile') or {}).get('mode', '–')} |")
+    lines += ["", "## Timed kernel choices (ms per candidate; margin = runner-up / winner)", ""]
+    for model, entry in report["models"].items():
+        for choice in (entry.get("ops-cold") or {}).get("choices", []):
+            if choice["timings_ms"]:
+                timings = ", ".join(f"{k} {v:.3f}" for k, v in choice["timings_ms"].items())
+                lines.append(f"- {model} `{choice['module']}` ({choice['kind']}): {choice['kernel']} chosen; {timings}; margin x{choice['margin']}")
+    profiles = [(m, n, v["profile"]) for m, e in report["models"].items() for n, v in e["variants"].items() if v.get("profile")]
+    if profiles:
+        lines += ["", "## Profiles (3 steps)", ""]
+        for model, name, prof in profiles:
+            idle = f"{prof['device_idle_share']:.1%}" if prof.get("device_idle_share") is not None else "–"
+            top = "; ".join(f"{t['name']} {t['ms']:.1f} ms" for t in prof["top"][:6])
+            lines.append(f"- {model} {name}: wall {prof['wall_ms']:.0f} ms, device idle {idle}; top: {top}")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    log(f"wrote {out / stem}.json and .md")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for e2e-h200.{json,md} (work files go to OUT/e2e-work)")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (rehearsal)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--budget-s", type=float, default=530.0, help="total wall-clock budget (default 530 s)")
+    parser.add_argument("--variant-timeout-s", type=float, default=150.0, help="one variant's limit, compile included")
+    parser.add_argument("--ops-timeout-s", type=float, default=150.0, help="one operators-stage run's limit")
+    parser.add_argument("--ops-light", action="store_true", help="operators stage without ONNX export and patch check")
+    parser.add_argument("--profile", action="store_true", help="add a torch-profiler summary per variant")
+    parser.add_argument("--merge", action="store_true", help="keep the other models' entries of an earlier report in --out")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--variant-budget-s", type=float, default=600.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    defaults = (2, 32, 1, 2) if args.tiny else (4, 2048, 4, 20)
+    for name, value in zip(("batch", "seq", "warmup", "steps"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return worker(args) if args.worker else main_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""``benchmarks/e2e.py --tiny``: the one-call benchmark runs end to end on the CPU, in its own processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_tiny_run_trains_each_variant_on_the_same_weights_and_data(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "e2e.py"), "--out", str(tmp_path), "--tiny", "--models", "llama-1b",
+           "--variants", "eager,adapt", "--ops-light", "--steps", "1", "--budget-s", "850", "--variant-timeout-s", "400"]
+    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "e2e-cpu-tiny.json").read_text())
+    entry = report["models"]["llama-1b"]
+    assert entry["ops-cold"]["ok"] and entry["ops-cold"]["compile"]["mode"] == "none"  # CPU: the plan runs eager
+    eager, adapt = entry["variants"]["eager"], entry["variants"]["adapt"]
+    assert eager["ok"] and adapt["ok"], (eager, adapt)
+    assert adapt["patched"] > 0 and adapt["compile_mode"] == "none"
+    for variant in (eager, adapt):
+        assert variant["tokens_per_s"] > 0 and variant["steps_timed"] == 1 and len(variant["losses"]) == 2
+    # same checkpoint, same batches: the first loss agrees within bf16 rounding
+    assert abs(eager["losses"][0] - adapt["losses"][0]) < 0.05 * abs(eager["losses"][0])
+    assert "| llama-1b | adapt |" in (tmp_path / "e2e-cpu-tiny.md").read_text()
+
+
+def test_unknown_variant_is_refused_with_one_line(tmp_path):
+    cmd = [sys.executable, str(REPO / "benchmarks" / "e2e.py"), "--out", str(tmp_path), "--tiny", "--variants", "nope"]
+    done = subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "unknown model or variant 'nope'" in done.stderr and "Traceback" not in done.stderr
