@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from operators import kernels
@@ -190,11 +191,15 @@ class ResidualFusion:
         self.hooks.clear()
 
 
+def _plain(t: Any) -> bool:
+    """A dense tensor the kernel can take: no subclass (DTensor, ...) but the fake tensors of a trace."""
+    return type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, FakeTensor)
+
+
 def _fusable(a: Any, b: Any, weight: torch.Tensor) -> bool:
     """Plain dense tensors of one float dtype, shape and device, as wide as the norm's weight."""
-    plain = (torch.Tensor, nn.Parameter)
     return (
-        type(a) in plain and type(b) in plain and type(weight) in plain
+        _plain(a) and _plain(b) and _plain(weight)
         and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device == weight.device
         and a.dtype in (torch.float32, torch.bfloat16, torch.float16) and a.dim() >= 1 and a.shape[-1] == weight.numel()
     )

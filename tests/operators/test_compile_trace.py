@@ -92,16 +92,16 @@ def takes_labels(model: nn.Module) -> bool:
     return "labels" in inspect.signature(type(model).forward).parameters and model.get_output_embeddings() is not None
 
 
-def step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None, probe: dict[str, torch.Tensor]):
-    """One training step's loss and every parameter gradient.  Without labels the loss weights the
+def step(model: nn.Module, run, ids: torch.Tensor, labels: torch.Tensor | None, probe: dict[str, torch.Tensor]):
+    """One training step of ``model`` called through ``run`` (itself or its compiled form): the loss and
+    every parameter gradient.  Without labels the loss weights the
     model's output by a random ``probe`` (drawn on the first call, reused after), so no two output
     elements share a gradient."""
     model.zero_grad(set_to_none=True)
     if labels is not None:
-        out = model(input_ids=ids, labels=labels)
-        loss = out.loss
+        loss = run(input_ids=ids, labels=labels).loss
     else:
-        out = model(input_ids=ids)
+        out = run(input_ids=ids)
         hidden = out.logits if getattr(out, "logits", None) is not None else out[0]
         loss = (hidden * probe.setdefault("weights", torch.randn(hidden.shape))).sum()
     loss.backward()
@@ -124,13 +124,13 @@ def test_compiled_patched_model_matches_eager_with_every_kernel_in_the_graph(zoo
         ids = torch.randint(0, vocab, (2, 5))
         labels = torch.randint(0, vocab, (2, 5)) if takes_labels(model) else None
         probe: dict[str, torch.Tensor] = {}
-        eager = step(model, ids, labels, probe)
+        eager = step(model, model, ids, labels, probe)
 
         torch._dynamo.reset()
         backend = RecordingBackend()
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         before = ops.CALLS.copy()
-        got = step(compiled, ids, labels, probe)
+        got = step(model, compiled, ids, labels, probe)
         ran = {name for name, count in ops.CALLS.items() if count > before[name]}
     finally:
         handle.revert()
@@ -163,9 +163,9 @@ def test_export_of_a_patched_llama_keeps_the_adapt_operators(zoo):
         with apply_kernel_plan(model, plan):
             with torch.no_grad():
                 eager_loss = model(input_ids=ids, labels=labels).loss
-            program = torch.export.export(model, (), {"input_ids": ids, "labels": labels})
+            program = torch.export.export(model, (), {"input_ids": ids, "labels": labels, "use_cache": False})
             exported = {_op_name(n.target) for n in program.graph.nodes} - {None}
-            exported_loss = program.module()(input_ids=ids, labels=labels).loss
+            exported_loss = program.module()(input_ids=ids, labels=labels, use_cache=False).loss
     finally:
         model.train(training)
     assert {"rms_norm", "add_rms_norm", "glu", "apply_rotary", "fused_linear_cross_entropy"} <= want_forward
