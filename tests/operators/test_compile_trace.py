@@ -36,7 +36,6 @@ EXPECTED = {
     "fused_linear_cross_entropy": ({"fused_linear_cross_entropy"}, set()),  # mean loss: gradients made in forward
     "moe_grouped_gemm": (_MOE_FORWARD, _MOE_BACKWARD),
 }
-FAST = {"llama"}  # the other families are marked slow: the interpreter makes each one 30-100 s
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +109,8 @@ def step(model: nn.Module, run, ids: torch.Tensor, labels: torch.Tensor | None, 
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("family", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in ZOO_NAMES])
+@pytest.mark.slow  # the interpreter makes each family 30-200 s on two busy cores; the export test is the quick guard
+@pytest.mark.parametrize("family", ZOO_NAMES)
 def test_compiled_patched_model_matches_eager_with_every_kernel_in_the_graph(zoo, family):
     from operators.kernels import ops
 
@@ -145,7 +145,9 @@ def test_compiled_patched_model_matches_eager_with_every_kernel_in_the_graph(zoo
     if family not in ("bert", "custom"):  # the decoder families all get adapt kernels on CPU
         assert want_forward
     torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-6)
-    assert set(got[1]) == set(eager[1])
+    assert set(eager[1]) <= set(got[1])
+    for name in set(got[1]) - set(eager[1]):  # AOTAutograd sends zeros back through unused outputs (BERT's pooler)
+        assert not got[1][name].any(), name
     for name, grad in eager[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
