@@ -9,7 +9,7 @@ The operators are ``custom_op`` (opaque to Inductor): ``triton_op`` cannot run i
 kernels built for Triton's CPU interpreter, and one registration must serve CUDA and the interpreter.
 Statistics a backward needs (row ``rstd``, precomputed loss gradients) are extra outputs, because
 autograd's ``setup_context`` can only save inputs and outputs.  Where a gradient is not asked for, its
-output is an empty tensor.  ``CALLS`` counts real executions per operator: it advances when a kernel
+output is an empty tensor.  The MoE operators live in ``moe_ops``.  ``CALLS`` counts real executions per operator: it advances when a kernel
 really runs, eager or compiled, never while a graph is traced.
 """
 
@@ -20,18 +20,19 @@ from collections import Counter
 import torch
 from torch.library import custom_op, register_autograd
 
-from . import cross_entropy, glu, grouped_gemm, moe, norms, rope
+from . import cross_entropy, glu, norms, rope
 from ._utils import as_rows
 
 CALLS: Counter[str] = Counter()  # adapt operator name -> real (non-fake) executions
 
 
-def _none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
+def none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
+    """A gradient output back to autograd's None when it is the empty placeholder."""
     return t if t.numel() else None
 
 
-def _nothing(like: torch.Tensor) -> torch.Tensor:
-    """The placeholder output of a gradient nobody asked for."""
+def no_gradient(like: torch.Tensor) -> torch.Tensor:
+    """The empty output standing for something not asked for (a gradient, forward statistics)."""
     return like.new_empty(0)
 
 
@@ -44,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
     """(normed, fp32 row rstd or empty); ``config`` is ``norms.encode_config``'s list."""
     CALLS["rms_norm"] += 1
     _, y, rstd = norms.rms_forward(x, None, weight, eps, offset, cast, norms.decode_config(config), store_rstd)
-    return y.view(x.shape), rstd if store_rstd else _nothing(y).float()
+    return y.view(x.shape), rstd if store_rstd else no_gradient(y).float()
 
 
 @rms_norm.register_fake
@@ -59,7 +60,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """(x + residual, its RMSNorm, fp32 row rstd or empty) in one pass."""
     CALLS["add_rms_norm"] += 1
     s, y, rstd = norms.rms_forward(x, residual, weight, eps, offset, cast, norms.decode_config(config), store_rstd)
-    return s.view(x.shape), y.view(x.shape), rstd if store_rstd else _nothing(y).float()
+    return s.view(x.shape), y.view(x.shape), rstd if store_rstd else no_gradient(y).float()
 
 
 @add_rms_norm.register_fake
@@ -78,7 +79,7 @@ def rms_norm_backward(dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tens
         raise RuntimeError("adapt::rms_norm_backward needs the forward's rstd (run the forward with store_rstd)")
     x_rows = as_rows(x).contiguous()
     dx, dw = norms.rms_backward(dy, dsum, x_rows, weight, rstd, offset, cast, need_dw, norms.decode_config(config))
-    return dx.view(x.shape), dw if need_dw else _nothing(weight)
+    return dx.view(x.shape), dw if need_dw else no_gradient(weight)
 
 
 @rms_norm_backward.register_fake
@@ -96,7 +97,7 @@ def _rms_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     offset, cast, config = ctx.meta
     dx, dw = torch.ops.adapt.rms_norm_backward(dy, None, x, weight, rstd, offset, cast, ctx.needs_input_grad[1], config)
-    return dx, _none_if_empty(dw), None, None, None, None, None
+    return dx, none_if_empty(dw), None, None, None, None, None
 
 
 register_autograd("adapt::rms_norm", _rms_backward, setup_context=_rms_setup)
@@ -113,7 +114,7 @@ def _add_rms_backward(ctx, dsum, dy, _drstd):
     offset, cast, config = ctx.meta
     dx, dw = torch.ops.adapt.rms_norm_backward(dy, dsum, total, weight, rstd, offset, cast, ctx.needs_input_grad[2],
                                                config)
-    return dx, dx, _none_if_empty(dw), None, None, None, None, None
+    return dx, dx, none_if_empty(dw), None, None, None, None, None
 
 
 register_autograd("adapt::add_rms_norm", _add_rms_backward, setup_context=_add_rms_setup)
@@ -129,7 +130,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     CALLS["layer_norm"] += 1
     _, y, mean, rstd = norms.layer_norm_forward(x, weight, bias, eps, norms.decode_config(config), store_stats)
     if not store_stats:
-        mean, rstd = _nothing(y).float(), _nothing(y).float()
+        mean, rstd = no_gradient(y).float(), no_gradient(y).float()
     return y.view(x.shape), mean, rstd
 
 
@@ -149,8 +150,8 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     x_rows = as_rows(x).contiguous()
     dx, dw, db = norms.layer_norm_backward(dy, x_rows, weight, mean, rstd, need_dw, need_db,
                                            norms.decode_config(config))
-    return (dx.view(x.shape), dw.to(weight.dtype) if need_dw else _nothing(weight),
-            db.to(bias.dtype) if need_db else _nothing(weight))
+    return (dx.view(x.shape), dw.to(weight.dtype) if need_dw else no_gradient(weight),
+            db.to(bias.dtype) if need_db else no_gradient(weight))
 
 
 @layer_norm_backward.register_fake
@@ -170,7 +171,7 @@ def _layer_norm_grad(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dw, db = torch.ops.adapt.layer_norm_backward(dy, x, weight, bias, mean, rstd, ctx.needs_input_grad[1],
                                                      ctx.needs_input_grad[2], ctx.config)
-    return dx, _none_if_empty(dw), _none_if_empty(db), None, None, None
+    return dx, none_if_empty(dw), none_if_empty(db), None, None, None
 
 
 register_autograd("adapt::layer_norm", _layer_norm_grad, setup_context=_layer_norm_setup)
@@ -295,8 +296,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         need_dh=grad_now and need_dh, need_dw=grad_now and need_dw, need_db=grad_now and need_db,
     )
     loss = losses if reduction == "none" else (losses.sum() / n_valid if reduction == "mean" else losses.sum())
-    return (loss, dh if dh is not None else _nothing(hidden), dw if dw is not None else _nothing(weight),
-            db if db is not None else _nothing(losses))
+    return (loss, dh if dh is not None else no_gradient(hidden), dw if dw is not None else no_gradient(weight),
+            db if db is not None else no_gradient(losses))
 
 
 @fused_linear_cross_entropy.register_fake
@@ -324,8 +325,8 @@ def fused_linear_cross_entropy_backward(
         hidden, weight, bias, labels, grad_losses.float().contiguous(), dict(opts, per_row_scale=True),
         need_grad=True, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
     )
-    return (dh if dh is not None else _nothing(hidden), dw if dw is not None else _nothing(weight),
-            db if db is not None else _nothing(grad_losses).float())
+    return (dh if dh is not None else no_gradient(hidden), dw if dw is not None else no_gradient(weight),
+            db if db is not None else no_gradient(grad_losses).float())
 
 
 @fused_linear_cross_entropy_backward.register_fake
@@ -356,188 +357,9 @@ def _ce_grad(ctx, grad_loss, *_):
                                                                          *ctx.opts, need[0], need[1], need[3])
     else:  # the forward computed the gradients of the reduced loss; scale them by what flows in
         dh, dw, db = (g * grad_loss.to(g.dtype) if g.numel() else g for g in ctx.saved_tensors)
-    db = _none_if_empty(db)
-    return (_none_if_empty(dh), _none_if_empty(dw), None, db.to(ctx.bias_dtype) if db is not None else None,
+    db = none_if_empty(db)
+    return (none_if_empty(dh), none_if_empty(dw), None, db.to(ctx.bias_dtype) if db is not None else None,
             None, None, None, None, None, None, None, None, None)
 
 
 register_autograd("adapt::fused_linear_cross_entropy", _ce_grad, setup_context=_ce_setup)
-
-
-# ---------------------------------------------------------------- MoE routing, permutation, grouped GEMM
-
-
-@custom_op("adapt::moe_route", mutates_args=())
-def moe_route(logits: torch.Tensor, top_k: int, scoring: str, n_group: int, topk_group: int, normalize: bool,
-              correction_bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 weights ``[T, k]``, int64 expert ids ``[T, k]``) from row-major router logits ``[T, E]``."""
-    CALLS["moe_route"] += 1
-    return moe.route_forward(logits, top_k, scoring, n_group, topk_group, normalize, correction_bias, scale)
-
-
-@moe_route.register_fake
-def _(logits, top_k, scoring, n_group, topk_group, normalize, correction_bias, scale):
-    shape = (logits.shape[0], top_k)
-    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
-
-
-@custom_op("adapt::moe_route_backward", mutates_args=())
-def moe_route_backward(dweights: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, top_k: int, scoring: str,
-                       normalize: bool, scale: float) -> torch.Tensor:
-    CALLS["moe_route_backward"] += 1
-    return moe.route_backward(dweights, logits, ids, top_k, scoring, normalize, scale)
-
-
-@moe_route_backward.register_fake
-def _(dweights, logits, ids, top_k, scoring, normalize, scale):
-    return logits.new_empty(logits.shape)
-
-
-def _route_setup(ctx, inputs, output):
-    logits, top_k, scoring, _, _, normalize, _, scale = inputs
-    ctx.save_for_backward(logits, output[1])
-    ctx.meta = (top_k, scoring, normalize, scale)
-
-
-def _route_grad(ctx, dweights, _dids):
-    logits, ids = ctx.saved_tensors
-    dlogits = torch.ops.adapt.moe_route_backward(dweights, logits, ids, *ctx.meta)
-    return dlogits, None, None, None, None, None, None, None
-
-
-register_autograd("adapt::moe_route", _route_grad, setup_context=_route_setup)
-
-
-@custom_op("adapt::moe_sort", mutates_args=())
-def moe_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(source token per sorted row ``[T*k]``, sorted row per (token, slot) ``[T, k]``, offsets ``[E + 1]``).
-
-    One operator so that the data-dependent checks (ids in range) run with the kernel, compiled or not.
-    """
-    CALLS["moe_sort"] += 1
-    source, position, offsets = moe.sort_by_expert(expert_ids, num_experts)
-    return source, position, offsets
-
-
-@moe_sort.register_fake
-def _(expert_ids, num_experts):
-    return (expert_ids.new_empty(expert_ids.numel()), expert_ids.new_empty(expert_ids.shape),
-            expert_ids.new_empty(num_experts + 1))
-
-
-@custom_op("adapt::moe_permute", mutates_args=())
-def moe_permute(x: torch.Tensor, source_token: torch.Tensor, sorted_position: torch.Tensor) -> torch.Tensor:
-    """Row ``r`` of the result is ``x[source_token[r]]`` (``sorted_position`` is kept for the backward)."""
-    CALLS["moe_permute"] += 1
-    return moe.gather(x, source_token)
-
-
-@moe_permute.register_fake
-def _(x, source_token, sorted_position):
-    return x.new_empty((source_token.shape[0], x.shape[1]))
-
-
-@custom_op("adapt::moe_combine", mutates_args=())
-def moe_combine(y: torch.Tensor, sorted_position: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_k y[sorted_position[t, k]]``: the permutation's backward."""
-    CALLS["moe_combine"] += 1
-    return moe.combine(y.contiguous(), sorted_position, None, *sorted_position.shape)
-
-
-@moe_combine.register_fake
-def _(y, sorted_position):
-    return y.new_empty((sorted_position.shape[0], y.shape[1]))
-
-
-def _permute_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2])
-
-
-def _permute_grad(ctx, dout):
-    (sorted_position,) = ctx.saved_tensors
-    return torch.ops.adapt.moe_combine(dout, sorted_position), None, None
-
-
-register_autograd("adapt::moe_permute", _permute_grad, setup_context=_permute_setup)
-
-
-@custom_op("adapt::moe_unpermute", mutates_args=())
-def moe_unpermute(y_sorted: torch.Tensor, weights: torch.Tensor, sorted_position: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_k weights[t, k] * y_sorted[sorted_position[t, k]]`` in ``y_sorted``'s dtype."""
-    CALLS["moe_unpermute"] += 1
-    return moe.combine(y_sorted, sorted_position, weights, *sorted_position.shape)
-
-
-@moe_unpermute.register_fake
-def _(y_sorted, weights, sorted_position):
-    return y_sorted.new_empty((sorted_position.shape[0], y_sorted.shape[1]))
-
-
-@custom_op("adapt::moe_unpermute_backward", mutates_args=())
-def moe_unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, weights: torch.Tensor,
-                           sorted_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    CALLS["moe_unpermute_backward"] += 1
-    return moe.unpermute_backward(dy, y_sorted, weights, sorted_position)
-
-
-@moe_unpermute_backward.register_fake
-def _(dy, y_sorted, weights, sorted_position):
-    return y_sorted.new_empty(y_sorted.shape), torch.empty_like(weights)
-
-
-def _unpermute_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _unpermute_grad(ctx, dy):
-    y_sorted, weights, sorted_position = ctx.saved_tensors
-    dy_sorted, dweights = torch.ops.adapt.moe_unpermute_backward(dy, y_sorted, weights, sorted_position)
-    return dy_sorted, dweights, None
-
-
-register_autograd("adapt::moe_unpermute", _unpermute_grad, setup_context=_unpermute_setup)
-
-
-@custom_op("adapt::grouped_gemm", mutates_args=())
-def grouped_gemm_op(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, config: list[int]) -> torch.Tensor:
-    """``x[rows of e] @ w[e]`` for every expert ``e``; ``config`` is ``grouped_gemm.encode_config``'s list."""
-    CALLS["grouped_gemm"] += 1
-    return grouped_gemm.grouped_mm(x, w, group_offsets, False, grouped_gemm.decode_config(config))
-
-
-@grouped_gemm_op.register_fake
-def _(x, w, group_offsets, config):
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-@custom_op("adapt::grouped_gemm_backward", mutates_args=())
-def grouped_gemm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
-                          need_dx: bool, need_dw: bool, config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx or empty, dw in ``w``'s layout or empty)."""
-    CALLS["grouped_gemm_backward"] += 1
-    gemm = grouped_gemm.decode_config(config)
-    dy = dy.contiguous()
-    dx = grouped_gemm.grouped_mm(dy, w, group_offsets, True, gemm) if need_dx else _nothing(x)
-    dw = grouped_gemm.grouped_weight_grad(x, dy, w, group_offsets, gemm) if need_dw else _nothing(w)
-    return dx, dw
-
-
-@grouped_gemm_backward.register_fake
-def _(dy, x, w, group_offsets, need_dx, need_dw, config):
-    return x.new_empty(x.shape if need_dx else (0,)), torch.empty_like(w) if need_dw else w.new_empty(0)
-
-
-def _gemm_setup(ctx, inputs, output):
-    x, w, group_offsets, config = inputs
-    ctx.save_for_backward(x, w, group_offsets)
-    ctx.config = config
-
-
-def _gemm_grad(ctx, dy):
-    x, w, group_offsets = ctx.saved_tensors
-    dx, dw = torch.ops.adapt.grouped_gemm_backward(dy, x, w, group_offsets, ctx.needs_input_grad[0],
-                                                   ctx.needs_input_grad[1], ctx.config)
-    return _none_if_empty(dx), _none_if_empty(dw), None, None
-
-
-register_autograd("adapt::grouped_gemm", _gemm_grad, setup_context=_gemm_setup)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from operators.kernels import ops  # noqa: F401  (registers torch.ops.adapt)
+from operators.kernels import moe_ops, ops  # noqa: F401  (they register torch.ops.adapt)
 
 adapt = torch.ops.adapt
 
