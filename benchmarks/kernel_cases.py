@@ -307,9 +307,9 @@ def sweep_configs(bench: Callable, smoke: bool) -> list[dict]:
         out.append({"kernel": "copy (same bytes as the norm forward)", "shape": f"{m}x{n}", "config": "torch copy_",
                     "ms": bench(lambda: dst.copy_(src))})
         forward = {
-            "rms_norm fwd": lambda cfg: norms._rms_forward(x, None, w, 1e-6, 0.0, "llama", cfg, need_rstd=False),
-            "add_rms_norm fwd": lambda cfg: norms._rms_forward(x, r, w, 1e-6, 0.0, "llama", cfg, need_rstd=False),
-            "layer_norm fwd": lambda cfg: norms._layer_norm_forward(x, w, b, 1e-5, cfg, need_stats=False),
+            "rms_norm fwd": lambda cfg: norms.rms_forward(x, None, w, 1e-6, 0.0, "llama", cfg, need_rstd=False),
+            "add_rms_norm fwd": lambda cfg: norms.rms_forward(x, r, w, 1e-6, 0.0, "llama", cfg, need_rstd=False),
+            "layer_norm fwd": lambda cfg: norms.layer_norm_forward(x, w, b, 1e-5, cfg, need_stats=False),
         }
         for name, run in forward.items():
             for block_m in (1, 2, 4, 8):
@@ -322,16 +322,16 @@ def sweep_configs(bench: Callable, smoke: bool) -> list[dict]:
             out.append({"kernel": name, "shape": f"{m}x{n}", "config": "default", "ms": bench(lambda: run(None))})
             print(f"swept {name} {m}x{n}", flush=True)
         dy = torch.randn_like(x)
-        _, _, rstd = norms._rms_forward(x, None, w, 1e-6, 0.0, "llama", None, need_rstd=True)
+        _, _, rstd = norms.rms_forward(x, None, w, 1e-6, 0.0, "llama", None, need_rstd=True)
         for block_m in (1, 2, 4):
             for warps in (8, 16):
                 if block_m * n > 16384 or block_m * n < 32 * warps:
                     continue
                 for per_sm in (1, 2, 4):
                     cfg = norms.RowConfig(block_m=block_m, num_warps=warps, programs_per_sm=per_sm, prefetch=True)
-                    bwd = bench(lambda: norms._rms_backward(dy, None, x, w, rstd, 0.0, "llama", True, cfg))
+                    bwd = bench(lambda: norms.rms_backward(dy, None, x, w, rstd, 0.0, "llama", True, cfg))
                     out.append({"kernel": "rms_norm bwd+dW", "shape": f"{m}x{n}", "config": str(cfg), "ms": bwd})
-        default = bench(lambda: norms._rms_backward(dy, None, x, w, rstd, 0.0, "llama", True, None))
+        default = bench(lambda: norms.rms_backward(dy, None, x, w, rstd, 0.0, "llama", True, None))
         out.append({"kernel": "rms_norm bwd+dW", "shape": f"{m}x{n}", "config": "default", "ms": default})
         print(f"swept rms_norm backward {m}x{n}: default {default:.4f} ms", flush=True)
     return out

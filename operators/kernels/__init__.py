@@ -1,8 +1,10 @@
 """adapt's Triton kernel library: fused, training-grade kernels with forward and backward passes.
 
 Each function takes ordinary tensors (bf16, fp16 or fp32, any leading dims, non-power-of-two widths,
-strided inputs) and returns tensors that autograd differentiates through a ``torch.autograd.Function``
-backed by Triton kernels. On a machine without CUDA the kernels run in Triton's interpreter when
+strided inputs) and calls one ``torch.ops.adapt`` operator (``ops``) whose forward and backward are
+Triton kernels, so autograd, Dynamo and ``torch.export`` treat every kernel as a single node. The
+modules named after the kernels hold the Triton code and its launch; ``functional`` holds these
+functions. On a machine without CUDA the kernels run in Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set before this package is imported.
 """
 
@@ -17,12 +19,22 @@ except ImportError:  # e.g. macOS wheels of torch ship without Triton
 else:
     _HAVE_TRITON = True
     from ._utils import interpreting
-    from .cross_entropy import fused_linear_cross_entropy
-    from .glu import geglu, swiglu
-    from .grouped_gemm import GemmConfig, grouped_gemm
-    from .moe import PermutationState, moe_permute, moe_route, moe_unpermute
-    from .norms import RowConfig, add_rms_norm, layer_norm, rms_norm
-    from .rope import apply_rotary
+    from .functional import (
+        add_rms_norm,
+        apply_rotary,
+        fused_linear_cross_entropy,
+        geglu,
+        grouped_gemm,
+        layer_norm,
+        moe_permute,
+        moe_route,
+        moe_unpermute,
+        rms_norm,
+        swiglu,
+    )
+    from .grouped_gemm import GemmConfig
+    from .moe import PermutationState
+    from .norms import RowConfig
 
 
 def available() -> bool:

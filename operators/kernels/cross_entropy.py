@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, check_float, next_pow2
+from ._utils import cdiv, next_pow2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -89,7 +89,7 @@ def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
     return min(tokens, next_pow2(cdiv(tokens, growth)))
 
 
-def _run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh, need_dw, need_db):
+def run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh, need_dw, need_db):
     """One pass over all token chunks: per-token losses and, if asked, the scaled gradients."""
     tokens, width = hidden.shape
     vocab = weight.shape[0]
@@ -127,85 +127,3 @@ def _run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh
         if need_db:
             db += logits.sum(0, dtype=torch.float32)
     return losses, dh, dw, db
-
-
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, bias, opts):
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_db = bias is not None and ctx.needs_input_grad[3]
-        valid = labels != opts["ignore_index"]
-        n_valid = valid.sum().clamp_min(1).to(torch.float32)
-        reduction = opts["reduction"]
-        grad_now = reduction != "none" and (need_dh or need_dw or need_db)
-        scale = (1.0 / n_valid if reduction == "mean" else torch.ones_like(n_valid)).reshape(1)
-        losses, dh, dw, db = _run_chunks(hidden, weight, bias, labels, scale, dict(opts, per_row_scale=False),
-                                         need_grad=grad_now, need_dh=grad_now and need_dh,
-                                         need_dw=grad_now and need_dw, need_db=grad_now and need_db)
-        if reduction == "none":
-            ctx.save_for_backward(hidden, weight, labels, bias)
-        ctx.grads = (dh, dw, db)
-        ctx.opts = opts
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        if reduction == "mean":
-            return losses.sum() / n_valid
-        return losses.sum() if reduction == "sum" else losses
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        opts = ctx.opts
-        if opts["reduction"] == "none":
-            hidden, weight, labels, bias = ctx.saved_tensors
-            _, dh, dw, db = _run_chunks(
-                hidden, weight, bias, labels, grad_out.float().contiguous(), dict(opts, per_row_scale=True),
-                need_grad=True, need_dh=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1],
-                need_db=bias is not None and ctx.needs_input_grad[3],
-            )
-        else:
-            dh, dw, db = ctx.grads
-            ctx.grads = None
-            if not bool(grad_out == 1.0):  # a loss scale or a weighted sum of losses upstream
-                dh = dh * grad_out.to(dh.dtype) if dh is not None else None
-                dw = dw * grad_out.to(dw.dtype) if dw is not None else None
-                db = db * grad_out if db is not None else None
-        return dh, dw, None, db.to(ctx.bias_dtype) if db is not None else None, None
-
-
-def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0,
-                               z_loss=0.0, softcap=None, reduction="mean", chunk_size: int | None = None):
-    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without the full logits.
-
-    ``hidden`` is ``[..., H]`` and ``labels`` the matching ``[...]``; ``softcap`` applies
-    ``softcap * tanh(logits / softcap)`` first (Gemma 2); ``z_loss`` adds ``z_loss * lse**2`` per token.
-    The mean is over non-ignored tokens (0 when every token is ignored).
-    """
-    check_float("hidden", hidden)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"labels {tuple(labels.shape)} must match the token dims of hidden {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
-        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}] in {hidden.dtype}, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")
-    if not 0.0 <= label_smoothing <= 1.0 or z_loss < 0.0 or (softcap is not None and softcap <= 0.0):
-        raise ValueError("need 0 <= label_smoothing <= 1, z_loss >= 0 and softcap > 0")
-    opts = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                softcap=float(softcap) if softcap is not None else None, reduction=reduction, chunk_size=chunk_size)
-    hidden2 = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1).contiguous()
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
-        return _loss_only(hidden2, weight, flat_labels, bias, opts).view(labels.shape if reduction == "none" else ())
-    loss = FusedLinearCrossEntropyFunction.apply(hidden2, weight, flat_labels, bias, opts)
-    return loss.view(labels.shape) if reduction == "none" else loss
-
-
-def _loss_only(hidden, weight, labels, bias, opts):
-    """Evaluation path: one online-softmax pass per chunk, no gradient work and no autograd node."""
-    losses, *_ = _run_chunks(hidden, weight, bias, labels, torch.ones(1, device=hidden.device),
-                             dict(opts, per_row_scale=False), need_grad=False, need_dh=False, need_dw=False,
-                             need_db=False)
-    if opts["reduction"] == "none":
-        return losses
-    if opts["reduction"] == "sum":
-        return losses.sum()
-    return losses.sum() / (labels != opts["ignore_index"]).sum().clamp_min(1)

@@ -103,7 +103,7 @@ def _block(width: int) -> tuple[int, int]:
     return block, max(1, min(8, block // 512))
 
 
-def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     check_float("gate", gate)
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate {tuple(gate.shape)}/{gate.dtype} and up {tuple(up.shape)}/{up.dtype} must match")
@@ -116,41 +116,13 @@ def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch
     return y
 
 
-def _apply(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return GLUFunction.apply(gate, up, activation)
-    return _glu_forward(gate, up, activation)  # inference: no autograd node
-
-
-class GLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, activation):
-        y = _glu_forward(gate, up, activation)
-        ctx.save_for_backward(gate, up)
-        ctx.activation = activation
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        (d, g, u), rows, width, (sd, sg, su) = _layout(dy, gate, up)
-        dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        dup = torch.empty_like(dgate)
-        block, warps = _block(width)
-        if dgate.numel():
-            _glu_bwd[(rows * cdiv(width, block),)](d, g, u, dgate, dup, width, sd, sg, su,
-                                                           ACT=ACTIVATIONS[ctx.activation], BLOCK=block,
-                                                           num_warps=warps)
-        return dgate, dup, None
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``."""
-    return _apply(gate, up, "silu")
-
-
-def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """``gelu(gate, approximate) * up`` with ``approximate`` in {"none", "tanh"} as in ``F.gelu``."""
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _apply(gate, up, "gelu" if approximate == "none" else "gelu_tanh")
+def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str):
+    """(d gate, d up), recomputing the activation from the saved inputs."""
+    (d, g, u), rows, width, (sd, sg, su) = _layout(dy, gate, up)
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty_like(dgate)
+    block, warps = _block(width)
+    if dgate.numel():
+        _glu_bwd[(rows * cdiv(width, block),)](d, g, u, dgate, dup, width, sd, sg, su, ACT=ACTIVATIONS[activation],
+                                               BLOCK=block, num_warps=warps)
+    return dgate, dup

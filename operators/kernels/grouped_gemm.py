@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, check_float, interpreting
+from ._utils import cdiv, interpreting
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class GemmConfig:
 _INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
-def _config(config: GemmConfig | None) -> GemmConfig:
+def config_for(config: GemmConfig | None) -> GemmConfig:
     return config or (_INTERPRETER_CONFIG if interpreting() else GemmConfig())
 
 
@@ -115,10 +115,10 @@ def _tile_map(group_offsets: torch.Tensor, rows: int, block_m: int):
     return expert, (ends - tiles).to(torch.int32), upper
 
 
-def _grouped_mm(x, w, group_offsets, transpose_w: bool, config: GemmConfig):
+def grouped_mm(x, w, group_offsets, transpose_w: bool, config: GemmConfig):
     """``x @ w[e]`` (or ``x @ w[e].T``) per expert row group; w is [E, K, N]."""
     rows = x.shape[0]
-    e, wk, wn = w.shape
+    _, wk, wn = w.shape
     k, n = (wn, wk) if transpose_w else (wk, wn)
     stride_bk, stride_bn = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -136,46 +136,26 @@ def _grouped_mm(x, w, group_offsets, transpose_w: bool, config: GemmConfig):
     return out
 
 
-class GroupedGemmFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, group_offsets, config):
-        ctx.save_for_backward(x, w, group_offsets)
-        ctx.config = config
-        return _grouped_mm(x, w, group_offsets, transpose_w=False, config=config)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, group_offsets = ctx.saved_tensors
-        config = ctx.config
-        dy = dy.contiguous()
-        dx = _grouped_mm(dy, w, group_offsets, transpose_w=True, config=config) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            experts, k, n = w.shape
-            dw = torch.empty_like(w)
-            block_k = max(config.block_k, 32)
-            grid = (experts, cdiv(k, block_k) * cdiv(n, config.block_n))
-            _grouped_weight_grad_kernel[grid](
-                x, dy, dw, group_offsets, k, n, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
-                FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_k,
-                BLOCK_N=config.block_n,
-                BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-            )
-        return dx, dw, None, None
+def grouped_weight_grad(x, dy, w, group_offsets, config: GemmConfig):
+    """``dw[e] = x[rows of e].T @ dy[rows of e]`` for every expert, in ``w``'s memory layout."""
+    experts, k, n = w.shape
+    dw = torch.empty_like(w)
+    block_k = max(config.block_k, 32)
+    grid = (experts, cdiv(k, block_k) * cdiv(n, config.block_n))
+    _grouped_weight_grad_kernel[grid](
+        x, dy, dw, group_offsets, k, n, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
+        FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_k, BLOCK_N=config.block_n,
+        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return dw
 
 
-def grouped_gemm(x_sorted: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
-                 config: GemmConfig | None = None) -> torch.Tensor:
-    """Per-expert ``x_sorted[offsets[e]:offsets[e+1]] @ w[e]`` with ``w`` of shape ``[E, K, N]``.
+def encode_config(config: GemmConfig | None) -> list[int]:
+    """A GemmConfig as the integer list a torch.library operator takes (empty: the device's default)."""
+    if config is None:
+        return []
+    return [config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages]
 
-    ``group_offsets`` has ``E + 1`` entries (as produced by ``moe_permute``). fp32 inputs use exact
-    fp32 products (no TF32); bf16/fp16 accumulate in fp32.
-    """
-    check_float("x_sorted", x_sorted)
-    if x_sorted.dim() != 2 or w.dim() != 3 or w.shape[1] != x_sorted.shape[1] or w.dtype != x_sorted.dtype:
-        raise ValueError(f"need x [M, K] and w [E, K, N] of one dtype, got {tuple(x_sorted.shape)}, {tuple(w.shape)}")
-    if group_offsets.shape != (w.shape[0] + 1,):
-        raise ValueError(f"group_offsets must have E + 1 = {w.shape[0] + 1} entries")
-    if x_sorted.stride(1) != 1:
-        x_sorted = x_sorted.contiguous()
-    return GroupedGemmFunction.apply(x_sorted, w, group_offsets.to(torch.int64), _config(config))
+
+def decode_config(values: list[int]) -> GemmConfig:
+    return GemmConfig(*values) if values else config_for(None)

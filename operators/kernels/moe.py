@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, check_float, next_pow2
+from ._utils import cdiv, next_pow2
 
 SCORINGS = {"softmax": 0, "sigmoid": 1}
 
@@ -102,66 +102,34 @@ def _route_bwd(LOGITS, IDS, DWEIGHTS, DLOGITS, E, stride_l, scale, TOP_K: tl.con
     tl.store(DLOGITS + row * stride_l + experts, dlogits.to(DLOGITS.dtype.element_ty), mask=valid)
 
 
-class RouteFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, top_k, scoring, n_group, topk_group, normalize, bias, scale):
-        tokens, experts = logits.shape
-        weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
-        ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
-        block_e = next_pow2(experts)
-        if tokens:
-            _route_fwd[(tokens,)](
-                logits, bias if bias is not None else logits, weights, ids, experts, logits.stride(0), scale,
-                TOP_K=top_k, SCORING=SCORINGS[scoring], N_GROUP=n_group, TOPK_GROUP=topk_group,
-                HAS_BIAS=bias is not None, NORMALIZE=normalize, BLOCK_E=block_e,
-                BLOCK_K=next_pow2(top_k), BLOCK_G=next_pow2(n_group),
-                num_warps=4 if block_e <= 256 else 8,
-            )
-        ctx.save_for_backward(logits, ids)
-        ctx.meta = (top_k, scoring, normalize, scale)
-        ctx.mark_non_differentiable(ids)
-        return weights, ids
-
-    @staticmethod
-    def backward(ctx, dweights, _dids):
-        logits, ids = ctx.saved_tensors
-        top_k, scoring, normalize, scale = ctx.meta
-        dlogits = torch.empty((logits.shape[0], logits.shape[1]), dtype=logits.dtype, device=logits.device)
-        if logits.shape[0]:
-            block_e = next_pow2(logits.shape[1])
-            _route_bwd[(logits.shape[0],)](
-                logits, ids, dweights.contiguous(), dlogits, logits.shape[1], logits.stride(0), scale,
-                TOP_K=top_k, SCORING=SCORINGS[scoring], NORMALIZE=normalize, BLOCK_E=block_e,
-                BLOCK_K=next_pow2(top_k), num_warps=4 if block_e <= 256 else 8,
-            )
-        return dlogits, None, None, None, None, None, None, None
+def route_forward(logits, top_k, scoring, n_group, topk_group, normalize, bias, scale):
+    """(fp32 weights ``[T, k]``, int64 expert ids ``[T, k]``) for row-major ``logits`` ``[T, E]``."""
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    block_e = next_pow2(experts)
+    if tokens:
+        _route_fwd[(tokens,)](
+            logits, bias if bias is not None else logits, weights, ids, experts, logits.stride(0), scale,
+            TOP_K=top_k, SCORING=SCORINGS[scoring], N_GROUP=n_group, TOPK_GROUP=topk_group,
+            HAS_BIAS=bias is not None, NORMALIZE=normalize, BLOCK_E=block_e,
+            BLOCK_K=next_pow2(top_k), BLOCK_G=next_pow2(n_group),
+            num_warps=4 if block_e <= 256 else 8,
+        )
+    return weights, ids
 
 
-def moe_route(router_logits, top_k, scoring="softmax", n_group=1, topk_group=1, normalize=True,
-              correction_bias=None, scale=1.0):
-    """Top-k expert choice per token: returns (fp32 weights ``[T, k]``, int64 expert ids ``[T, k]``).
-
-    ``scoring`` is "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3); ``n_group``/``topk_group``
-    restrict the choice to the best groups; ``correction_bias`` shifts the choice only.
-    """
-    check_float("router_logits", router_logits)
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {sorted(SCORINGS)}, got {scoring!r}")
-    logits = router_logits.reshape(-1, router_logits.shape[-1])
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    experts = logits.shape[1]
-    if not 1 <= top_k <= experts or experts % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"invalid routing: top_k={top_k}, experts={experts}, n_group={n_group}, "
-                         f"topk_group={topk_group}")
-    if n_group > 1 and experts // n_group < 2:
-        raise ValueError("grouped routing scores a group by its two best experts: need >= 2 experts per group")
-    if n_group > 1 and top_k > topk_group * (experts // n_group):
-        raise ValueError("top_k exceeds the experts left after group selection")
-    if correction_bias is not None and correction_bias.shape != (experts,):
-        raise ValueError(f"correction_bias must have shape ({experts},)")
-    return RouteFunction.apply(logits, int(top_k), scoring, int(n_group), int(topk_group), bool(normalize),
-                               correction_bias, float(scale))
+def route_backward(dweights, logits, ids, top_k, scoring, normalize, scale):
+    """The router logits' gradient from the routing weights' gradient (the ids are piecewise constant)."""
+    dlogits = torch.empty((logits.shape[0], logits.shape[1]), dtype=logits.dtype, device=logits.device)
+    if logits.shape[0]:
+        block_e = next_pow2(logits.shape[1])
+        _route_bwd[(logits.shape[0],)](
+            logits, ids, dweights.contiguous(), dlogits, logits.shape[1], logits.stride(0), scale,
+            TOP_K=top_k, SCORING=SCORINGS[scoring], NORMALIZE=normalize, BLOCK_E=block_e,
+            BLOCK_K=next_pow2(top_k), num_warps=4 if block_e <= 256 else 8,
+        )
+    return dlogits
 
 
 @dataclass
@@ -225,7 +193,8 @@ def _block_h(width: int) -> int:
     return min(1024, next_pow2(width))
 
 
-def _combine(y, position, weights, tokens, top_k):
+def combine(y, position, weights, tokens, top_k):
+    """``out[t] = sum_k weights[t, k] * y[position[t, k]]`` (weights of one when None)."""
     width = y.shape[1]
     out = torch.empty((tokens, width), dtype=y.dtype, device=y.device)
     if tokens:
@@ -238,73 +207,41 @@ def _combine(y, position, weights, tokens, top_k):
     return out
 
 
-class PermuteFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, source_token, sorted_position, top_k):
-        rows, width = source_token.numel(), x.shape[1]
-        out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-        if rows:
-            block_h = _block_h(width)
-            _gather_rows[(rows, cdiv(width, block_h))](x, source_token, out, width, x.stride(0),
-                                                              BLOCK_H=block_h, num_warps=4)
-        ctx.save_for_backward(sorted_position)
-        ctx.meta = (x.shape[0], top_k)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        (sorted_position,) = ctx.saved_tensors
-        tokens, top_k = ctx.meta
-        return _combine(dout.contiguous(), sorted_position, None, tokens, top_k), None, None, None
-
-
-class UnpermuteFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_sorted, weights, sorted_position, tokens, top_k):
-        ctx.save_for_backward(y_sorted, weights, sorted_position)
-        ctx.meta = (tokens, top_k)
-        return _combine(y_sorted, sorted_position, weights, tokens, top_k)
-
-    @staticmethod
-    def backward(ctx, dy):
-        y_sorted, weights, sorted_position = ctx.saved_tensors
-        tokens, top_k = ctx.meta
-        width = y_sorted.shape[1]
-        dy_sorted = torch.empty((y_sorted.shape[0], width), dtype=y_sorted.dtype, device=y_sorted.device)
-        dweights = torch.empty_like(weights)
-        if tokens:
-            _unpermute_bwd[(tokens,)](
-                dy.contiguous(), y_sorted, sorted_position, weights, dy_sorted, dweights, width, y_sorted.stride(0),
-                TOP_K=top_k, BLOCK_K=next_pow2(top_k), BLOCK_H=_block_h(width), num_warps=4,
-            )
-        return dy_sorted, dweights, None, None, None
-
-
-def moe_permute(x, expert_ids, num_experts):
-    """Rows of ``x`` ``[T, H]`` replicated per chosen expert and sorted by expert: (x_sorted, state)."""
-    check_float("x", x)
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0] or x.dim() != 2:
-        raise ValueError(f"need x [T, H] and expert_ids [T, k], got {tuple(x.shape)}, {tuple(expert_ids.shape)}")
+def sort_by_expert(expert_ids, num_experts):
+    """(source token of each sorted row, sorted row of each (token, slot), ``E + 1`` group offsets)."""
     tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
     if counts.numel() != num_experts:
         raise ValueError(f"expert ids exceed num_experts={num_experts}")
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=x.device)
-    state = PermutationState(source_token=(order // top_k).contiguous(), sorted_position=position.view(tokens, top_k),
-                             group_offsets=offsets, num_tokens=tokens, top_k=top_k)
-    x_rows = x if x.stride(-1) == 1 else x.contiguous()
-    return PermuteFunction.apply(x_rows, state.source_token, state.sorted_position, top_k), state
+    position[order] = torch.arange(order.numel(), device=expert_ids.device)
+    return (order // top_k).contiguous(), position.view(tokens, top_k), offsets
 
 
-def moe_unpermute(y_sorted, weights, state: PermutationState):
-    """``y[t] = sum_k weights[t, k] * y_sorted[row of (t, k)]``, in ``y_sorted``'s dtype."""
-    check_float("y_sorted", y_sorted)
-    if weights.shape != (state.num_tokens, state.top_k):
-        raise ValueError(f"weights must be [{state.num_tokens}, {state.top_k}], got {tuple(weights.shape)}")
-    y_rows = y_sorted if y_sorted.stride(-1) == 1 else y_sorted.contiguous()
-    return UnpermuteFunction.apply(y_rows, weights.contiguous(), state.sorted_position, state.num_tokens, state.top_k)
+def gather(x, source_token):
+    """``out[r] = x[source_token[r]]``: each token's row once per chosen expert, in sorted order."""
+    rows, width = source_token.numel(), x.shape[1]
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    if rows:
+        block_h = _block_h(width)
+        _gather_rows[(rows, cdiv(width, block_h))](x, source_token, out, width, x.stride(0), BLOCK_H=block_h,
+                                                   num_warps=4)
+    return out
+
+
+def unpermute_backward(dy, y_sorted, weights, sorted_position):
+    """(d y_sorted, d weights) of the weighted combine; each token's rows are written by one program."""
+    tokens, top_k = sorted_position.shape
+    width = y_sorted.shape[1]
+    dy_sorted = torch.empty((y_sorted.shape[0], width), dtype=y_sorted.dtype, device=y_sorted.device)
+    dweights = torch.empty_like(weights)
+    if tokens:
+        _unpermute_bwd[(tokens,)](
+            dy.contiguous(), y_sorted, sorted_position, weights, dy_sorted, dweights, width, y_sorted.stride(0),
+            TOP_K=top_k, BLOCK_K=next_pow2(top_k), BLOCK_H=_block_h(width), num_warps=4,
+        )
+    return dy_sorted, dweights

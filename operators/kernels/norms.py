@@ -166,7 +166,7 @@ def _rms_norm_bwd(DY, X, W, RSTD, DS, DX, DW_PARTIAL, M, N, stride_dy, stride_ds
         tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_mask)
 
 
-def _rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
+def rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
     check_float("x", x)
     if cast not in CAST_MODES:
         raise ValueError(f"cast must be one of {sorted(CAST_MODES)}, got {cast!r}")
@@ -189,7 +189,7 @@ def _rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
     return s, y, rstd
 
 
-def _rms_backward(dy, ds, x_rows, weight, rstd, offset, cast, need_dw, config):
+def rms_backward(dy, ds, x_rows, weight, rstd, offset, cast, need_dw, config):
     dy2 = as_rows(dy)
     ds2 = as_rows(ds) if ds is not None else None
     rows, width = x_rows.shape
@@ -204,45 +204,6 @@ def _rms_backward(dy, ds, x_rows, weight, rstd, offset, cast, need_dw, config):
     )
     dw = partial.sum(0).to(weight.dtype) if need_dw else None
     return dx, dw
-
-
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, cast, config):
-        need_grad = any(ctx.needs_input_grad[:2])
-        _, y, rstd = _rms_forward(x, None, weight, eps, offset, cast, config, need_rstd=need_grad)
-        if need_grad:
-            ctx.save_for_backward(as_rows(x).contiguous(), weight, rstd)
-        ctx.meta = (offset, cast, config, x.shape)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_rows, weight, rstd = ctx.saved_tensors
-        offset, cast, config, shape = ctx.meta
-        dx, dw = _rms_backward(dy, None, x_rows, weight, rstd, offset, cast, ctx.needs_input_grad[1], config)
-        return dx.view(shape), dw, None, None, None, None
-
-
-class AddRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, cast, config):
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError("residual must match x in shape and dtype")
-        need_grad = any(ctx.needs_input_grad[:3])
-        s, y, rstd = _rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd=need_grad)
-        if need_grad:
-            ctx.save_for_backward(s, weight, rstd)
-        ctx.meta = (offset, cast, config, x.shape)
-        return s.view(x.shape), y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, ds, dy):
-        s, weight, rstd = ctx.saved_tensors
-        offset, cast, config, shape = ctx.meta
-        dsum, dw = _rms_backward(dy, ds, s, weight, rstd, offset, cast, ctx.needs_input_grad[2], config)
-        dsum = dsum.view(shape)
-        return dsum, dsum, dw, None, None, None, None
 
 
 @triton.jit
@@ -325,7 +286,7 @@ def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, M, N, stri
         tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_mask)
 
 
-def _layer_norm_forward(x, weight, bias, eps, config, need_stats):
+def layer_norm_forward(x, weight, bias, eps, config, need_stats):
     check_float("x", x)
     width = x.shape[-1]
     if weight.dim() != 1 or weight.shape[0] != width or (bias is not None and tuple(bias.shape) != (width,)):
@@ -333,68 +294,43 @@ def _layer_norm_forward(x, weight, bias, eps, config, need_stats):
     x2 = as_rows(x)
     rows = x2.shape[0]
     y = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device) if need_stats else None
+    rstd = torch.empty_like(mean) if need_stats else None
     block_n, block_m, warps, grid = _launch(width, rows, x.device, config, "layer_norm", False)
     _layer_norm_fwd[(grid,)](
-        x2, y, weight, bias if bias is not None else weight, mean, rstd, rows, width, x2.stride(0), eps,
+        x2, y, weight, bias if bias is not None else weight, mean if need_stats else y, rstd if need_stats else y,
+        rows, width, x2.stride(0), eps,
         HAS_BIAS=bias is not None, STORE_STATS=need_stats, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     return x2, y, mean, rstd
 
 
-class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, config):
-        x2, y, mean, rstd = _layer_norm_forward(x, weight, bias, eps, config, need_stats=True)
-        ctx.save_for_backward(x2.contiguous(), weight, mean, rstd)
-        ctx.meta = (config, x.shape, bias is not None, bias.dtype if bias is not None else None)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_rows, weight, mean, rstd = ctx.saved_tensors
-        config, shape, has_bias, bias_dtype = ctx.meta
-        dy2 = as_rows(dy)
-        rows, width = x_rows.shape
-        need_dw, need_db = ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]
-        dx = torch.empty_like(x_rows)
-        block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, "layer_norm", True)
-        dw_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_dw else dx
-        db_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_db else dx
-        _layer_norm_bwd[(grid,)](
-            dy2, x_rows, weight, mean, rstd, dx, dw_partial, db_partial, rows, width, dy2.stride(0),
-            COMPUTE_DW=need_dw, COMPUTE_DB=need_db, PREFETCH=(config or RowConfig()).prefetch, BLOCK_M=block_m,
-            BLOCK_N=block_n, num_warps=warps,
-        )
-        dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
-        db = db_partial.sum(0).to(bias_dtype) if need_db else None
-        return dx.view(shape), dw, db, None, None
+def layer_norm_backward(dy, x_rows, weight, mean, rstd, need_dw, need_db, config):
+    """(dx rows, fp32 dw, fp32 db); the weight and bias gradients are None when not asked for."""
+    dy2 = as_rows(dy)
+    rows, width = x_rows.shape
+    dx = torch.empty_like(x_rows)
+    block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, "layer_norm", True)
+    dw_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_dw else dx
+    db_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_db else dx
+    _layer_norm_bwd[(grid,)](
+        dy2, x_rows, weight, mean, rstd, dx, dw_partial, db_partial, rows, width, dy2.stride(0),
+        COMPUTE_DW=need_dw, COMPUTE_DB=need_db, PREFETCH=(config or RowConfig()).prefetch, BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=warps,
+    )
+    return dx, dw_partial.sum(0) if need_dw else None, db_partial.sum(0) if need_db else None
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def encode_config(config: RowConfig | None) -> list[int]:
+    """A RowConfig as the integer list a torch.library operator takes (empty: the defaults)."""
+    if config is None:
+        return []
+    per_sm = -1 if config.programs_per_sm is None else config.programs_per_sm
+    return [config.block_m or 0, config.num_warps or 0, per_sm, int(config.prefetch)]
 
 
-def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
-    """RMSNorm over the last dim: ``x / rms(x) * (offset + weight)`` with the model's casting order."""
-    if not _needs_grad(x, weight):  # inference: no autograd node, no saved tensors
-        return _rms_forward(x, None, weight, float(eps), float(offset), cast, config, need_rstd=False)[1].view(x.shape)
-    return RMSNormFunction.apply(x, weight, float(eps), float(offset), cast, config)
-
-
-def add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
-    """``s = x + residual`` (rounded to the input dtype) and ``rms_norm(s)`` in one pass: returns (s, normed)."""
-    if not _needs_grad(x, residual, weight):
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError("residual must match x in shape and dtype")
-        s, y, _ = _rms_forward(x, residual, weight, float(eps), float(offset), cast, config, need_rstd=False)
-        return s.view(x.shape), y.view(x.shape)
-    return AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), cast, config)
-
-
-def layer_norm(x, weight, bias=None, eps=1e-5, config: RowConfig | None = None):
-    """LayerNorm over the last dim, statistics in fp32, optional bias."""
-    if not _needs_grad(x, weight, bias):
-        return _layer_norm_forward(x, weight, bias, float(eps), config, need_stats=False)[1].view(x.shape)
-    return LayerNormFunction.apply(x, weight, bias, float(eps), config)
+def decode_config(values: list[int]) -> RowConfig | None:
+    if not values:
+        return None
+    block_m, num_warps, per_sm, prefetch = values
+    return RowConfig(block_m or None, num_warps or None, None if per_sm < 0 else per_sm, bool(prefetch))

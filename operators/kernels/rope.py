@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_float, next_pow2
+from ._utils import next_pow2
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _rope_kernel(Q, K, COS, SIN, QO, KO, S, HQ, HK, D, half,
                   c, s, INTERLEAVED, BLOCK_HK, BLOCK_R, BLOCK_P)
 
 
-def _launch(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, k_out_stride=None):
+def rotate(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, k_out_stride=None):
     """Outputs take the inputs' memory layout (``empty_like``) unless strides are given: HF's
     ``[b, s, h, d]``-backed q/k stay that way, so neither output nor gradient needs a relayout copy."""
     bsz, hq, seq, dim = q.shape
@@ -88,43 +88,3 @@ def _launch(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None,
         num_warps=int(min(16, max(1, tile // 256))),
     )
     return qo, ko
-
-
-class RotaryFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, interleaved, rotary_dim):
-        qo, ko = _launch(q, k, cos, sin, interleaved, rotary_dim, inverse=False)
-        ctx.save_for_backward(cos, sin)
-        ctx.meta = (interleaved, rotary_dim, qo.stride(), ko.stride())  # dense layouts of q and k
-        return qo, ko
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        cos, sin = ctx.saved_tensors
-        interleaved, rotary_dim, q_stride, k_stride = ctx.meta
-        dq_in, dk_in = _launch(dq, dk, cos, sin, interleaved, rotary_dim, inverse=True, q_out_stride=q_stride,
-                               k_out_stride=k_stride)
-        return dq_in, dk_in, None, None, None, None
-
-
-def apply_rotary(q, k, cos, sin, interleaved: bool = False, rotary_dim: int | None = None):
-    """Rotate q ``[b, hq, s, d]`` and k ``[b, hk, s, d]`` by HF-layout ``cos``/``sin`` ``[b or 1, s, r]``.
-
-    ``rotary_dim`` defaults to ``cos.shape[-1]``; dims past it are left unrotated (partial rotary).
-    No gradient flows to ``cos``/``sin`` (they are functions of positions, not parameters).
-    """
-    check_float("q", q)
-    check_float("k", k)
-    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [b, h, s, d] with equal b, s, d")
-    if cos.dim() == 4 and cos.shape[1] == 1:  # HF's unsqueezed [b, 1, s, r]
-        cos, sin = cos.squeeze(1), sin.squeeze(1)
-    rotary_dim = rotary_dim or cos.shape[-1]
-    bsz, _, seq, dim = q.shape
-    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, bsz) or cos.shape[1] != seq:
-        raise ValueError(f"cos/sin {tuple(cos.shape)} must be [1 or {bsz}, {seq}, rotary_dim]")
-    if rotary_dim % 2 or rotary_dim > dim or cos.shape[-1] != rotary_dim:
-        raise ValueError(f"rotary_dim {rotary_dim} must be even, <= head dim {dim} and equal the cos width")
-    if cos.requires_grad or sin.requires_grad:
-        raise ValueError("apply_rotary does not differentiate through cos/sin; pass them detached")
-    return RotaryFunction.apply(q, k, cos, sin, bool(interleaved), int(rotary_dim))

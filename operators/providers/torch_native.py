@@ -107,6 +107,7 @@ def attention_forward(module: nn.Module, component: Component):
 
 
 def attention_calls(module: nn.Module) -> int:
+    """Eager calls of the adapt attention function for ``module`` (compiled calls are not counted)."""
     spec = _ATTENTION_SPECS.get(module)
     return spec["calls"] if spec else 0
 
@@ -122,7 +123,8 @@ def adapt_attention(module, query, key, value, attention_mask, dropout: float = 
         raise RuntimeError("adapt attention hook called for a module without a recognised attention plan")
     v = spec["variant"]
     _check_agrees(v, kwargs)
-    spec["calls"] += 1
+    if not torch.compiler.is_compiling():  # a traced count would be a guarded constant: one recompile per call
+        spec["calls"] += 1
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     dropout_p = dropout if module.training else 0.0
     q_len, kv_len = query.shape[-2], key.shape[-2]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,60 +53,89 @@ def head_owner(model: nn.Module, head: nn.Module) -> nn.Module:
     raise ValueError("no module returns this projection from get_output_embeddings()")
 
 
+@dataclass
+class _FusedCall:
+    """One labelled forward in progress: the decoder output it captured and whether its loss ran."""
+
+    shift_requested: bool
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    used: bool = False
+
+
 def linear_cross_entropy_forward(owner: nn.Module, softcap: float | None, loss: LinearCrossEntropy) -> Callable[..., Any]:
-    """``owner``'s forward with the loss computed by ``loss`` from the decoder output when labels are given."""
+    """``owner``'s forward with the loss computed by ``loss`` from the decoder output when labels are given.
+
+    The decoder hook and the lent ``loss_function`` are installed here, once, and act only while a
+    labelled call of this forward runs (they defer to the model otherwise): installing them per call
+    would put hook registration inside the forward, which Dynamo cannot trace.  The returned forward's
+    ``release()`` removes both.
+    """
     inner = owner.forward
-    signature = inspect.signature(inner)
-    if "logits_to_keep" not in signature.parameters or "labels" not in signature.parameters:
+    params = list(inspect.signature(inner).parameters)
+    if "logits_to_keep" not in params or "labels" not in params:
         raise ValueError(f"{type(owner).__name__}.forward takes no labels/logits_to_keep: the logits cannot be skipped")
     decoder, head = owner.get_decoder(), owner.get_output_embeddings()
     if decoder is owner or decoder is None:
         raise ValueError("get_decoder() does not return a separate decoder module")
+    labels_at, keep_at = params.index("labels"), params.index("logits_to_keep")
+    calls: list[_FusedCall] = []  # the labelled calls in progress, innermost last
+    model_loss = owner.loss_function
+
+    def capture(module, inputs, output):
+        if calls:
+            calls[-1].hidden.append(output if isinstance(output, torch.Tensor) else output[0])
+
+    def fused_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_):
+        call = calls[-1]
+        if len(call.hidden) != 1:
+            raise RuntimeError(f"the decoder ran {len(call.hidden)} times in one forward; expected once")
+        if shift_labels is None:
+            if call.shift_requested:  # never shift twice: the caller's labels are already aligned
+                raise RuntimeError(f"{type(owner).__name__}.forward does not pass shift_labels on to its loss")
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        states = call.hidden[0]
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        bias = getattr(head, "bias", None)
+        value = loss(states, head.weight, shift_labels.to(states.device), bias, ignore_index=ignore_index, softcap=softcap,
+                     reduction=reduction)
+        call.used = True
+        if num_items_in_batch is not None:
+            value = value / (num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+        return value
+
+    def loss_function(*args, **kwargs):
+        return fused_loss(*args, **kwargs) if calls else model_loss(*args, **kwargs)
 
     def forward(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("labels") is None:
+        labels = kwargs["labels"] if "labels" in kwargs else (args[labels_at] if len(args) > labels_at else None)
+        if labels is None:
             return inner(*args, **kwargs)
-        shift_requested = kwargs.get("shift_labels") is not None
-        hidden: list[torch.Tensor] = []
-        used: list[bool] = []
-
-        def capture(module, inputs, output):
-            hidden.append(output if isinstance(output, torch.Tensor) else output[0])
-
-        def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_):
-            if len(hidden) != 1:
-                raise RuntimeError(f"the decoder ran {len(hidden)} times in one forward; expected once")
-            if shift_labels is None:
-                if shift_requested:  # never shift twice: the caller's labels are already aligned
-                    raise RuntimeError(f"{type(owner).__name__}.forward does not pass shift_labels on to its loss")
-                shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-            states = hidden[0]
-            reduction = "mean" if num_items_in_batch is None else "sum"
-            bias = getattr(head, "bias", None)
-            value = loss(states, head.weight, shift_labels.to(states.device), bias, ignore_index=ignore_index, softcap=softcap,
-                         reduction=reduction)
-            used.append(True)
-            if num_items_in_batch is not None:
-                value = value / (num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
-            return value
-
-        bound.arguments["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=head.weight.device)
-        hook = decoder.register_forward_hook(capture)
-        restore = _lend_loss_function(owner, loss_function)
+        keep = torch.zeros(0, dtype=torch.long, device=head.weight.device)  # the projection runs on no position
+        if len(args) > keep_at:
+            args = (*args[:keep_at], keep, *args[keep_at + 1:])
+        else:
+            kwargs = {**kwargs, "logits_to_keep": keep}
+        call = _FusedCall(kwargs.get("shift_labels") is not None)
+        calls.append(call)
         try:
-            out = inner(*bound.args, **bound.kwargs)
+            out = inner(*args, **kwargs)
         finally:
-            hook.remove()
-            restore()
-        if not used:
+            calls.pop()
+        if not call.used:
             raise RuntimeError("the model computed its loss without calling loss_function; the fused loss cannot apply")
         if isinstance(out, OrderedDict) and "logits" in out:  # a ModelOutput: drop the empty logits like any absent field
-            OrderedDict.__delitem__(out, "logits")
-            object.__setattr__(out, "logits", None)
+            out = type(out)(**{key: value for key, value in out.items() if key != "logits"})
         return out
 
+    hook = decoder.register_forward_hook(capture)
+    restore = _lend_loss_function(owner, loss_function)
+
+    def release() -> None:
+        hook.remove()
+        restore()
+
     forward.adapt_fused_loss = True  # the trainer passes labels to a model patched this way
+    forward.release = release
     return forward
 
 

@@ -13,6 +13,12 @@ checkpointing may recompute the block's class forward without passing through th
 recomputation must fuse exactly as the forward did.  Anything off the traced path (operands the
 kernel cannot take, a sum the norm does not receive) runs unfused and is counted as a miss, so
 correctness never depends on the block following the trace.
+
+Dynamo traces all of it (hooks, the mode's entry and exit, the add, the hand-over) into one graph
+with the ``adapt::add_rms_norm`` operator in it.  While tracing, two things change: whether a child
+returned into its block is judged by the block's own hooks bracketing the call (frames cannot be
+inspected), and the per-pair counters stay still (a count in a traced graph would be a constant
+guarded on every call); ``operators.kernels.ops.CALLS`` counts the compiled runs.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from operators import kernels
 from operators.recognition import Component, local_path
 
 _FRAMES_TO_BLOCK = 8  # hook -> Module._call_impl / _wrapped_call_impl -> the block's forward (and its wrappers)
@@ -47,6 +55,15 @@ class FusionTarget:
     weight: str
     fused: int = 0  # norm calls served by the fused kernel
     missed: int = 0  # fused sums the norm did not receive, or traced adds that ran unfused
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.after, self.add_index
+
+    def tally(self, what: str) -> None:
+        """Count an outcome in eager runs; a no-op while Dynamo traces (see the module docstring)."""
+        if not torch.compiler.is_compiling():
+            setattr(self, what, getattr(self, what) + 1)
 
 
 class _WindowAdds(TorchFunctionMode):
@@ -70,19 +87,20 @@ class ResidualFusion:
     targets: dict[tuple[str, int], FusionTarget] = field(default_factory=dict)  # (after, add_index) -> target
     window: str | None = None  # the child whose return opened the current window
     adds_in_window: int = 0
-    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # id(target) -> (sum, normed)
+    pending: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # key -> (sum, normed)
     hooks: list[Any] = field(default_factory=list)
     openers: set[str] = field(default_factory=set)  # children whose return opens a window
+    running: int = 0  # the block's forwards in progress (entry minus exit hooks)
 
     def __post_init__(self) -> None:
         self.mode = _WindowAdds(self)
-        self.hooks.append(self.block.register_forward_pre_hook(self._block_edge))
-        self.hooks.append(self.block.register_forward_hook(self._block_edge, always_call=True))
+        self.hooks.append(self.block.register_forward_pre_hook(self._block_enters))
+        self.hooks.append(self.block.register_forward_hook(self._block_exits, always_call=True))
         for child in self.block.children():
             self.hooks.append(child.register_forward_pre_hook(self._child_starts, prepend=True))
 
     def add(self, target: FusionTarget) -> None:
-        key = (target.after, target.add_index)
+        key = target.key
         if key in self.targets:
             raise RuntimeError(f"{target.path}: that add already feeds another fused norm")
         self.targets[key] = target
@@ -96,25 +114,23 @@ class ResidualFusion:
         if target is not None:
             weight = getattr(target.norm, target.weight)
             if _fusable(args[0], args[1], weight):
-                from operators import kernels
-
                 total, normed = kernels.add_rms_norm(args[0], args[1], weight, target.eps, target.offset, target.cast)
-                if self.pending.pop(id(target), None) is not None:
-                    target.missed += 1
-                self.pending[id(target)] = (total, normed)
+                if self.pending.pop(target.key, None) is not None:
+                    target.tally("missed")
+                self.pending[target.key] = (total, normed)
                 return total
-            target.missed += 1
+            target.tally("missed")
         return func(*args)
 
     def norm_output(self, target: FusionTarget, x: torch.Tensor) -> torch.Tensor | None:
         """The fused result when ``x`` is the sum computed for this norm, else None (the norm runs itself)."""
-        entry = self.pending.pop(id(target), None)
+        entry = self.pending.pop(target.key, None)
         if entry is None:
             return None
         if entry[0] is x:
-            target.fused += 1
+            target.tally("fused")
             return entry[1]
-        target.missed += 1
+        target.tally("missed")
         return None
 
     def _open(self, child: str) -> None:
@@ -140,7 +156,10 @@ class ResidualFusion:
     def _called_from_block(self) -> bool:
         """Whether the child returned into the block's own forward (not a call from elsewhere, which would
         leave the mode on the stack with no block hook to take it off).  The forward's frame is a few
-        frames up, past ``Module.__call__``; it may be the class forward run by a checkpoint recompute."""
+        frames up, past ``Module.__call__``; it may be the class forward run by a checkpoint recompute.
+        While Dynamo traces, frames are out of reach: the block's hooks say whether it is running."""
+        if torch.compiler.is_compiling():
+            return self.running > 0
         frame = sys._getframe(2)
         for _ in range(_FRAMES_TO_BLOCK):
             if frame is None:
@@ -150,12 +169,20 @@ class ResidualFusion:
             frame = frame.f_back
         return False
 
-    def _block_edge(self, module, *_) -> None:
+    def _block_enters(self, module, args) -> None:
+        self._block_edge()
+        self.running += 1
+
+    def _block_exits(self, module, args, output) -> None:
+        self._block_edge()
+        self.running = max(self.running - 1, 0)
+
+    def _block_edge(self) -> None:
         """Block entry or exit: no window stays open, and a sum nobody consumed was a miss."""
         self._close()
         for target in self.targets.values():
-            if self.pending.pop(id(target), None) is not None:
-                target.missed += 1
+            if self.pending.pop(target.key, None) is not None:
+                target.tally("missed")
 
     def remove(self) -> None:
         self._close()
@@ -164,11 +191,15 @@ class ResidualFusion:
         self.hooks.clear()
 
 
+def _plain(t: Any) -> bool:
+    """A dense tensor the kernel can take: no subclass (DTensor, ...) but the fake tensors of a trace."""
+    return type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, FakeTensor)
+
+
 def _fusable(a: Any, b: Any, weight: torch.Tensor) -> bool:
     """Plain dense tensors of one float dtype, shape and device, as wide as the norm's weight."""
-    plain = (torch.Tensor, nn.Parameter)
     return (
-        type(a) in plain and type(b) in plain and type(weight) in plain
+        _plain(a) and _plain(b) and _plain(weight)
         and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device == weight.device
         and a.dtype in (torch.float32, torch.bfloat16, torch.float16) and a.dim() >= 1 and a.shape[-1] == weight.numel()
     )
@@ -189,9 +220,9 @@ class InstalledPair:
     def release(self) -> None:
         """Take this pair out of its block; the last pair out removes the hooks."""
         fusion = self.fusion
-        if fusion.targets.get((self.target.after, self.target.add_index)) is self.target:
-            del fusion.targets[(self.target.after, self.target.add_index)]
-            fusion.pending.pop(id(self.target), None)
+        if fusion.targets.get(self.target.key) is self.target:
+            del fusion.targets[self.target.key]
+            fusion.pending.pop(self.target.key, None)
         if not fusion.targets:
             fusion.remove()
             _FUSIONS.pop(fusion.block, None)

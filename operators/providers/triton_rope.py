@@ -3,17 +3,19 @@
 Hugging Face attention forwards rotate q and k by calling a function of their modelling module
 (its name differs between models).  Recognition found that function numerically and its rotation
 style; here it is replaced, in the module's globals, by a dispatcher that runs the Triton kernel
-only while a patched attention module is executing (a ``ContextVar`` set by the patched forward)
-and the original function otherwise.  The unpatched reference model of an alignment run shares
+only while a patched attention module is executing (a stack the patched forward pushes on and pops
+off) and the original function otherwise.  The unpatched reference model of an alignment run shares
 those globals and is therefore untouched.  The swap is reference-counted (``operators.patch``).
+Everything on the call path is plain Python that Dynamo follows (a list, positional binding), so a
+patched model compiles with ``fullgraph=True``; a ``ContextVar`` or ``inspect.Signature.bind`` would not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
-from contextvars import ContextVar
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,17 @@ class RotarySpec:
     module: str
 
 
-_ACTIVE: ContextVar[RotarySpec | None] = ContextVar("adapt_rotary_module", default=None)
+_ACTIVE: list[RotarySpec] = []  # innermost running patched module last
+
+
+@contextlib.contextmanager
+def running(spec: RotarySpec) -> Iterator[None]:
+    """The dispatcher serves ``spec`` while this block runs (the patched module's forward)."""
+    _ACTIVE.append(spec)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,20 +70,20 @@ def rotary_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
     Recognition verified ``original`` only at the defaults of its parameters past (q, k, cos, sin); a
     call that sets any of them differently is a recognition gap and raises rather than guessing.
     """
-    signature = inspect.signature(original)
-    params = list(signature.parameters.values())
+    params = list(inspect.signature(original).parameters.values())
+    names = [p.name for p in params]
 
     @functools.wraps(original)
     def dispatch(*args, **kwargs):
-        spec = _ACTIVE.get()
+        spec = _ACTIVE[-1] if _ACTIVE else None
         if spec is None or spec.original is not original:
             return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
+        bound = {**dict(zip(names, args)), **kwargs}
         for p in params[4:]:
-            if p.name in bound.arguments and not is_default(bound.arguments[p.name], p.default):
-                raise RuntimeError(f"{spec.module}: {original.__name__} called with {p.name}={bound.arguments[p.name]!r}, "
+            if p.name in bound and not is_default(bound[p.name], p.default):
+                raise RuntimeError(f"{spec.module}: {original.__name__} called with {p.name}={bound[p.name]!r}, "
                                    "which recognition did not verify")
-        q, k, cos, sin = (bound.arguments[p.name] for p in params[:4])
+        q, k, cos, sin = (bound[name] for name in names[:4])
         return rotate(q, k, cos, sin, spec.style)
 
     dispatch.adapt_original = original
@@ -92,11 +104,11 @@ def rotary_forward(module: nn.Module, component: Component):
     inner = module.forward
 
     def forward(*args, **kwargs):
-        token = _ACTIVE.set(spec)
+        _ACTIVE.append(spec)  # not ``running(spec)``: Dynamo follows try/finally more surely than a generator
         try:
             return inner(*args, **kwargs)
         finally:
-            _ACTIVE.reset(token)
+            _ACTIVE.pop()
 
     forward.release = swap.release
     return forward

@@ -476,6 +476,7 @@ def probe_lm_head_loss(model: nn.Module, head_path: str, softcap: float | None, 
     except Exception as err:  # a model whose loss is not this composition may fail anywhere in it
         return False, f"fused-loss forward failed: {type(err).__name__}: {str(err)[:160]}"
     finally:
+        fused.release()
         model.train(training)
         with torch.no_grad():
             head.weight.copy_(saved_weight)

@@ -111,7 +111,8 @@ def test_poisoned_kernel_proves_it_is_on_the_path(zoo, monkeypatch):
         model(input_ids=ids)  # no labels: the original forward, no kernel
         with pytest.raises(RuntimeError, match="fused loss kernel reached"):
             model(input_ids=ids, labels=labels)
-        assert "_loss_function" not in vars(model) and not model.get_decoder()._forward_hooks  # undone on the way out
+        assert model(input_ids=ids).logits is not None  # the failed call left no capture behind
+    assert "_loss_function" not in vars(model) and not model.get_decoder()._forward_hooks  # undone by the revert
 
 
 def test_probe_rejects_a_wrong_soft_cap_and_models_without_the_hooks(zoo):

@@ -228,16 +228,14 @@ def test_dispatcher_runs_the_kernel_only_for_its_module_and_refuses_unverified_a
     want = rotate_pairs(q, k, cos, sin)
     got = dispatch(q, k, cos, sin)  # no patched module running: the original
     assert not kernel_calls and all(torch.equal(a, b) for a, b in zip(got, want))
-    token = triton_rope._ACTIVE.set(triton_rope.RotarySpec(rotate_pairs, "interleaved", "m"))
-    try:
+    with triton_rope.running(triton_rope.RotarySpec(rotate_pairs, "interleaved", "m")):
         got = dispatch(q, k, cos, sin, unsqueeze_dim=1)
         assert len(kernel_calls) == 1
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         with pytest.raises(RuntimeError, match="unsqueeze_dim=2"):
             dispatch(q, k, cos, sin, unsqueeze_dim=2)
-    finally:
-        triton_rope._ACTIVE.reset(token)
+    assert not triton_rope._ACTIVE
     assert math.isfinite(float(got[0].sum()))
 
 
