@@ -7,6 +7,8 @@ from typing import Any
 
 from parallel_planner.plan import ParallelPlan
 
+KNOB_KEYS = ("sp", "tp_overlap", "grad_overlap")  # the evaluated knobs a ranked plan carries
+
 
 @dataclass
 class RankedPlan:
@@ -65,8 +67,9 @@ class RankedPlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankedPlan:
         """Inverse of ``to_dict``: the flattened layout fields are read back from ``plan``."""
-        names = {f.name for f in fields(cls)} - {"plan"}
-        return cls(plan=ParallelPlan.from_dict(data["plan"]), **{k: v for k, v in data.items() if k in names})
+        names = {f.name for f in fields(cls)} - {"plan", "knobs"}
+        knobs = {k: data[k] for k in KNOB_KEYS if k in data}  # flattened by to_dict
+        return cls(plan=ParallelPlan.from_dict(data["plan"]), knobs=knobs, **{k: v for k, v in data.items() if k in names})
 
 
 @dataclass

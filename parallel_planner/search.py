@@ -39,7 +39,7 @@ from parallel_planner.layout import (
 from parallel_planner.memory import MemoryModel, memory_breakdown, model_state_floor
 from parallel_planner.plan import ParallelPlan
 from parallel_planner.profile import ModelProfile, profile_model
-from parallel_planner.result import PlannerResult, RankedPlan
+from parallel_planner.result import KNOB_KEYS, PlannerResult, RankedPlan
 from parallel_planner.timing import Efficiency, step_time
 from parallel_planner.workload import Workload
 
@@ -488,7 +488,7 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
         time_breakdown={k: float(v[0]) for k, v in times.items()
                         if k not in ("step", "hardware_flops_per_token", "host_bound")},
         host_bound=bool(times["host_bound"][0]),
-        knobs={k: _knob_name(k, row[k]) for k in ("sp", "tp_overlap", "grad_overlap")},
+        knobs={k: _knob_name(k, row[k]) for k in KNOB_KEYS},
         tokens_per_s=tokens_per_s,
         tokens_per_s_per_gpu=tokens_per_s / cluster.num_gpus,
         mfu=model_flops * tokens_per_s / peak,
