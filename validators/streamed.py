@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.blocks import residual_width
 from adapt.errors import BadInput
 from adapt.skeleton import build_skeleton
 from validators.align import AlignmentReport, _finish, peak_rss_bytes, reference_dtype
@@ -145,7 +146,7 @@ def streamed_align(src, dtype_name: str, device: str, limits: Thresholds, transf
     started = time.perf_counter()
     dtype = parse_dtype(dtype_name)
     skeleton = build_skeleton(src)
-    ref_dtype = reference_dtype(skeleton.get_input_embeddings().embedding_dim, options.reference_dtype)
+    ref_dtype = reference_dtype(residual_width(skeleton), options.reference_dtype, dtype)
     notes: list[str] = []
     try:
         report = _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform, options, seed)
