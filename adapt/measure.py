@@ -151,15 +151,19 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
             device = next(model.parameters()).device
             vocab = model.get_input_embeddings().num_embeddings
             ids = torch.randint(0, vocab, (1, SEQ), device=device)
-            no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+            # Caches as the model sets them up by default (without one, masks may read positions with .item(),
+            # which meta tensors refuse); then without, for layers whose caches only their own generate() builds.
+            attempts = [{}, {"use_cache": False}] if "use_cache" in inspect.signature(model.forward).parameters else [{}]
             for index in representative:
                 handles.append(blocks.blocks[index].register_forward_hook(
                     lambda m, a, o, i=index: _harvest(recorder, by_block, representative[i])))  # fmt: skip
-            try:
-                with torch.no_grad(), recorder:
-                    model(input_ids=ids, **no_cache)
-            except Exception:  # noqa: BLE001, S110 - a model that cannot run here is described from shapes alone
-                pass
+            for extra in attempts:
+                try:
+                    with torch.no_grad(), recorder:
+                        model(input_ids=ids, **extra)
+                    break
+                except Exception:  # noqa: BLE001 - a model that cannot run here is described from shapes alone
+                    recorder.facts, recorder.stack = {}, []
     finally:
         for handle in handles:
             handle.remove()

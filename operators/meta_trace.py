@@ -7,7 +7,6 @@ duration of the trace, so the cost does not grow with depth (DeepSeek-V3's 61 la
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Any
 
@@ -87,5 +86,4 @@ def trace_meta_model(model: nn.Module, *, seq_len: int = 16, batch: int = 1) -> 
 
 
 def _meta_forward(model: nn.Module, ids: torch.Tensor) -> Any:
-    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    return model(input_ids=ids, **no_cache)
+    return model(input_ids=ids)

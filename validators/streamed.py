@@ -24,7 +24,7 @@ from torch import nn
 
 from adapt.blocks import residual_width
 from adapt.errors import BadInput
-from adapt.skeleton import build_skeleton
+from adapt.skeleton import build_skeleton, loop_experts
 from validators.align import AlignmentReport, _finish, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
 from validators.modules import (
@@ -177,6 +177,8 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
         seed=seed,
         thresholds=limits.to_dict(),
     )
+    if ref_dtype == torch.float64:  # the copies above keep the model's own expert kernels
+        loop_experts(skeleton, report.notes)
     block_prefixes = [f"{reference.blocks.block_path(i)}." for i in range(len(reference.blocks.blocks))]
     units = _outside_units(skeleton, reference.blocks.path)
     handles = []

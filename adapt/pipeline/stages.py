@@ -313,7 +313,10 @@ STAGES: dict[str, Stage] = {
     stage.name: stage
     for stage in (
         Stage("intake", (), _SOURCE_KEYS, _intake, summaries.intake, "read the checkpoint into a ModelSpec"),
-        Stage("operators", (), (*_SOURCE_KEYS, "profile"), _operators, summaries.operators, "map every op to a kernel"),
+        Stage(
+            "operators", (), (*_SOURCE_KEYS, "profile"), _operators, summaries.operators, "map every op to a kernel",
+            uses=("intake",),  # one anatomy: a model intake cannot read is not mapped as if it were understood
+        ),
         Stage(
             "plan",
             ("intake",),
