@@ -248,7 +248,8 @@ def interpret_attention(
         rope_dim = _cfg(config, "qk_rope_head_dim", default=0)
         nope_dim = _cfg(config, "qk_nope_head_dim", default=0)
         v_dim = _cfg(config, "v_head_dim", default=0)
-        heads = int(num_heads)
+        # heads unnamed: the output projection reads heads * v_dim
+        heads = int(num_heads) if num_heads else max(1, (out_proj.other_dim(hidden) or hidden) // max(int(v_dim or 1), 1))
         return AttentionSpec(
             kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=rope_dim + nope_dim, v_head_dim=v_dim,
             q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope_dim,

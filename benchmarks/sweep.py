@@ -66,16 +66,17 @@ TINY: dict[str, Any] = {
 }
 
 
-def tiny_config(model_type: str) -> Any:
-    """The model type's default config with every size knob it has shrunk; nested text configs too."""
+def tiny_config(model_type: str, keep: frozenset[str] = frozenset()) -> Any:
+    """The model type's default config with every size knob it has shrunk (but those in ``keep``); nested text configs too."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    overrides = {k: v for k, v in TINY.items() if v is not None and hasattr(default, k)}
+    tiny = {k: v for k, v in TINY.items() if k not in keep}
+    overrides = {k: v for k, v in tiny.items() if v is not None and hasattr(default, k)}
     sub_name = next((n for n in ("text_config", "language_config") if hasattr(default, n)), None)
     if sub_name and getattr(default, sub_name) is not None:
         sub = getattr(default, sub_name)
-        sub_overrides = {k: v for k, v in TINY.items() if v is not None and hasattr(sub, k)}
+        sub_overrides = {k: v for k, v in tiny.items() if v is not None and hasattr(sub, k)}
         overrides[sub_name] = {**sub.to_dict(), **sub_overrides}
     for key in ("layer_types", "layers_block_type", "block_types"):
         if hasattr(default, key):
@@ -93,9 +94,17 @@ def build(model_type: str, directory: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    config = tiny_config(model_type)
-    model = AutoModelForCausalLM.from_config(config)
+    keep: set[str] = set()
+    while True:  # a knob the model rejects at this size keeps its default; at most one retry per knob
+        torch.manual_seed(0)
+        try:
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type, frozenset(keep)))
+            break
+        except Exception as err:  # the error names the knob, or the model does not build tiny
+            named = {k for k in TINY if k not in keep and (f"'{k}'" in str(err) or f"`{k}`" in str(err))}
+            if not named:
+                raise
+            keep |= named
     params = sum(p.numel() for p in model.parameters())
     if params > 60_000_000:
         raise RuntimeError(f"not tiny: {params:,} parameters")
@@ -121,6 +130,7 @@ def sweep_one(model_type: str, work: Path, timeout: float) -> dict[str, Any]:
             text=True,
             timeout=timeout,
             env=env,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         row["error"] = "build timed out"
@@ -134,7 +144,7 @@ def sweep_one(model_type: str, work: Path, timeout: float) -> dict[str, Any]:
     command = [sys.executable, "-m", "adapt", "run", str(directory / "ckpt"), "--stages", ",".join(STAGES)]
     command += ["--out", str(run_dir), "--force", "--quiet"]
     try:
-        ran = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        ran = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
         row["exit_code"] = ran.returncode
         stderr = ran.stderr
     except subprocess.TimeoutExpired:
