@@ -165,9 +165,9 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
     if variant == "compile":
         model.compile()
     elif variant == "compile-blocks":
-        from adapt.model.structure import find_block_list
+        from adapt.model.blocks import find_blocks
 
-        for block in find_block_list(model)[1]:
+        for block in find_blocks(model):
             block.compile()
     elif variant in ADAPT_VARIANTS:
         from operators import adapt_model

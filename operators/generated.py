@@ -46,6 +46,8 @@ def generate(module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: s
     before = {id(m) for m in PyCodeCache.modules}
     start = time.perf_counter()
     fresh = [torch.randn_like(a).requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    # captured keyword tensors belong to the traced model's graph: detached, so this backward cannot reach it again
+    kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     out = fn(*fresh, **kwargs)
     if isinstance(out, torch.Tensor) and out.requires_grad:
         out.float().sum().backward()

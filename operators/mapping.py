@@ -158,7 +158,7 @@ def compile_plan(target: Target, profile: BackendProfile, mode: str | None = Non
 
 
 def _choose(comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None, compiled: bool = False) -> KernelChoice:
-    if comp.kind == "new":
+    if comp.kind == "new" and not comp.variant.get("container"):  # a container's own code runs as traced
         if profile.codegen == "none":
             return KernelChoice(comp.module, comp.kind, comp.variant, None, None, "unsupported", False, note="profile has no code generator")
         return KernelChoice(comp.module, comp.kind, comp.variant, "inductor", f"inductor ({_codegen_language(target)})", "generated", False, patch=True)

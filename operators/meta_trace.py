@@ -13,18 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from operators.inventory import OpInventory, _join, example_batch, trace_ops
-
-
-def find_block_stack(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
-    """The longest ``ModuleList`` whose entries own parameters: the model's repeated blocks."""
-    best: tuple[str, list[tuple[str, nn.Module]]] = ("", [])
-    for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best[1]):
-            entries = [(_join(path, str(i)), m) for i, m in enumerate(module)]
-            if all(any(True for _ in m.parameters()) for _, m in entries):
-                best = (path, entries)
-    return best
+from adapt.model.blocks import NoBlockList, find_blocks
+from operators.inventory import OpInventory, example_batch, trace_ops
 
 
 def block_signature(block: nn.Module) -> tuple:
@@ -53,7 +43,10 @@ def trace_meta_model(model: nn.Module, *, seq_len: int = 16, batch: int = 1) -> 
     """
     start = time.perf_counter()
     model.to(torch.bfloat16)  # free on meta; grouped-GEMM meta kernels only accept 16-bit inputs
-    stack_path, blocks = find_block_stack(model)
+    try:
+        blocks = find_blocks(model).named()
+    except NoBlockList:
+        blocks = []  # no repeated blocks: the whole model is traced once
     representatives: dict[tuple, str] = {}
     patched: list[nn.Module] = []
     first_output: list[Any] = []

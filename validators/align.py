@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.model.blocks import residual_width
 from adapt.core.errors import BadInput
 from validators.compare import (
     LayerResult,
@@ -76,6 +77,7 @@ class ParityResult:
     max_rel_diff: float
     tolerance: float
     passed: bool
+    training_randomness_off: bool = False  # the model's training forward is random: both ran with it off
 
 
 @dataclass
@@ -126,12 +128,14 @@ def kernel_plan_transform(kernel_plan: Any, notes: list[str] | None = None) -> C
     return transform
 
 
-def reference_dtype(hidden_size: int, requested: str | None = None) -> torch.dtype:
+def reference_dtype(hidden_size: int, requested: str | None = None, candidate: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """float64 unless asked otherwise; float32 for wide 16-bit candidates (half the memory, still 2^16 finer)."""
     if requested is not None:
         if requested not in ("fp64", "fp32"):
             raise BadInput(f"reference dtype must be fp64 or fp32, not {requested!r}")
         return torch.float64 if requested == "fp64" else torch.float32
-    return torch.float32 if hidden_size >= FP32_REFERENCE_FROM_WIDTH else torch.float64
+    wide_enough = candidate.itemsize < 4 and hidden_size >= FP32_REFERENCE_FROM_WIDTH
+    return torch.float32 if wide_enough else torch.float64
 
 
 def peak_rss_bytes() -> int:
@@ -211,8 +215,7 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
     started = time.perf_counter()
     dtype = parse_dtype(dtype_name)
     notes: list[str] = []
-    hidden = int(build_skeleton(src).get_input_embeddings().embedding_dim)
-    ref_dtype = reference_dtype(hidden, options.reference_dtype)
+    ref_dtype = reference_dtype(residual_width(build_skeleton(src)), options.reference_dtype, dtype)
     reference = load_model(src, ref_dtype, "cpu", notes)
     baseline = load_model(src, dtype, device, notes)
     candidate = copy.deepcopy(baseline)
@@ -290,6 +293,9 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
         report.gradients = _compare_gradients(reference, baseline, candidate, limits)
         if options.parity_steps > 0:
             report.parity = _loss_parity(baseline, candidate, options, seed, vocab, device, dtype_name)
+            if report.parity.training_randomness_off:
+                report.notes.append("loss parity ran in eval mode: the training forward is random (dropout, router "
+                                    "jitter), and the two paths would compare different draws")
     _finish(report, started)
     return report
 
@@ -353,9 +359,13 @@ def _component_of(param_name: str, blocks_path: str, block: int | None) -> str |
 def _loss_parity(baseline, candidate, options: AlignOptions, seed, vocab, device, dtype_name) -> ParityResult:
     """Train unadapted and adapted side by side from the same weights on the same batches."""
     losses: dict[str, list[float]] = {"baseline": [], "candidate": []}
+    probe_ids = batch_for_step(seed, 1, options.batch, options.seq_len, vocab, device)
+    random_ops = _training_forward_is_random(baseline, probe_ids)
     for label, model in (("baseline", baseline), ("candidate", candidate)):
         torch.manual_seed(seed)  # same dropout masks for both
-        model.train()
+        # Training-time randomness (dropout, router jitter) is drawn by each path in its own order: two runs
+        # would compare different draws.  Such a model trains side by side with that randomness off.
+        model.train(not random_ops)
         optimizer = make_optimizer(model, options.lr)
         for step in range(options.parity_steps):
             ids = batch_for_step(seed, step + 1, options.batch, options.seq_len, vocab, device)
@@ -373,7 +383,29 @@ def _loss_parity(baseline, candidate, options: AlignOptions, seed, vocab, device
         max_rel_diff=worst,
         tolerance=tolerance,
         passed=finite and worst <= tolerance,
+        training_randomness_off=random_ops,
     )
+
+
+def _training_forward_is_random(model: nn.Module, ids: torch.Tensor) -> bool:
+    """Two training-mode forwards under different seeds give different outputs (dropout, router jitter)."""
+    outputs = []
+    model.train()
+    try:
+        with torch.no_grad():
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                outputs.append(model_output(model, ids).float())
+    finally:
+        model.eval()
+    return not torch.equal(outputs[0], outputs[1])
+
+
+def _reference_more_precise(report: AlignmentReport) -> bool:
+    reference = getattr(torch, report.reference_dtype, None)
+    if not isinstance(reference, torch.dtype):
+        return False
+    return torch.finfo(reference).eps < torch.finfo(parse_dtype(report.dtype)).eps
 
 
 def _finish(report: AlignmentReport, started: float) -> None:
@@ -392,6 +424,10 @@ def _finish(report: AlignmentReport, started: float) -> None:
             f"(a cost of the dtype, judged by err_ratio only), first: {dtype_limited[0]}"
         )
     parity_ok = report.parity is None or report.parity.passed
-    report.passed = first is None and parity_ok and report.nonfinite_module is None and bool(report.layers)
+    precise = _reference_more_precise(report)
+    if not precise:
+        report.notes.append(f"inconclusive, so not passed: the reference ran in {report.reference_dtype}, no more precise than "
+                            f"the {report.dtype} candidate; its agreement proves nothing")
+    report.passed = first is None and parity_ok and precise and report.nonfinite_module is None and bool(report.layers)
     report.seconds = time.perf_counter() - started
     report.peak_rss_bytes = peak_rss_bytes()

@@ -1,7 +1,7 @@
 """Finding blocks and components by structure, and capturing their outputs with hooks.
 
-The block list is the largest ``nn.ModuleList`` whose entries share one structure (same
-parameter names and shapes); components are a block's direct children that own parameters.
+The block list is ``adapt.model.blocks.find_blocks``'s answer (re-exported here for the validators);
+components are a block's direct children that own parameters.
 No class names, no ``model_type``: this works for a remote-code model as for Llama.
 """
 
@@ -15,46 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from adapt.core.errors import BadInput
+from adapt.model.blocks import BlockList, find_blocks
 
-
-def _structure(module: nn.Module) -> tuple:
-    return tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
-
-
-@dataclass
-class BlockList:
-    path: str  # e.g. "model.layers"
-    blocks: list[nn.Module]
-
-    def block_path(self, index: int) -> str:
-        return f"{self.path}.{index}"
-
-
-def find_blocks(model: nn.Module) -> BlockList:
-    """The repeated-block list: the ``ModuleList`` of structurally alike modules holding the most parameters.
-
-    MoE stacks with a few dense leading layers (DeepSeek-V3) still qualify: entries must share
-    their *set of child names* rather than every parameter shape, so a dense and an MoE
-    decoder layer in the same list count as one block list.
-    """
-    best: BlockList | None = None
-    best_size = 0
-    for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        entries = list(module)
-        if not all(any(True for _ in e.parameters()) for e in entries):
-            continue
-        children = {tuple(sorted(n for n, _ in e.named_children())) for e in entries}
-        if len(children) != 1 and len({_structure(e) for e in entries}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if best is None or size > best_size:
-            best, best_size = BlockList(path=path, blocks=entries), size
-    if best is None:
-        raise BadInput("no repeated block list (a ModuleList of identical layers) found in the model")
-    return best
+__all__ = ["BlockList", "components", "find_blocks", "first_tensor", "probes", "record_outputs", "stop_on_nonfinite"]
 
 
 def components(block: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.model.blocks import residual_width
 from adapt.core.errors import BadInput
-from adapt.model.skeleton import build_skeleton
+from adapt.model.skeleton import build_skeleton, loop_experts
 from validators.align import AlignmentReport, _finish, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
 from validators.modules import (
@@ -145,7 +146,7 @@ def streamed_align(src, dtype_name: str, device: str, limits: Thresholds, transf
     started = time.perf_counter()
     dtype = parse_dtype(dtype_name)
     skeleton = build_skeleton(src)
-    ref_dtype = reference_dtype(skeleton.get_input_embeddings().embedding_dim, options.reference_dtype)
+    ref_dtype = reference_dtype(residual_width(skeleton), options.reference_dtype, dtype)
     notes: list[str] = []
     try:
         report = _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform, options, seed)
@@ -176,6 +177,8 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
         seed=seed,
         thresholds=limits.to_dict(),
     )
+    if ref_dtype == torch.float64:  # the copies above keep the model's own expert kernels
+        loop_experts(skeleton, report.notes)
     block_prefixes = [f"{reference.blocks.block_path(i)}." for i in range(len(reference.blocks.blocks))]
     units = _outside_units(skeleton, reference.blocks.path)
     handles = []

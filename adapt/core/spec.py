@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 
 SCHEMA_VERSION = 1
 
-MixerKind = Literal["full_attention", "sliding_attention", "linear_attention", "ssm", "unknown"]
+MixerKind = Literal["full_attention", "sliding_attention", "linear_attention", "ssm", "convolution", "recurrent", "unknown"]
 AttentionKind = Literal["mha", "gqa", "mqa", "mla", "none"]
 MLPKind = Literal["dense_gated", "dense_plain", "moe", "none"]
 NormKind = Literal["rmsnorm", "layernorm", "unknown", "none"]
@@ -162,8 +162,9 @@ class ModelSpec:
     params: ParamCounts
     cost: CostSpec
     unrecognized: list[str]  # module classes whose role could not be identified
-    novelties: list[str]  # human-readable "what is new in this model"
+    novelties: list[str]  # what adapt knows no kind for: unrecognised components, unknown token mixers
     checkpoint: CheckpointReport | None = None
+    features: list[str] = field(default_factory=list)  # every known trait, stated (GQA, windows, soft-caps, routing)
 
     # ---- convenience views used by the planner and validators -------------------------
     @property

@@ -12,9 +12,11 @@ from collections import Counter
 import torch
 from torch import nn
 
+from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.core.checkpoint import cross_check, read_checkpoint
 from adapt.core.errors import BadInput
-from adapt.model.skeleton import quiet_transformers, build_meta_model, load_config, load_model
+from adapt.model.measure import ChildFacts, block_signature, measure_blocks
+from adapt.model.skeleton import build_meta_model, load_config, load_model, quiet_transformers
 from adapt.core.source import ModelSource, resolve_source
 from adapt.core.spec import (
     SCHEMA_VERSION,
@@ -29,7 +31,6 @@ from adapt.core.spec import (
 )
 from adapt.model.structure import (
     attention_window,
-    find_block_list,
     interpret_attention,
     interpret_mlp,
     is_mlp_group,
@@ -39,8 +40,14 @@ from adapt.model.structure import (
 )
 
 __all__ = [
-    "ModelSource", "resolve_source", "load_config", "build_meta_model", "load_model", "build_spec", "inspect",
+    "ModelSource",
+    "build_meta_model",
+    "build_spec",
     "check_checkpoint",
+    "inspect",
+    "load_config",
+    "load_model",
+    "resolve_source",
 ]  # fmt: skip
 
 DEFAULT_SEQ_LEN = 4096
@@ -94,12 +101,13 @@ def describe_model(
     checkpoint: CheckpointReport | None = None,
 ) -> ModelSpec:  # fmt: skip
     embed = model.get_input_embeddings()
-    vocab, hidden = int(embed.weight.shape[0]), int(embed.weight.shape[1])
+    vocab, hidden = int(embed.weight.shape[0]), residual_width(model)
     try:
-        blocks_path, block_list = find_block_list(model)
-    except ValueError as err:
+        found = find_blocks(model)
+    except NoBlockList as err:
         raise BadInput(f"cannot describe this model: {err}") from None
-    block_ids = {id(p) for p in block_list.parameters()}
+    blocks_path, block_list = found.path, found.blocks
+    block_ids = {id(p) for block in block_list for p in block.parameters()}
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq_len or min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)
     is_causal = bool(getattr(model, "can_generate", lambda: False)())
@@ -107,6 +115,10 @@ def describe_model(
     rope = _rope_info(model, config)
     head_dim_hint = rope["rotary_dim"] if rope and rope.get("partial", 1.0) == 1.0 else None
     has_final_norm = _has_final_norm(model, block_ids, hidden)
+    try:
+        measured = measure_blocks(model, found)
+    except Exception:  # noqa: BLE001 - measurement is a refinement; shapes and config still describe the model
+        measured = {}
     norm_cache: dict[tuple[type, int], NormSpec | None] = {}
     unrecognized: list[str] = []
     counts = ParamCounts()
@@ -114,7 +126,7 @@ def describe_model(
     for index, block in enumerate(block_list):
         spec_block, block_counts = _describe_block(
             block, index, f"{blocks_path}.{index}", config, hidden, head_dim_hint, has_final_norm, norm_cache,
-            unrecognized, rope is not None,
+            unrecognized, rope is not None, measured.get(block_signature(block), {}),
         )  # fmt: skip
         blocks.append(spec_block)
         for key, value in block_counts.items():
@@ -146,20 +158,27 @@ def describe_model(
         params=counts,
         cost=cost,
         unrecognized=sorted(set(unrecognized)),
-        novelties=_novelties(blocks, sorted(set(unrecognized)), is_causal),
+        novelties=_novelties(blocks, sorted(set(unrecognized))),
         checkpoint=checkpoint,
+        features=_features(blocks, is_causal, _tied(model), config),
     )
 
 
 def _describe_block(
-    block, index, path, config, hidden, head_dim_hint, has_final_norm, norm_cache, unrecognized, has_rope
-) -> tuple[BlockSpec, dict[str, int]]:
+    block, index, path, config, hidden, head_dim_hint, has_final_norm, norm_cache, unrecognized, has_rope,
+    facts: dict[str, ChildFacts],
+) -> tuple[BlockSpec, dict[str, int]]:  # fmt: skip
     parts = split_block(block)
     owners = list(parts.projections)
     moe_owners = [o for o in parts.banks if any(parts.banks[o])]
     mlp_owners = [o for o in owners if o not in moe_owners and len(parts.projections[o]) <= 3
                   and is_mlp_group(parts.projections[o], hidden)]  # fmt: skip
-    attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners]
+    # A child seen convolving or carrying a decaying state, and never running an attention core, mixes tokens
+    # by convolution or recurrence, whatever its projections look like.
+    mixer_owners = [o for o, f in facts.items() if not f.head_dim and (f.convolution or f.recurrence or o in parts.convolutions)
+                    and o not in mlp_owners and o not in moe_owners]  # fmt: skip
+    mixer_owners += [o for o in parts.convolutions if o not in facts and o not in mixer_owners]
+    attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners and o not in mixer_owners]
     module_of = dict(block.named_modules())
 
     # Norms: probe each distinct (class, size) once. Narrow norms inside the attention owner are
@@ -193,6 +212,9 @@ def _describe_block(
             activation = activation if activation != "unknown" else found_act
         elif not found_act:
             unrecognized.append(f"{type(module).__name__} ({path}.{fpath})")
+    if activation == "unknown":  # measured: the activation ops the MLP children ran
+        seen = Counter(a for o in mlp_owners + moe_owners if o in facts for a in facts[o].activations)
+        activation = seen.most_common(1)[0][0] if seen else activation
     if activation == "unknown":
         act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
         activation = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "swish": "silu"}.get(act, act) or "unknown"
@@ -202,7 +224,8 @@ def _describe_block(
     attn_params = sum(p.params for o in attn_owners for p in parts.projections[o]) + attn_norm_params
     if attn_owners:
         group = [p for o in attn_owners for p in parts.projections[o]]
-        attention = interpret_attention(group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint)
+        measured_dim = next((facts[o].head_dim for o in attn_owners if o in facts and facts[o].head_dim), None)
+        attention = interpret_attention(group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim)
         attention.window = attention_window(attn_modules, config, index)
         attention.causal = bool(getattr(attn_modules[0], "is_causal", True))
         softcap = getattr(config, "attn_logit_softcapping", None)
@@ -219,6 +242,9 @@ def _describe_block(
             mlp_projs, banks, [module_of[o] for o in moe_owners] + [m for o in moe_owners for m in module_of[o].modules()],
             config, hidden, activation,
         )  # fmt: skip
+        routed = next((facts[o] for o in moe_owners if o in facts and facts[o].top_k), None)
+        if mlp.kind == "moe" and routed is not None:  # what the router ran outranks config names
+            mlp.top_k, mlp.router_scoring = int(routed.top_k), routed.scoring or mlp.router_scoring
     else:
         mlp, bank_params, router_params = MLPSpec(kind="none", intermediate_size=0), 0, 0
     mlp_params = sum(p.params for p in mlp_projs)
@@ -254,6 +280,8 @@ def _describe_block(
     mixer = "unknown"
     if attention is not None:
         mixer = "sliding_attention" if attention.window else "full_attention"
+    elif mixer_owners:
+        mixer = "recurrent" if any(facts[o].recurrence for o in mixer_owners if o in facts) else "convolution"
     return (
         BlockSpec(
             index=index, module=path, class_name=type(block).__name__, mixer=mixer, attention=attention, mlp=mlp,
@@ -372,20 +400,28 @@ def _cost(model, blocks: list[BlockSpec], counts: ParamCounts, seq, hidden, voca
     )  # fmt: skip
 
 
-def _novelties(blocks: list[BlockSpec], unrecognized: list[str], is_causal: bool) -> list[str]:
-    """Features beyond a plain pre-norm MHA/SwiGLU decoder, worded for the report."""
+def _novelties(blocks: list[BlockSpec], unrecognized: list[str]) -> list[str]:
+    """What is new relative to the kinds adapt knows: token mixers it cannot name, components it cannot identify."""
+    n = len(blocks)
+    mixers = Counter(b.mixer for b in blocks if b.mixer in ("unknown", "convolution", "recurrent"))
+    notes = [f"{'unidentified' if m == 'unknown' else m} token mixer in {count}/{n} blocks" for m, count in mixers.items()]
+    return notes + [f"unrecognised component: {u}" for u in unrecognized]
+
+
+def _features(blocks: list[BlockSpec], is_causal: bool, tied: bool, config) -> list[str]:
+    """Every known trait, stated: mixers per block, attention layout and treatment, MoE routing, norms, head."""
     notes: list[str] = []
     n = len(blocks)
+    for mixer, count in Counter(b.mixer for b in blocks).items():
+        notes.append(f"{mixer.replace('_', ' ')} in {count}/{n} blocks")
     attn = [b.attention for b in blocks if b.attention]
-    kinds = Counter(a.kind for a in attn)
-    for kind, count in kinds.items():
-        if kind != "mha":
-            notes.append(f"{kind.upper()} attention in {count}/{n} blocks")
+    for kind, count in Counter(a.kind for a in attn).items():
+        notes.append(f"{kind.upper()} attention in {count}/{n} blocks")
     windows = [a.window for a in attn if a.window]
     if windows:
         notes.append(f"sliding-window attention (window {windows[0]}) in {len(windows)}/{n} blocks")
     if any(a.softcap for a in attn):
-        notes.append(f"attention logit soft-capping at {attn[0].softcap}")
+        notes.append(f"attention logit soft-capping at {next(a.softcap for a in attn if a.softcap)}")
     if any(a.sinks for a in attn):
         notes.append("learned attention sinks")
     if any(a.qk_norm for a in attn):
@@ -395,14 +431,17 @@ def _novelties(blocks: list[BlockSpec], unrecognized: list[str], is_causal: bool
         m = moe[0]
         shared = f", {m.num_shared_experts} shared" if m.num_shared_experts else ""
         groups = f", grouped routing {m.topk_group}/{m.n_group}" if m.n_group > 1 else ""
-        notes.append(f"MoE in {len(moe)}/{n} blocks: {m.num_experts} experts, top-{m.top_k}{shared}{groups}")
+        notes.append(f"MoE in {len(moe)}/{n} blocks: {m.num_experts} experts, top-{m.top_k} {m.router_scoring}{shared}{groups}")
     if any(b.norm.offset for b in blocks):
         notes.append("(1 + w) offset norm scaling")
-    placements = Counter(b.norm.placement for b in blocks)
-    for placement in placements:
+    for placement in Counter(b.norm.placement for b in blocks):
         if placement not in ("pre", "unknown"):
             notes.append(f"{placement}-norm blocks")
+    final_cap = getattr(config, "final_logit_softcapping", None)
+    if final_cap:
+        notes.append(f"final logit soft-capping at {float(final_cap)}")
+    if tied:
+        notes.append("output head tied to the token embedding")
     if not is_causal:
         notes.append("bidirectional (encoder) attention")
-    notes += [f"unrecognised component: {u}" for u in unrecognized]
     return notes

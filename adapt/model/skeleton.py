@@ -212,6 +212,27 @@ def _all_finite(tensor: torch.Tensor) -> bool:
         return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
+def loop_experts(model: torch.nn.Module, notes: list[str] | None = None) -> None:
+    """Run MoE experts through transformers' per-expert loop, where the model dispatches experts by name.
+
+    The default grouped GEMM has no float64 kernel: without this a float64 reference of an MoE model
+    fails, or silently runs in a narrower dtype.  The loop computes the same function in any dtype.
+    """
+    if getattr(model.config, "_experts_implementation", None) in (None, "eager"):
+        return
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None:
+        return
+    try:
+        setter("eager")
+    except (ValueError, RuntimeError, AttributeError) as err:
+        if notes is not None:
+            notes.append(f"experts stay on {model.config._experts_implementation}: {_first_line(err)}")
+        return
+    if notes is not None:
+        notes.append("float64 model: experts run through the per-expert loop (grouped GEMM has no float64 kernel)")
+
+
 def load_model(
     src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu", notes: list[str] | None = None
 ) -> torch.nn.Module:
@@ -245,6 +266,8 @@ def load_model(
         raise
     except Exception as err:
         raise BadInput(f"{src.text}: transformers could not load the weights: {_first_line(err)}") from None
+    if dtype == torch.float64:
+        loop_experts(model, notes)
     bad = [name for name, p in model.named_parameters() if not _all_finite(p)]
     if bad:
         raise BadInput(f"{src.text}: non-finite (NaN/Inf) values in weights: {', '.join(bad[:3])}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from adapt.model.blocks import is_expert_list
 from adapt.core.spec import AttentionSpec, MLPSpec, NormSpec
 
 # ---------------------------------------------------------------- leaf classification
@@ -44,34 +45,8 @@ class BlockParts:
     norm_like: list[tuple[str, nn.Module, int]] = field(default_factory=list)  # (path, module, size)
     param_free: list[tuple[str, nn.Module]] = field(default_factory=list)
     other_1d: list[tuple[str, str, int]] = field(default_factory=list)  # (module path, param name, size)
+    convolutions: dict[str, list[str]] = field(default_factory=dict)  # by owning child: conv module paths
     buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
-
-
-def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's repeated blocks: the longest ModuleList of parametric, same-class modules."""
-    best: tuple[int, int, str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        classes = {type(m) for m in module}
-        n_params = sum(p.numel() for p in module.parameters())
-        if len(classes) != 1 or n_params == 0:
-            continue
-        key = (n_params, len(module))  # by size first: a block list contains any expert lists
-        if best is None or key > best[:2]:
-            best = (n_params, len(module), name, module)
-    if best is None:
-        raise ValueError("no repeated block list (ModuleList of identical parametric modules) found")
-    return best[2], best[3]
-
-
-def _is_expert_list(module: nn.Module) -> bool:
-    if not isinstance(module, nn.ModuleList) or len(module) < 2:
-        return False
-    if len({type(m) for m in module}) != 1:
-        return False
-    shapes = [tuple(p.shape) for p in module[0].parameters()]
-    return len(shapes) >= 2 and all(len(s) == 2 for s in shapes)
 
 
 def _owner(path: str) -> str:
@@ -84,7 +59,7 @@ def split_block(block: nn.Module) -> BlockParts:
     for path, module in block.named_modules():
         if skip and path.startswith(skip):
             continue
-        if _is_expert_list(module):
+        if is_expert_list(module):
             # Experts kept as a list of identical MLPs: record them as 3-D banks, like fused experts.
             for pname, p in module[0].named_parameters():
                 if p.dim() == 2:
@@ -92,6 +67,9 @@ def split_block(block: nn.Module) -> BlockParts:
             skip = tuple(f"{path}.{i}." for i in range(len(module))) + tuple(f"{path}.{i}" for i in range(len(module)))
             continue
         own = list(module.named_parameters(recurse=False))
+        if isinstance(module, nn.modules.conv._ConvNd):  # a token mixer's filter, not an expert bank
+            parts.convolutions.setdefault(_owner(path), []).append(path)
+            continue
         if not own:
             if path and not list(module.children()):
                 parts.param_free.append((path, module))
@@ -144,7 +122,16 @@ def _materialise(module: nn.Module) -> nn.Module | None:
 
 
 def probe_norm(module: nn.Module, size: int) -> NormSpec | None:
-    """Which normalisation ``module`` computes (RMS or Layer, with (1+w) offset), by running it."""
+    """Which normalisation ``module`` computes (RMS or Layer, with (1+w) offset), by running it.
+
+    None when it matches neither, or cannot be run on one tensor alone (a gated norm that needs its gate)."""
+    try:
+        return _probe_norm(module, size)
+    except Exception:  # noqa: BLE001 - a module that is not a plain norm may fail anywhere in the probe
+        return None
+
+
+def _probe_norm(module: nn.Module, size: int) -> NormSpec | None:
     clone = _materialise(module)
     if clone is None:
         return None
@@ -243,15 +230,16 @@ def is_mlp_group(projs: list[Projection], hidden: int) -> bool:
 
 def interpret_attention(
     group: list[Projection], latent_norms: list[int], attn_modules: list[nn.Module], config, hidden: int, layer: int,
-    head_dim_hint: int | None,
+    head_dim_hint: int | None, measured_head_dim: int | None = None,
 ) -> AttentionSpec:
-    """Attention kind and geometry from projection shapes; head split from module attributes or config."""
+    """Attention kind and geometry from projection shapes; the head size measured on the attention core's
+    operands, else from module attributes or the config, else the rotary size."""
     low_rank = [p for p in group if hidden not in p.shape]
     width_in = [p for p in group if hidden in p.shape]
     # Output projection: the last one mapping back to the width (HF registers o_proj last).
     out_proj = width_in[-1]
     inputs = [p for p in width_in[:-1]]
-    head_dim = _int_attr(attn_modules, ("head_dim", "head_size", "attention_head_size", "span")) or head_dim_hint
+    head_dim = measured_head_dim or _int_attr(attn_modules, ("head_dim", "head_size", "attention_head_size", "span")) or head_dim_hint
     num_heads = _int_attr(attn_modules, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
     num_heads = num_heads or _cfg(config, "num_attention_heads")
     if low_rank:  # multi-head latent attention: low-rank q and kv with their own norms
@@ -260,7 +248,8 @@ def interpret_attention(
         rope_dim = _cfg(config, "qk_rope_head_dim", default=0)
         nope_dim = _cfg(config, "qk_nope_head_dim", default=0)
         v_dim = _cfg(config, "v_head_dim", default=0)
-        heads = int(num_heads)
+        # heads unnamed: the output projection reads heads * v_dim
+        heads = int(num_heads) if num_heads else max(1, (out_proj.other_dim(hidden) or hidden) // max(int(v_dim or 1), 1))
         return AttentionSpec(
             kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=rope_dim + nope_dim, v_head_dim=v_dim,
             q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope_dim,
@@ -270,13 +259,17 @@ def interpret_attention(
     if head_dim is None and num_heads:
         head_dim = q_out_total // int(num_heads)
     head_dim = head_dim or 64
-    num_heads = q_out_total // head_dim
+    outs = sorted((p.other_dim(hidden) or hidden) for p in inputs)
+    if len(inputs) != 1 and outs and (q_out_total % head_dim or outs[0] % head_dim):
+        # nothing names the head size and 64 does not divide the projections: the largest size that divides
+        # both the query and the key widths (never zero heads, never a zero-byte KV cache)
+        head_dim = math.gcd(q_out_total, outs[0])
+    num_heads = max(1, q_out_total // head_dim)
     if len(inputs) == 1:  # fused qkv: out = (h + 2*kv) * d
         fused = inputs[0].other_dim(hidden) or hidden
-        kv_heads = (fused // head_dim - num_heads) // 2
+        kv_heads = max(1, (fused // head_dim - num_heads) // 2)
     else:
-        outs = sorted((p.other_dim(hidden) or hidden) for p in inputs)
-        kv_heads = outs[0] // head_dim
+        kv_heads = max(1, outs[0] // head_dim) if outs else num_heads
     kind = "mha" if kv_heads == num_heads else ("mqa" if kv_heads == 1 else "gqa")
     return AttentionSpec(
         kind=kind, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.model.blocks import NoBlockList, find_blocks
 from adapt.core.errors import BadInput
 
 
@@ -159,17 +160,6 @@ def _is_norm(module: nn.Module, width: int | None = None) -> bool:
     )
 
 
-def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    lists = [
-        (n, m)
-        for n, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) > 0
-    ]
-    if not lists:
-        raise BadInput("no repeated blocks (nn.ModuleList) found in the model")
-    return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
-
-
 def _reads_4d(call: _Call) -> bool:
     return bool(call.inputs) and call.inputs[0].ndim == 4
 
@@ -216,7 +206,11 @@ def find_parts(
     model: nn.Module, heads: HeadGeometry | None = None, seq_len: int = 8
 ) -> ModelParts:
     """Trace ``model`` once on random token ids and return the roles of its modules."""
-    blocks_path, blocks = find_blocks(model)
+    try:
+        found = find_blocks(model)
+    except NoBlockList as err:
+        raise BadInput(str(err)) from None
+    blocks_path, blocks = found.path, found.blocks
     embeddings = [
         (n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)
     ]

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.model.blocks import NoBlockList, find_blocks, is_expert_list
 from operators.inventory import ModuleRecord, OpInventory, json_ready
 from operators.recognition import patterns as pat
 from operators.recognition.moe import probe_moe, routing_from_sequence
 from operators.recognition.probe_cache import ProbeCache, structure_key
 from operators.recognition.probes import (
+    attention_core_matches,
     attention_visibility,
     probe_lm_head_loss,
     probe_mlp,
@@ -128,43 +130,77 @@ def recognise(
         if not rec.path or _inside(rec.path, claimed, strict=True):
             continue
         module = model.get_submodule(rec.path)
-        width = pat.last_dim(rec.input_shapes)
-        if pat.is_moe_candidate(inventory, rec):
-            comp = _moe(module, rec, inventory, generator, can_probe)
-        elif pat.is_attention_candidate(inventory, rec):
-            comp = _attention(module, rec, inventory, generator, can_probe, cache)
-        elif pat.is_mlp_candidate(inventory, rec):
-            variant, evidence = None, "float64 output+grad match"
-            if can_probe:
-                projections = pat.projections_under(inventory, rec.path)
-                run = functools.partial(probe_mlp, module, rec.path, width, projections, generator)
-                variant, suffix = cache.verdict(structure_key(module, rec, inventory), rec.path, run)
-                evidence += suffix
-            comp = Component(rec.path, variant.pop("kind"), {**variant, "width": width}, True, evidence) if variant else None
-            if comp is None and can_probe:
-                reject(rec.path, "mlp", "no gated/plain MLP composition of its projections matched")
-            elif comp is None:
-                comp = Component(rec.path, "mlp", {}, False, "pattern only (meta tensors)")
-        elif pat.is_norm_candidate(rec):
-            comp = _norm(module, rec, inventory, generator, can_probe, reject, cache)
-        elif pat.rotary_generator(rec):
-            comp = _rotary(module, rec, inventory, can_probe)
-        elif _activation_only(rec):
-            comp = Component(rec.path, "activation", {"op": _compute_ops(rec)[0]}, True, "a single elementwise ATen activation")
-        elif "aten.embedding.default" in rec.own_ops:
-            comp = Component(rec.path, "embedding", {"extra_ops": _compute_ops(rec)}, True, "aten.embedding lookup")
-        else:
-            comp = None
+        try:
+            comp, extra = _classify(module, rec, inventory, generator, can_probe, cache, reject)
+        except Exception as err:  # noqa: BLE001 - a probe that cannot call the module rejects it, never the stage
+            reject(rec.path, _candidate_name(inventory, rec), f"probe could not run the module: {type(err).__name__}: {str(err)[:200]}")
+            continue
         if comp is not None:
             accept(comp)
-            if comp.kind == "attention" and comp.variant.get("rope") and can_probe and rec.path in inventory.captured:
-                found.append(_rotary_application(module, rec.path, inventory, generator, cache))
+            found.extend(extra)
+            if comp.variant.get("experts"):  # experts kept as a list belong to their MoE, not each its own MLP
+                claimed.add(comp.variant["experts"])
     found.extend(_residual_norms(inventory, found))
     head = _lm_head(model, inventory, generator, can_probe)
     if head is not None:
         found.append(head)
-    found.extend(_new_modules(inventory, found))
+    found.extend(_new_modules(inventory, found, _block_paths(model)))
     return Recognition(sorted(found, key=lambda c: c.module), rejected)
+
+
+def _classify(
+    module: nn.Module, rec: ModuleRecord, inventory: OpInventory, generator, can_probe: bool, cache: ProbeCache, reject
+) -> tuple[Component | None, list[Component]]:
+    """The component ``rec`` is (or None) and the components found with it (the rotary application)."""
+    width = pat.last_dim(rec.input_shapes)
+    if pat.is_moe_candidate(inventory, rec):
+        comp = _moe(module, rec, inventory, generator, can_probe)
+    elif _expert_list(module) is not None and pat.is_routed(inventory, rec, _expert_count(module)):
+        comp = _moe(module, rec, inventory, generator, can_probe, _expert_list(module))
+    elif pat.is_attention_candidate(inventory, rec):
+        comp = _attention(module, rec, inventory, generator, can_probe, cache)
+    elif pat.is_mlp_candidate(inventory, rec):
+        variant, evidence = None, "float64 output+grad match"
+        if can_probe:
+            projections = pat.projections_under(inventory, rec.path)
+            run = functools.partial(probe_mlp, module, rec.path, width, projections, generator)
+            variant, suffix = cache.verdict(structure_key(module, rec, inventory), rec.path, run)
+            evidence += suffix
+        comp = Component(rec.path, variant.pop("kind"), {**variant, "width": width}, True, evidence) if variant else None
+        if comp is None and can_probe:
+            reject(rec.path, "mlp", "no gated/plain MLP composition of its projections matched")
+        elif comp is None:
+            comp = Component(rec.path, "mlp", {}, False, "pattern only (meta tensors)")
+    elif pat.is_norm_candidate(rec):
+        comp = _norm(module, rec, inventory, generator, can_probe, reject, cache)
+    elif pat.rotary_generator(rec):
+        comp = _rotary(module, rec, inventory, can_probe)
+    elif _activation_only(rec):
+        comp = Component(rec.path, "activation", {"op": _compute_ops(rec)[0]}, True, "a single elementwise ATen activation")
+    elif "aten.embedding.default" in rec.own_ops:
+        comp = Component(rec.path, "embedding", {"extra_ops": _compute_ops(rec)}, True, "aten.embedding lookup")
+    else:
+        comp = None
+    extra = []
+    if comp is not None and comp.kind == "attention" and can_probe and rec.path in inventory.captured:
+        rotation = _rotary_application(module, rec.path, inventory, generator, cache)
+        if comp.variant.get("rope"):
+            extra.append(rotation)
+        elif rotation.confirmed:  # rotary written without a telltale op (no neg, no stride-2 slice): found by its numbers
+            extra.append(rotation)
+            dim, head = rotation.variant["rotary_dim"], rotation.variant["head_dim"]
+            comp.variant["rope"] = {"style": rotation.variant["style"], "rotary_dim": dim, "partial": dim < head, "decoupled": False}
+    return comp, extra
+
+
+def _candidate_name(inventory: OpInventory, rec: ModuleRecord) -> str:
+    if pat.is_moe_candidate(inventory, rec) or "aten.topk.default" in rec.own_ops:
+        return "moe"
+    if pat.is_attention_candidate(inventory, rec):
+        return "attention"
+    if pat.is_mlp_candidate(inventory, rec):
+        return "mlp"
+    return "norm" if pat.is_norm_candidate(rec) else "component"
 
 
 def _compute_ops(rec: ModuleRecord) -> list[str]:
@@ -225,6 +261,13 @@ def _attention(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe
         visibility, suffix = cache.verdict(structure_key(module, rec, inv, call_inputs=True), rec.path, run)
         variant.update(visibility)
         evidence = "visibility measured through float64 gradients" + suffix
+        if variant["hook"]:  # the core is replaceable: the replacement must compute the whole function
+            key = ("attention_core", *structure_key(module, rec, inv, call_inputs=True))
+            run = functools.partial(attention_core_matches, module, *inv.captured[rec.path], dict(variant), generator)
+            (same, why), suffix = cache.verdict(key, rec.path, run)
+            evidence += "; " + why + suffix
+            if not same:
+                return Component(rec.path, "attention", variant, False, evidence)
     return Component(rec.path, "attention", variant, can_probe, evidence)
 
 
@@ -323,29 +366,47 @@ def _rope_style(seq: list[list[Any]], head_dim: int, mla: bool) -> dict[str, Any
     return {"style": style, "rotary_dim": rotary_dim, "partial": rotary_dim < head_dim, "decoupled": mla and rotary_dim < head_dim}
 
 
-def _moe(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool) -> Component:
-    router = pat.router_of(inv, rec)
+def _expert_list(module: nn.Module) -> str | None:
+    """Path (below ``module``) of experts kept as a list of separate modules, if any."""
+    return next((path for path, sub in module.named_modules() if path and is_expert_list(sub)), None)
+
+
+def _expert_count(module: nn.Module) -> int:
+    path = _expert_list(module)
+    return len(module.get_submodule(path)) if path is not None else 0
+
+
+def _moe(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, expert_list: str | None = None) -> Component:
+    router = pat.router_of(inv, rec, _expert_count(module) if expert_list else None)
     router_rec = inv.modules[router[0]]
     routing = routing_from_sequence(router_rec.sequence or rec.sequence, router_rec.ops)
+    if routing is None:  # the top-k runs in the MoE module itself, after a plain router projection
+        routing = routing_from_sequence(rec.sequence, rec.own_ops)
     bank = pat.expert_weights(inv, rec.path)
-    shared = next((c for c in rec.children if c in inv.modules and pat.is_mlp_candidate(inv, inv.modules[c])), None)
+    experts_at = f"{rec.path}.{expert_list}" if expert_list else None
+    shared = next((c for c in rec.children if c in inv.modules and pat.is_mlp_candidate(inv, inv.modules[c])
+                   and not (experts_at and c.startswith(experts_at + "."))), None)  # fmt: skip
     base = {
         "scoring": routing.scoring,
         "top_k": routing.top_k,
         "n_group": routing.n_group,
         "topk_group": routing.topk_group,
-        "num_experts": bank[0][2][0] if bank else 0,
+        "num_experts": len(module.get_submodule(expert_list)) if expert_list else (bank[0][2][0] if bank else 0),
         "shared_experts": shared,
         "router": router[0],
         "width": pat.last_dim(rec.input_shapes),
+        "expert_container": "module_list" if expert_list else "bank",
+        "experts": experts_at,
     }
     if not can_probe:
         return Component(rec.path, "moe", base, False, "pattern only (meta tensors)")
-    variant = probe_moe(module, rec.path, pat.last_dim(rec.input_shapes), routing, router, bank, shared, rec.scalars, generator)
+    variant = probe_moe(module, rec.path, pat.last_dim(rec.input_shapes), routing, router, bank, shared, rec.scalars, generator, expert_list)
     if variant is None:
         return Component(rec.path, "moe", base, False, "routing pattern found, float64 reference did not match")
     variant.pop("kind")
-    variant["width"] = base["width"]
+    variant.update(width=base["width"], expert_container=base["expert_container"], experts=experts_at)
+    if expert_list:  # no bank to hand a grouped kernel: the experts run as the model wrote them
+        variant.update(gate_up_layout="module_list", down_layout="module_list")
     return Component(rec.path, "moe", variant, True, "float64 match against the generic routed-MoE reference")
 
 
@@ -373,8 +434,19 @@ def _lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool) -> 
     return Component(head.path, "lm_head_cross_entropy", variant, confirmed, f"projection onto the vocabulary feeds log_softmax + nll_loss; {evidence}")
 
 
-def _new_modules(inv: OpInventory, found: list[Component]) -> list[Component]:
-    """Modules that compute (non-structural own ops) but sit in no recognised component."""
+def _block_paths(model: nn.Module) -> set[str]:
+    try:
+        return {path for path, _ in find_blocks(model).named()}
+    except NoBlockList:
+        return set()
+
+
+_RESIDUAL_OPS = {"aten.add.Tensor", "aten.add_.Tensor"}
+
+
+def _new_modules(inv: OpInventory, found: list[Component], blocks: set[str]) -> list[Component]:
+    """Modules that compute (non-structural own ops) but sit in no recognised component: leaves, and
+    containers inside a block whose own code does more than add residuals (a gate, a recurrence)."""
     covered = {c.module for c in found}
     out = []
     for rec in inv.modules.values():
@@ -383,6 +455,8 @@ def _new_modules(inv: OpInventory, found: list[Component]) -> list[Component]:
         if any(rec.path.startswith(c.module + ".") for c in found):
             continue
         compute = _compute_ops(rec)
-        if compute and not rec.children:
-            out.append(Component(rec.path, "new", {"ops": compute}, False, "computes, matches no known kind"))
+        in_block = rec.path not in blocks and any(rec.path.startswith(b + ".") for b in blocks)
+        if compute and (not rec.children or (in_block and set(compute) - _RESIDUAL_OPS)):
+            variant = {"ops": compute, **({"container": True} if rec.children else {})}
+            out.append(Component(rec.path, "new", variant, False, "computes, matches no known kind"))
     return out

@@ -67,8 +67,12 @@ def probe_moe(
     shared: str | None,
     scalars: list[float],
     generator,
+    expert_list: str | None = None,
 ) -> dict[str, Any] | None:
-    """Confirm a routed MoE; returns its variant parameters or None."""
+    """Confirm a routed MoE; returns its variant parameters or None.
+
+    ``expert_list``: the experts are a list of separate gated MLPs at this path (relative to the module);
+    their weights are stacked into banks for the reference."""
     # Grouped-GEMM expert kernels have no float64 path: run the module in float32 and the reference in
     # float64 from the very same (float32-representable) weights.
     m = float64_copy(module, generator, scale=0.3).float()
@@ -80,8 +84,12 @@ def probe_moe(
     correction_name, correction = _per_expert_vector(router_mod.named_buffers(recurse=False), num_experts)
     router_b = router_b.detach().double() if router_b is not None else None
     correction = correction.double() if correction is not None else None
-    banks = [getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach().double() for mod, name, _ in bank]
-    experts = _expert_layouts(banks, [f"{mod}.{name}" for mod, name, _ in bank], width, num_experts)
+    if expert_list is not None:
+        names, banks = stacked_banks(m.get_submodule(expert_list), width, expert_list)
+    else:
+        names = [f"{mod}.{name}" for mod, name, _ in bank]
+        banks = [getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach().double() for mod, name, _ in bank]
+    experts = _expert_layouts(banks, names, width, num_experts)
     if not experts:
         return None
     shared_mod = m.get_submodule(rel(shared)) if shared else None
@@ -129,6 +137,21 @@ def probe_moe(
                         **where,
                     }
     return None
+
+
+def stacked_banks(experts: nn.Module, width: int, path: str) -> tuple[list[str], list[torch.Tensor]]:
+    """A list of gated MLPs as two banks: [E, 2I, width] (both width->I weights, in registration order) and
+    [E, width, I]; empty when an expert is not two width->I projections and one I->width projection."""
+    ups, downs = [], []
+    for expert in experts:
+        weights = [p for p in expert.parameters()]
+        into = [w for w in weights if w.dim() == 2 and w.shape[1] == width and w.shape[0] != width]
+        out = [w for w in weights if w.dim() == 2 and w.shape[0] == width and w.shape[1] != width]
+        if len(into) != 2 or len(out) != 1 or len(weights) != 3 or into[0].shape != into[1].shape:
+            return [], []
+        ups.append(torch.cat(into, dim=0))
+        downs.append(out[0])
+    return [f"{path}.*.gate_up", f"{path}.*.down"], [torch.stack(ups).detach().double(), torch.stack(downs).detach().double()]
 
 
 def _expert_layouts(banks: list[torch.Tensor], names: list[str], width: int, num_experts: int):

@@ -97,16 +97,22 @@ def is_attention_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
 
 def is_moe_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
     """Width-preserving module with a top-k routing decision and many experts' weights below it."""
+    return is_routed(inv, rec) and bool(expert_weights(inv, rec.path))
+
+
+def is_routed(inv: OpInventory, rec: ModuleRecord, num_experts: int | None = None) -> bool:
+    """Width-preserving module with a top-k routing decision over a router matrix (experts in any container)."""
     width = last_dim(rec.input_shapes)
     if not width or last_dim(rec.output_shapes) != width or "aten.topk.default" not in rec.ops:
         return False
     if attention_core_ops(rec.ops):
         return False  # a whole block, not the MoE inside it
-    return bool(router_of(inv, rec)) and bool(expert_weights(inv, rec.path))
+    return bool(router_of(inv, rec, num_experts))
 
 
-def router_of(inv: OpInventory, rec: ModuleRecord) -> tuple[str, str] | None:
-    """(module, param) of the [num_experts, width] router matrix: the 2-D weight inside the routing subtree."""
+def router_of(inv: OpInventory, rec: ModuleRecord, num_experts: int | None = None) -> tuple[str, str] | None:
+    """(module, param) of the [num_experts, width] router matrix: the 2-D weight inside the routing subtree,
+    or, when the top-k runs in the parent and the experts are counted, a direct child's [num_experts, width] weight."""
     width = last_dim(rec.input_shapes)
     for sub in _subtree(inv, rec.path):
         if "aten.topk.default" not in sub.ops:
@@ -114,6 +120,12 @@ def router_of(inv: OpInventory, rec: ModuleRecord) -> tuple[str, str] | None:
         for name, shape in sub.params.items():
             if len(shape) == 2 and shape[1] == width and shape[0] > 1:
                 return sub.path, name
+    if num_experts and "aten.topk.default" in rec.own_ops:
+        for child in rec.children:
+            sub = inv.modules.get(child)
+            for name, shape in (sub.params.items() if sub else ()):
+                if list(shape) == [num_experts, width]:
+                    return sub.path, name
     return None
 
 

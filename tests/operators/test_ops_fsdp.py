@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     from torch.distributed.fsdp import fully_shard
     from operators import Target, apply_kernel_plan, load_profile, plan_kernels, recognise
     from operators.inventory import trace_model
-    from operators.meta_trace import find_block_stack
+    from adapt.model.blocks import find_blocks
     from ops_testlib import load
 
     dist.init_process_group("gloo", store=dist.FileStore({store!r}, 1), rank=0, world_size=1)
@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     inv = trace_model(model)
     plan = plan_kernels(inv, recognise(model, inv), load_profile("cuda-hopper"), Target.here())
     handle = apply_kernel_plan(model, plan)
-    for _, block in find_block_stack(model)[1]:
+    for block in find_blocks(model):
         fully_shard(block)
     fully_shard(model)
     ids = torch.randint(0, 256, (2, 12))

@@ -16,7 +16,7 @@ from torch import nn
 
 from operators import apply_kernel_plan, kernels, load_profile, plan_kernels
 from operators.inventory import trace_callable
-from operators.meta_trace import find_block_stack
+from adapt.model.blocks import find_blocks
 from operators.recognition import recognise
 from operators.registry import Target
 
@@ -65,7 +65,7 @@ def patch_state(model: nn.Module) -> list:
 def test_fused_add_norm_matches_the_model_and_reverts(zoo, family, monkeypatch):
     model, plan = fusion_plan(str(zoo(family)))
     choices = plan.components
-    layers = len(find_block_stack(model)[1])
+    layers = len(find_blocks(model))
     assert len(choices) == layers and all((c.provider, c.kernel, c.status, c.patch) == ("adapt-triton", "add_rms_norm", "fused", True) for c in choices)
     if FAMILIES[family]:
         assert {c.module.rsplit(".", 1)[1] for c in choices} == {FAMILIES[family]}
@@ -102,7 +102,7 @@ def test_the_model_uses_the_kernels_normalised_output(zoo, monkeypatch):
     monkeypatch.setattr(kernels, "add_rms_norm", scaled)
     with apply_kernel_plan(model, plan) as handle, torch.no_grad():
         logits = model(input_ids=ids).logits
-        assert handle.residual_fusion()["fused"] == len(find_block_stack(model)[1])
+        assert handle.residual_fusion()["fused"] == len(find_blocks(model))
     assert float((logits - reference).abs().max()) > 1e-2
 
 

@@ -119,3 +119,19 @@ def test_report_is_json_serialisable(zoo):
     data = json.loads(json.dumps(report.to_dict()))
     assert {"passed", "first_divergent", "layers"} <= set(data)
     assert {"name", "cosine", "rel_err", "max_abs", "err_ratio", "passed", "block", "component"} <= set(data["layers"][0])
+
+
+def test_moe_reference_runs_in_float64(zoo):
+    """Grouped GEMM has no float64 kernel: the reference runs its experts through the per-expert loop instead."""
+    report = align(_src(zoo, "qwen3_moe"), dtype="fp32", options=dataclasses.replace(FAST, parity_steps=0))
+    assert report.reference_dtype == "float64"
+    assert not any("float64 reference failed" in note for note in report.notes)
+    assert report.passed, report.notes
+
+
+def test_a_reference_no_more_precise_than_the_candidate_is_not_a_pass(zoo):
+    options = dataclasses.replace(FAST, parity_steps=0, reference_dtype="fp32")
+    report = align(_src(zoo, "llama"), dtype="fp32", options=options)
+    assert report.first_divergent is None and all(layer.passed for layer in report.layers)
+    assert not report.passed
+    assert any(note.startswith("inconclusive") and "float32" in note for note in report.notes)

@@ -106,6 +106,8 @@ def print_summary(spec: ModelSpec) -> None:
             f"checkpoint: {len(ck.files)} file(s), {ck.num_tensors} tensors, {ck.total_bytes / 2**20:.1f} MiB, dtypes {ck.dtypes}; "
             f"missing {len(ck.missing)}, unexpected {len(ck.unexpected)}, tied groups {len(ck.tied)}"
         )
+    if spec.features:
+        console.print("known traits: " + "; ".join(spec.features))
     if spec.novelties:
         console.print("what is new in this model:")
         for note in spec.novelties:

@@ -134,6 +134,9 @@ class PipelineRun:
                 return StageRecord(
                     stage.name, "blocked", f"needs the {need} result, which is {self.records[need].status}"
                 )
+        for use in stage.uses:  # an optional upstream that ran and errored stops this stage too
+            if use in opts.stages and self.records[use].status == "error":
+                return StageRecord(stage.name, "blocked", f"the {use} stage it reads ended in an error")
         upstream = [self.keys[n] for n in (*stage.needs, *stage.uses) if n in self.keys and n in opts.stages]
         key = stage_key(stage.name, opts.subset(stage.option_keys), self.source.fingerprint, upstream, adapt_version())
         self.keys[stage.name] = key

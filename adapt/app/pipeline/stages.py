@@ -314,6 +314,7 @@ STAGES: dict[str, Stage] = {
             execute=_operators,
             summarise=summaries.operators,
             description="map every op to a kernel",
+            uses=("intake",),  # one anatomy: a model intake cannot read is not mapped as if it were understood
         ),
         Stage(
             "plan",

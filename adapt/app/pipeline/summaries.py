@@ -76,6 +76,7 @@ def intake(spec: dict[str, Any], options: RunOptions) -> Summary:
         "params_active": params.get("active_per_token"),
         "blocks": blocks,
         "novelties": spec.get("novelties", []),
+        "features": spec.get("features", []),
         "unrecognized": spec.get("unrecognized", []),
         "checkpoint_problems": problems,
         "checkpoint_unexpected": unexpected,
@@ -280,6 +281,11 @@ def alignment(report: dict[str, Any], options: RunOptions) -> Summary:
         verdict += f"; first divergent: {data['first_divergent']}"
     elif worst is not None:
         verdict += f"; worst rel err {_fmt(worst['rel_err'], '.2e')} ({worst['name']})"
+    parity_failed = bool(parity) and not parity.get("passed")
+    if not passed and not (data["nonfinite_module"] or data["first_divergent"] or parity_failed):
+        # every count above can read as a pass: say first why it is not one
+        reason = next((n for n in report.get("notes", []) if n.startswith("inconclusive")), "no tensor was judged")
+        verdict = f"not passed ({reason.split(': ', 1)[-1]}); " + verdict
     return Summary(passed, verdict, data)
 
 

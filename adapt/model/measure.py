@@ -1,0 +1,177 @@
+"""What each block computes, read from the numbers: one forward, one block of each structure.
+
+Config names and attribute names are conventions a new model need not follow; the ATen ops its
+forward runs are not.  This runs the model once on a short batch (meta tensors for a skeleton) with
+every block but one of each distinct structure passed through, and records, per block child:
+the attention core's operands (head dim, query heads, value width), the activation ops, and a
+router's ``topk`` with the scoring op before it.  A block whose forward cannot run on these inputs
+(data-dependent control flow on meta tensors) keeps what it recorded before it stopped.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adapt.model.blocks import BlockList
+
+SEQ = 9  # odd and unlike any width, so the attention product [N, s, d] x [N, d, s] is recognisable
+_ACTIVATIONS = {"aten.silu.default": "silu", "aten.relu.default": "relu", "aten.tanh.default": "tanh",
+                "aten.sigmoid.default": "sigmoid", "aten.gelu.default": "gelu"}  # fmt: skip
+_RECURRENT_OPS = {"aten.exp.default", "aten.cumsum.default", "aten.softplus.default", "aten.logcumsumexp.default"}
+_SCORING = {"aten._softmax.default": "softmax", "aten.sigmoid.default": "sigmoid"}
+
+
+@dataclass
+class ChildFacts:
+    """What one block child was seen to compute."""
+
+    head_dim: int | None = None
+    query_heads: int | None = None
+    key_heads: int | None = None
+    value_dim: int | None = None
+    activations: list[str] = field(default_factory=list)
+    top_k: int | None = None
+    scoring: str | None = None
+    convolution: bool = False
+    recurrence: bool = False  # exponentials, running sums or a loop over positions: a state (SSM, linear attention, RNN)
+    steps: int = 0  # select/slice ops seen: a python loop over the positions runs one per position
+    last_op: str = ""
+
+
+def block_signature(block: nn.Module) -> tuple:
+    """Blocks sharing class, parameter names and shapes compute the same kind of thing."""
+    return (type(block), tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.facts: dict[str, ChildFacts] = {}
+
+    def enter(self, name: str) -> None:
+        self.stack.append(name)
+
+    def leave(self) -> None:  # a hook's return value replaces the output: this returns None
+        if self.stack:
+            self.stack.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.stack:
+            self._note(self.facts.setdefault(self.stack[-1], ChildFacts()), str(func), args, kwargs)
+        return out
+
+    @staticmethod
+    def _note(facts: ChildFacts, name: str, args: tuple, kwargs: dict) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if "scaled_dot_product" in name and len(tensors) >= 3 and facts.head_dim is None:
+            q, k, v = tensors[:3]
+            facts.head_dim, facts.query_heads, facts.key_heads, facts.value_dim = q.shape[-1], q.shape[1], k.shape[1], v.shape[-1]
+        elif name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is None:
+            a, b = tensors
+            if a.dim() == 3 and a.shape[1] == SEQ and b.shape[-1] == SEQ and a.shape[-1] == b.shape[1]:
+                facts.head_dim, facts.query_heads = int(a.shape[-1]), int(a.shape[0])
+        elif name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is not None and facts.value_dim is None:
+            a, b = tensors
+            if a.dim() == 3 and a.shape[-1] == SEQ and b.dim() == 3 and b.shape[1] == SEQ:
+                facts.value_dim = int(b.shape[-1])
+        elif name == "aten.topk.default" and len(args) > 1 and isinstance(args[1], int):
+            facts.top_k = args[1]
+            facts.scoring = _SCORING.get(facts.last_op, facts.scoring)
+        if name.startswith("aten.convolution"):
+            facts.convolution = True
+        facts.steps += name in ("aten.select.int", "aten.slice.Tensor")
+        if name in _RECURRENT_OPS or facts.steps >= SEQ:  # a decaying state, or a loop over the positions
+            facts.recurrence = True
+        if name in _ACTIVATIONS:
+            label = _ACTIVATIONS[name]
+            if label == "gelu" and (kwargs.get("approximate") == "tanh" or "tanh" in args[1:]):
+                label = "gelu_tanh"
+            facts.activations.append(label)
+        if name in _SCORING:
+            facts.last_op = name  # the scoring a later topk selects on
+
+
+@contextmanager
+def _one_of_each(blocks: BlockList) -> Iterator[dict[int, tuple]]:
+    """Pass through every block whose structure an earlier block already has; a block that fails passes through too."""
+    seen: set[tuple] = set()
+    representative: dict[int, tuple] = {}
+    saved: list[nn.Module] = []
+    for index, block in enumerate(blocks.blocks):
+        signature = block_signature(block)
+        original = block.forward
+        skip = signature in seen
+        seen.add(signature)
+        if not skip:
+            representative[index] = signature
+        block.forward = _guarded(original, skip)
+        saved.append(block)
+    try:
+        yield representative
+    finally:
+        for block in saved:
+            del block.forward
+
+
+def _guarded(original, skip: bool):
+    def forward(*args, **kwargs):
+        hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+        if skip:
+            return hidden
+        try:
+            return original(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - keep what was recorded; the rest of the model still runs
+            return hidden
+
+    return forward
+
+
+def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str, ChildFacts]]:
+    """Per block signature, the facts of each of its direct children (by child name)."""
+    recorder = _Recorder()
+    handles = []
+    for block in blocks.blocks:
+        for name, child in block.named_children():
+            handles.append(child.register_forward_pre_hook(lambda m, a, n=name: recorder.enter(n)))
+            handles.append(child.register_forward_hook(lambda m, a, o: recorder.leave()))
+    by_block: dict[tuple, dict[str, ChildFacts]] = {}
+    try:
+        with _one_of_each(blocks) as representative:
+            device = next(model.parameters()).device
+            vocab = model.get_input_embeddings().num_embeddings
+            ids = torch.randint(0, vocab, (1, SEQ), device=device)
+            # Caches as the model sets them up by default (without one, masks may read positions with .item(),
+            # which meta tensors refuse); then without, for layers whose caches only their own generate() builds.
+            attempts = [{}, {"use_cache": False}] if "use_cache" in inspect.signature(model.forward).parameters else [{}]
+            for index in representative:
+                handles.append(blocks.blocks[index].register_forward_hook(
+                    lambda m, a, o, i=index: _harvest(recorder, by_block, representative[i])))  # fmt: skip
+            for extra in attempts:
+                try:
+                    with torch.no_grad(), recorder:
+                        model(input_ids=ids, **extra)
+                    break
+                except Exception:  # noqa: BLE001 - a model that cannot run here is described from shapes alone
+                    recorder.facts, recorder.stack = {}, []
+    finally:
+        for handle in handles:
+            handle.remove()
+    return by_block
+
+
+def _harvest(recorder: _Recorder, by_block: dict[tuple, dict[str, ChildFacts]], signature: tuple) -> Any:
+    by_block.setdefault(signature, {}).update(recorder.facts)
+    recorder.facts = {}
+    recorder.stack.clear()
+    return None

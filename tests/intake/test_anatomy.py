@@ -1,0 +1,145 @@
+"""One anatomy for models written under names no convention knows: what intake and recognition report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from novel_models import GROUPS, HEADS, SPAN, SPECIALISTS, WIDTH, tide, weave
+from torch import nn
+
+from adapt.model.blocks import NoBlockList, find_blocks, residual_width
+from adapt.model.intake import describe_model
+from operators.inventory import trace_model
+from operators.recognition import recognise
+
+
+@pytest.fixture(scope="module")
+def model():
+    return weave()
+
+
+@pytest.fixture(scope="module")
+def recognition(model):
+    return recognise(model, trace_model(model))
+
+
+def _component(recognition, module, kind):
+    return next(c for c in recognition.components if c.module == module and c.kind == kind)
+
+
+def test_a_hybrid_stack_of_two_layer_classes_is_one_block_list(model):
+    blocks = find_blocks(model)
+    assert blocks.path == "strands" and len(blocks) == 4
+    assert blocks.classes() == ["LookLayer", "RippleLayer"]
+
+
+def test_a_list_of_experts_is_never_the_block_list():
+    """Eight experts in each of two layers, more parameters than the layer list around them holds elsewhere."""
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.experts = nn.ModuleList([nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 8)) for _ in range(8)])
+
+    class Tower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rows = nn.ModuleList([Layer(), Layer()])
+
+    blocks = find_blocks(Tower())
+    assert blocks.path == "rows" and len(blocks) == 2
+
+
+def test_no_block_list_is_said_as_such():
+    with pytest.raises(NoBlockList):
+        find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+def test_intake_reads_mixers_heads_and_routing_from_the_numbers(model):
+    spec = describe_model(model, model.config)
+    assert [b.mixer for b in spec.blocks] == ["full_attention", "convolution", "full_attention", "convolution"]
+    attention = spec.blocks[0].attention
+    assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (HEADS, GROUPS, SPAN)
+    assert attention.kind == "gqa" and spec.blocks[1].attention is None
+    # 2 attention layers, GROUPS KV heads of SPAN keys and SPAN values, 2 bytes each (no dtype stated)
+    assert spec.cost.kv_cache_bytes_per_token == 2 * GROUPS * 2 * SPAN * 2
+    moe = spec.blocks[0].mlp
+    assert (moe.kind, moe.num_experts, moe.top_k, moe.router_scoring, moe.activation) == ("moe", SPECIALISTS, 2, "sigmoid", "silu")
+    assert spec.blocks[1].mlp.kind == "dense_gated" and spec.hidden_size == residual_width(model) == WIDTH
+    assert "convolution token mixer in 2/4 blocks" in spec.novelties
+    assert not any("GQA" in n for n in spec.novelties) and "GQA attention in 2/4 blocks" in spec.features
+
+
+def test_a_gated_linear_recurrence_is_a_recurrent_mixer_and_new():
+    model = tide()
+    spec = describe_model(model, model.config)
+    assert [b.mixer for b in spec.blocks] == ["full_attention", "recurrent"]
+    assert spec.blocks[1].attention is None and "recurrent token mixer in 1/2 blocks" in spec.novelties
+    recognition = recognise(model, trace_model(model))
+    assert "strands.1.ebb" in {c.module for c in recognition.components if c.kind == "new"}
+
+
+def test_experts_in_a_module_list_are_one_routed_moe(recognition):
+    moe = _component(recognition, "strands.0.council", "moe")
+    assert moe.confirmed and moe.variant["num_experts"] == SPECIALISTS
+    assert (moe.variant["top_k"], moe.variant["scoring"], moe.variant["expert_container"]) == (2, "sigmoid", "module_list")
+    assert not any(c.module.startswith("strands.0.council.members") for c in recognition.components)
+
+
+def test_rotary_written_out_is_found_by_its_numbers(recognition):
+    rotation = _component(recognition, "strands.0.look", "rotary_application")
+    assert rotation.confirmed and rotation.variant["global"] == "turn" and rotation.variant["style"] == "half"
+    attention = _component(recognition, "strands.0.look", "attention")
+    assert attention.variant["rope"]["rotary_dim"] == SPAN
+    assert (attention.variant["num_heads"], attention.variant["num_kv_heads"]) == (HEADS, GROUPS)
+
+
+def test_an_unknown_mixer_is_new_with_its_path_not_silently_native(recognition):
+    new = {c.module for c in recognition.components if c.kind == "new"}
+    assert {"strands.1.ripple", "strands.1.ripple.smear"} <= new
+    assert not any(c.confirmed for c in recognition.components if c.kind == "new")
+
+
+def test_a_module_whose_forward_needs_more_than_the_hidden_states_is_rejected_not_fatal():
+    """A gated norm (needs its gate) and an MLP that adds the residual itself: probes reject, never crash."""
+
+    class GatedScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(16))
+
+        def forward(self, h, gate):
+            return self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.sigmoid(gate)
+
+    class Carry(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, h, residual):
+            return residual + self.down(torch.relu(self.up(h)))
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.gated = GatedScale()
+            self.carry = Carry()
+            self.out = nn.Linear(16, 50)
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def forward(self, input_ids):
+            h = self.embed(input_ids)
+            h = self.gated(h, h * 0.5)
+            return (self.out(self.carry(h, h)),)
+
+    torch.manual_seed(0)
+    odd = Odd()
+    result = recognise(odd, trace_model(odd))
+    rejected = {r["module"]: r["reason"] for r in result.rejected}
+    assert "missing 1 required positional argument" in rejected["gated"]
+    assert "missing 1 required positional argument" in rejected["carry"]
+    assert not any(c.confirmed and c.module in ("gated", "carry") for c in result.components)
