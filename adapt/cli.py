@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES = [
     "adapt.commands.report",
     "adapt.commands.gate",
     "adapt.commands.validate",
+    "adapt.commands.generate_check",
     "adapt.commands.plan",
     "adapt.commands.train",
     "adapt.commands.launch",

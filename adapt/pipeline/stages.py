@@ -262,6 +262,30 @@ def alignment_thresholds(options: RunOptions) -> dict[str, float] | None:
     return alignment_limits(load_thresholds(options.thresholds).get("alignment", {}), options.candidate_dtype) or None
 
 
+def _generation(ctx: StageContext) -> Any:
+    """Greedy generation of the adapted model against the unadapted one: tokens, log-probs, cache, batch."""
+    generation_check = require("validators.generation", "generation_check")
+    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    opts = ctx.options
+    return call_with_candidate(
+        generation_check,
+        ctx,
+        AdaptedTransform(kernel_plan),
+        ctx.source,
+        kernel_plan,
+        dtype=opts.candidate_dtype,
+        device=opts.device,
+        thresholds=alignment_thresholds(opts),
+    )
+
+
+def _generation_summary(result: dict[str, Any], options: RunOptions) -> summaries.Summary:
+    """The generation check's own verdict and summary line, with the fields a report table needs."""
+    keys = ("verdict", "dtype", "device", "reference_dtype", "seed", "prompt_lengths", "new_tokens", "checks", "ties",
+            "first_divergence", "cache_kinds", "applicable")  # fmt: skip
+    return summaries.Summary(bool(result.get("passed")), str(result.get("summary", "")), {k: result.get(k) for k in keys})
+
+
 def _throughput(ctx: StageContext) -> Any:
     bench = require("validators", "bench", "validators.throughput")
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
@@ -339,6 +363,14 @@ STAGES: dict[str, Stage] = {
             summaries.alignment,
             "compare the adapted model with a float64 reference, block by block",
             ("intake",),
+        ),
+        Stage(
+            "generation",
+            ("operators",),
+            ("device", "dtype", "thresholds"),
+            _generation,
+            _generation_summary,
+            "generate greedily against the unadapted model: tokens, log-probs, KV cache, left-padded batches",
         ),
         Stage(
             "throughput",
