@@ -38,14 +38,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=4096),
-    "gemma2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=256, vocab_size=256000, tie_word_embeddings=True, sliding_window=4096,
-                      max_position_embeddings=8192),
+    "llama-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+                 "tie_word_embeddings": True, "max_position_embeddings": 4096},
+    "gemma2-2b": {"model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000,
+                  "tie_word_embeddings": True, "sliding_window": 4096, "max_position_embeddings": 8192},
 }  # fmt: skip
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            vocab_size=256)  # fmt: skip
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 256}  # fmt: skip
 DECODE_VARIANTS = ("hf-eager", "hf-static-compile", "adapted")
 
 
@@ -55,8 +56,8 @@ def log(message: str) -> None:
 
 def sizes(tiny: bool) -> dict[str, Any]:
     if tiny:
-        return dict(prompt=16, new_tokens=8, batches=(1, 2), repeats=1, gen_tokens=8, gen_prompts=2)
-    return dict(prompt=512, new_tokens=256, batches=(1, 8), repeats=3, gen_tokens=64, gen_prompts=3)
+        return {"prompt": 16, "new_tokens": 8, "batches": (1, 2), "repeats": 1, "gen_tokens": 8, "gen_prompts": 2}
+    return {"prompt": 512, "new_tokens": 256, "batches": (1, 8), "repeats": 3, "gen_tokens": 64, "gen_prompts": 3}
 
 
 # ---- work done inside one subprocess ----------------------------------------------------------
@@ -165,7 +166,7 @@ def run_child(variant: str, shape: str, checkpoint: Path, tiny: bool, limit_s: f
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     started = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, timeout=max(limit_s, 1), capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, timeout=max(limit_s, 1), capture_output=True, text=True, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {limit_s:.0f} s"}
     seconds = time.perf_counter() - started
@@ -225,8 +226,8 @@ def write(out: Path, stem: str, results: dict[str, Any]) -> None:
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     env, size = results["environment"], results["sizes"]
     lines = [f"# Decode speed and generation alignment ({env['device']})", "",
-             f"torch {env['torch']}, transformers {env['transformers']}; bf16, prompt {size['prompt']}, "
-             f"{size['new_tokens']} new tokens; decode tokens/s count the tokens after the first.", "",
+             (f"torch {env['torch']}, transformers {env['transformers']}; bf16, prompt {size['prompt']}, "
+              f"{size['new_tokens']} new tokens; decode tokens/s count the tokens after the first."), "",
              "| shape | batch | HF eager tok/s | HF static+compile tok/s | adapted tok/s | adapted / static | adapted / eager | prefill ms (eager / static / adapted) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
     for shape, entry in results["shapes"].items():
@@ -266,7 +267,7 @@ def main() -> int:
     if args.variant:
         try:
             child(args)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the parent records the failure from the exit status and the traceback
             traceback.print_exc()
             return 1
         return 0

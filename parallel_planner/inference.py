@@ -176,10 +176,10 @@ def plan_inference(spec: ModelSpec, cluster: Cluster, workload: ServingWorkload,
     for rank, plan in enumerate(plans, 1):
         plan.rank = rank
     notes = [
-        f"time per output token is one decode step with every sequence at the full {workload.context_len}-token context "
-        "(an upper bound: shorter sequences read less cache)",
-        "pipeline stages run one after another for a batch: vLLM overlaps batches across stages, which raises "
-        "throughput but not the time per token",
+        (f"time per output token is one decode step with every sequence at the full {workload.context_len}-token context "
+         "(an upper bound: shorter sequences read less cache)"),
+        ("pipeline stages run one after another for a batch: vLLM overlaps batches across stages, which raises "
+         "throughput but not the time per token"),
     ]
     if not any(layer.kv_width for layer in layers):
         notes.append("no attention KV cache found in the spec: recurrent state, if any, is not counted")

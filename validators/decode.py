@@ -13,6 +13,7 @@ Prefill and decode are timed separately, for the adapted path and for transforme
 
 from __future__ import annotations
 
+import functools
 import inspect
 import statistics
 import time
@@ -165,7 +166,7 @@ def time_static_decoder(
     prefills, decodes, tokens = [], [], None
     for _ in range(repeats):
         prefill_s, first = _timed(lambda: decoder.prefill(ids), decoder.device)
-        decode_s, tokens = _timed(lambda: decoder.decode(first, ids.shape[1], new_tokens - 1), decoder.device)
+        decode_s, tokens = _timed(functools.partial(decoder.decode, first, ids.shape[1], new_tokens - 1), decoder.device)
         prefills.append(prefill_s)
         decodes.append(decode_s)
     notes = [f"static cache, decode step {'compiled, mode=' + decoder.mode if decoder.compiled else 'eager'}"]
@@ -182,7 +183,7 @@ def time_hf_generate(variant: str, model: nn.Module, ids: torch.Tensor, new_toke
         raise ValueError("timing decode needs at least 2 new tokens")
     device = ids.device
     pad = getattr(model.generation_config, "pad_token_id", None)
-    kwargs = dict(do_sample=False, pad_token_id=0 if pad is None else pad, attention_mask=torch.ones_like(ids))
+    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0 if pad is None else pad, "attention_mask": torch.ones_like(ids)}
     if static:
         kwargs["cache_implementation"] = "static"
 
@@ -201,3 +202,34 @@ def time_hf_generate(variant: str, model: nn.Module, ids: torch.Tensor, new_toke
     notes = ["generate(), static cache" + (" (compiled by generate on this device)" if device.type == "cuda" else "") if static
              else "generate(), dynamic cache, eager"]  # fmt: skip
     return _timing(variant, ids, new_tokens, prefill_s, decode_s, out[:, ids.shape[1]:], notes)
+
+
+def decode_comparison(
+    src,
+    transform: Any = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    batches: tuple[int, ...] = (1, 8),
+    prompt_len: int = 512,
+    new_tokens: int = 256,
+    repeats: int = 3,
+    seed: int = 0,
+) -> list[DecodeTiming]:
+    """Decode rates in one run: HF eager (dynamic cache), HF static cache (compiled by ``generate`` on a GPU),
+    and the adapted model (``transform`` applied) on ``StaticDecoder``, every variant on the same prompts."""
+    from adapt.skeleton import load_model
+
+    timings = []
+    for variant in ("hf-eager", "hf-static-compile", "adapted"):
+        model = load_model(src, dtype, device).eval()
+        if variant == "adapted" and transform is not None:
+            model = transform(model) or model
+        vocab = model.get_input_embeddings().num_embeddings
+        for batch in batches:
+            ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed + batch)).to(device)
+            if variant == "adapted":
+                timings.append(time_static_decoder(variant, model, ids, new_tokens, repeats=repeats))
+            else:
+                timings.append(time_hf_generate(variant, model, ids, new_tokens, static=variant == "hf-static-compile", repeats=repeats))
+        del model
+    return timings

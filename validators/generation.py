@@ -23,6 +23,7 @@ per-layer hidden states at that step, the layer responsible (``validators.genera
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -226,21 +227,13 @@ def cached_steps(
                 kwargs["attention_mask"] = mask
                 if positions:
                     kwargs["position_ids"] = torch.tensor([[n + step - 1] for n in prompt_lens], device=device)
-        with on_step(step) if on_step is not None else _nothing():
+        with on_step(step) if on_step is not None else contextlib.nullcontext():
             logits, past = logits_of(model, past, input_ids=ids, use_cache=True, **kwargs)
         if past is None:
             return None, "the model returns no cache: decode recomputes the prefix, no cache to check"
         steps.append(logits[:, -1].double().cpu())
     note = None if positions or not padded else "the model takes no position_ids: left-padded rows are positioned by the cache"
     return torch.stack(steps, dim=1), note
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # ---- judging -----------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ class BenchOptions:
     max_layers: int | None = None  # measure a depth-truncated model at real width
     peak_flops: float | None = None
     seed: int = 0
+    # Decode against HF eager and HF static+compile at these batches (None: 1 and 8 on CUDA, none on a CPU).
+    decode_batches: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -79,6 +81,7 @@ class ThroughputReport:
     calibration: dict[str, Any]
     passed: bool
     notes: list[str] = field(default_factory=list)
+    decode: list[dict[str, Any]] = field(default_factory=list)  # validators.decode.DecodeTiming rows
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -176,6 +179,12 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
         results.append(_measure(name, model, options, device, flops, peak))
         del model
     passed = all(r.train_tokens_per_s > 0 and all(map(_finite, r.losses)) for r in results)
+    decode_batches = options.decode_batches if options.decode_batches is not None else ((1, 8) if device.startswith("cuda") else ())
+    decode = []
+    if decode_batches:
+        from validators.decode import decode_comparison
+
+        decode = [t.to_dict() for t in decode_comparison(src, transform, device, dtype, decode_batches, options.seq_len)]
     return ThroughputReport(
         source=src.text,
         device=device,
@@ -193,6 +202,7 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
         calibration=calibration,
         passed=passed,
         notes=notes,
+        decode=decode,
     )
 
 

@@ -9,7 +9,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from adapt.commands.validate import DTYPE_CHOICES, _common, _emit, _kernel_plan, _positive, _print_notes, _source, _table
+from adapt.commands.validate import (
+    DTYPE_CHOICES,
+    _common,
+    _emit,
+    _kernel_plan,
+    _positive,
+    _print_notes,
+    _source,
+    _table,
+)
 
 
 def register(sub) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from adapt.intake import resolve_source
 from adapt.skeleton import load_model
-from validators.decode import StaticDecoder, time_hf_generate, time_static_decoder
+from validators.decode import StaticDecoder, decode_comparison, time_hf_generate, time_static_decoder
 
 
 def model_and_prompts(zoo, name: str, batch: int = 2, length: int = 10):
@@ -102,3 +102,13 @@ def test_benchmark_dry_run_writes_json_and_markdown(tmp_path):
     assert data["shapes"]["llama-1b"]["generation"]["verdict"] in ("passed", "inconclusive")
     table = (tmp_path / "inference-tiny.md").read_text()
     assert "| llama-1b | 1 |" in table and "error" not in table
+
+
+def test_decode_comparison_runs_every_variant_on_the_same_prompts(zoo):
+    src = resolve_source(str(zoo("qwen2")))
+    timings = decode_comparison(src, None, "cpu", torch.float32, batches=(1, 2), prompt_len=8, new_tokens=4, repeats=1)
+    assert [(t.variant, t.batch) for t in timings] == [(v, b) for v in ("hf-eager", "hf-static-compile", "adapted") for b in (1, 2)]
+    by_batch = {}
+    for t in timings:
+        by_batch.setdefault(t.batch, []).append(t.tokens)
+    assert all(tokens[0] == tokens[1] == tokens[2] for tokens in by_batch.values())  # same greedy tokens, three cache paths

@@ -12,7 +12,12 @@ from helpers import scale_norm_output
 from adapt.intake import resolve_source
 from adapt.zoo import ZOO_NAMES
 from validators.compare import thresholds_for
-from validators.generation import GenerationOptions, GenerationReport, StepJudge, generation_check
+from validators.generation import (
+    GenerationOptions,
+    GenerationReport,
+    StepJudge,
+    generation_check,
+)
 
 FEW = GenerationOptions(prompts=3, prompt_len=10, new_tokens=8)
 
