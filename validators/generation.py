@@ -43,6 +43,8 @@ from validators.modules import first_tensor
 from validators.training import vocab_size
 
 CHECKS = ("tokens", "logprobs", "cache", "batch")
+# At one step, a cache that disagrees with the uncached forward explains wrong tokens and log-probs there.
+ROOT_CAUSE_ORDER = ("cache", "tokens", "logprobs", "batch")
 # Above this share of undecidable steps, a pass would say little: the result is inconclusive.
 MAX_UNDECIDABLE_SHARE = 0.5
 
@@ -463,7 +465,7 @@ def _run_checks(report, models, prompts, traced, limits, options, device) -> Non
         w = worst[name]
         report.checks.append(CheckResult(name, checked[name], checked[name] and name not in failed, w.steps, w.err, w.allowed, notes.get(name, "")))
     if failures:
-        first = min(failures, key=lambda d: (d.step, CHECKS.index(d.check), d.prompt))
+        first = min(failures, key=lambda d: (d.step, ROOT_CAUSE_ORDER.index(d.check), d.prompt))
         from validators.generation_diagnose import name_layer
 
         name_layer(first, models, traced, lengths, limits, device)
