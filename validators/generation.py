@@ -341,6 +341,21 @@ def _is_causal(model: nn.Module, vocab: int, device: str) -> bool:
     return bool(((moved - earlier).abs().max() <= 1e-2 * earlier.abs().max()).item())
 
 
+def _load(src, dtype: torch.dtype, device: str, notes: list[str], seed: int) -> nn.Module:
+    """The model through adapt's loader; a config-only source gets the same random weights in every instance."""
+    from adapt.skeleton import load_model
+
+    if src.has_weights:
+        return load_model(src, dtype, device, notes).eval()
+    note = f"config-only source: random weights drawn once in float32 (seed {seed}) and cast for each instance"
+    if note not in notes:
+        notes.append(note)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = load_model(src, torch.float32, "cpu", notes)
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def _reference_dtype(device: str, requested: str | None) -> torch.dtype:
     if requested is not None:
         if requested not in ("fp64", "fp32"):
@@ -360,8 +375,6 @@ def generation_check(
     options: GenerationOptions | None = None,
 ) -> GenerationReport:
     """Generate with the adapted model and the original; ``transform`` overrides ``kernel_plan`` (tests use it)."""
-    from adapt.skeleton import load_model
-
     started = time.perf_counter()
     parse_dtype(dtype)
     check_device(device)
@@ -377,7 +390,7 @@ def generation_check(
         source=src.text, dtype=dtype, device=device, reference_dtype=str(ref_dtype).removeprefix("torch."), seed=seed,
         prompt_lengths=lengths, new_tokens=options.new_tokens, thresholds=limits.to_dict(), notes=notes,
     )  # fmt: skip
-    baseline = load_model(src, parse_dtype(dtype), device, notes).eval()
+    baseline = _load(src, parse_dtype(dtype), device, notes, seed)
     vocab = vocab_size(baseline)
     if not _is_causal(baseline, vocab, device):
         report.applicable, report.passed = False, True
@@ -387,7 +400,7 @@ def generation_check(
     if transform is not None:
         candidate = transform(candidate) or candidate
     candidate.eval()
-    reference = load_model(src, ref_dtype, ref_device, notes).eval()
+    reference = _load(src, ref_dtype, ref_device, notes, seed)
     report.cache_kinds = cache_kinds(baseline)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
@@ -398,7 +411,7 @@ def generation_check(
             raise
         # Some operators (grouped GEMM for MoE experts) have no float64 kernel: fall back to float32.
         notes.append(f"float64 reference failed ({str(err).splitlines()[0]}); reference runs in float32")
-        reference = load_model(src, torch.float32, ref_device, notes).eval()
+        reference = _load(src, torch.float32, ref_device, notes, seed)
         report.reference_dtype = "float32"
         traced = [greedy_reference(reference, p.to(ref_device), options.new_tokens) for p in prompts]
     models = {"reference": reference, "baseline": baseline, "candidate": candidate}

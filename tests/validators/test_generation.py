@@ -141,3 +141,20 @@ def test_report_round_trips_through_json(zoo):
     assert again.to_dict() == report.to_dict()
     assert again.first_divergence.layer == report.first_divergence.layer
     assert report.to_dict()["verdict"] == "failed"
+
+
+def test_config_only_source_gets_one_set_of_random_weights(zoo, tmp_path):
+    (tmp_path / "config.json").write_text((zoo("qwen2") / "config.json").read_text())
+    report = generation_check(resolve_source(str(tmp_path / "config.json")), dtype="fp32", options=FEW)
+    assert report.passed, report.summary()
+    assert any("config-only source" in note for note in report.notes)
+
+
+def test_cli_exit_codes(zoo, capsys):
+    from adapt.cli import main
+
+    assert main(["generate-check", str(zoo("llama")), "--no-kernels", "--new-tokens", "4", "--prompts", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "passed" and data["new_tokens"] == 4
+    assert main(["generate-check", str(zoo("llama")), "--new-tokens", "0"]) == 2
+    assert "--new-tokens must be at least 1" in capsys.readouterr().err
