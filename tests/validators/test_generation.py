@@ -158,3 +158,15 @@ def test_cli_exit_codes(zoo, capsys):
     assert data["verdict"] == "passed" and data["new_tokens"] == 4
     assert main(["generate-check", str(zoo("llama")), "--new-tokens", "0"]) == 2
     assert "--new-tokens must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the operators stage per family, under Triton's CPU interpreter
+@pytest.mark.parametrize("name", [n for n in ZOO_NAMES if n != "bert"])
+def test_adapted_model_generates_like_its_reference(zoo, name):
+    from operators import run_ops
+
+    src = resolve_source(str(zoo(name)), trust_remote_code=name == "custom")
+    plan = run_ops(src, onnx=False, check_patch=False).plan
+    report = generation_check(src, plan, dtype="fp32", options=FEW)
+    assert report.passed, report.summary()
+    assert any(note.startswith("kernel plan patched") for note in report.notes)
