@@ -62,6 +62,8 @@ class BenchOptions:
     peak_flops: float | None = None
     seed: int = 0
     memory_fraction: float = MEMORY_FRACTION
+    # Decode against HF eager and HF static+compile at these batches (None: 1 and 8 on CUDA, none on a CPU).
+    decode_batches: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -101,6 +103,7 @@ class ThroughputReport:
     verdict: str = "passed"  # "passed", "failed" (adapted slower than the best baseline) or "inconclusive"
     reasons: list[str] = field(default_factory=list)  # why the verdict, part by part
     shapes_basis: str = ""
+    decode: list[dict[str, Any]] = field(default_factory=list)  # validators.decode.DecodeTiming rows
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -214,6 +217,12 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
     finite = all(r.train_tokens_per_s > 0 and all(map(_finite, r.losses)) for r in results)
     if not finite:
         verdict, reasons = "failed", ["a variant produced no rate or a non-finite loss", *reasons]
+    decode_batches = options.decode_batches if options.decode_batches is not None else ((1, 8) if on_cuda else ())
+    decode = []
+    if decode_batches:
+        from validators.decode import decode_comparison
+
+        decode = [t.to_dict() for t in decode_comparison(src, patch, device, dtype, decode_batches, options.seq_len)]
     return ThroughputReport(
         source=src.text,
         device=device,
@@ -234,6 +243,7 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
         verdict=verdict,
         reasons=reasons,
         shapes_basis=basis,
+        decode=decode,
     )
 
 

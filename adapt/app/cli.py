@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = [
     "adapt.app.commands.report",
     "adapt.app.commands.gate",
     "adapt.app.commands.validate",
+    "adapt.app.commands.generate_check",
     "adapt.app.commands.plan",
     "adapt.app.commands.train",
     "adapt.app.commands.launch",

@@ -35,8 +35,11 @@ def register(sub) -> None:
     batch = work.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
     batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    batch.add_argument("--concurrency", type=int, help="--mode inference: sequences served at once (--seq is the context length)")
     work.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     work.add_argument("--mode", choices=("train", "inference"), default="train")
+    work.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="--mode inference: share of GPU memory to use")
+    work.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16", help="--mode inference: KV-cache element type")
     work.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, lion or adafactor (state size)")
     work.add_argument("--moe-imbalance", type=float, default=1.1,
                       help="routed tokens on the busiest expert-parallel rank over the mean (default 1.1)")
@@ -128,6 +131,12 @@ class SpecLoader:
 
 def run(args: argparse.Namespace) -> int:
     check_plan_flags(args)
+    if args.mode == "inference":
+        from adapt.app.commands.plan_inference import run_inference_plan
+
+        return run_inference_plan(args, SpecLoader(args))
+    if args.concurrency is not None:
+        raise BadInput("--concurrency is for --mode inference; training takes --global-batch or --global-batch-tokens")
     spec_loader = SpecLoader(args)  # a cold spec is described in a worker while the planner sets up here
     try:
         cluster, workload, calibration = _cluster_and_workload(args)

@@ -251,6 +251,30 @@ def alignment_thresholds(options: RunOptions) -> dict[str, float] | None:
     return alignment_limits(load_thresholds(options.thresholds).get("alignment", {}), options.dtype) or None
 
 
+def _generation(ctx: StageContext) -> Any:
+    """Greedy generation of the adapted model against the unadapted one: tokens, log-probs, cache, batch."""
+    from validators.generation import generation_check
+
+    opts = ctx.options
+    kernel_plan = kernel_plan_of(ctx.upstream("operators"))
+    with candidate(kernel_plan) as transform:
+        return generation_check(
+            ctx.source,
+            kernel_plan,
+            dtype=opts.dtype,
+            device=opts.device,
+            thresholds=alignment_thresholds(opts),
+            transform=transform,
+        )
+
+
+def _generation_summary(result: dict[str, Any], options: RunOptions) -> summaries.Summary:
+    """The generation check's own verdict and summary line, with the fields a report table needs."""
+    keys = ("verdict", "dtype", "device", "reference_dtype", "seed", "prompt_lengths", "new_tokens", "checks", "ties",
+            "first_divergence", "cache_kinds", "applicable")  # fmt: skip
+    return summaries.Summary(bool(result.get("passed")), str(result.get("summary", "")), {k: result.get(k) for k in keys})
+
+
 def _throughput(ctx: StageContext) -> Any:
     from validators.throughput import BenchOptions, bench
 
@@ -343,6 +367,14 @@ STAGES: dict[str, Stage] = {
             summarise=summaries.alignment,
             description="compare the adapted model with a float64 reference, block by block",
             uses=("intake",),
+        ),
+        Stage(
+            "generation",
+            needs=("operators",),
+            option_keys=("device", "dtype", "thresholds"),
+            execute=_generation,
+            summarise=_generation_summary,
+            description="generate greedily against the unadapted model: tokens, log-probs, KV cache, left-padded batches",
         ),
         Stage(
             "throughput",

@@ -1,0 +1,172 @@
+"""Generation alignment: greedy tokens, log-probs, KV-cache and left-padded batch consistency, named divergences."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from helpers import scale_norm_output
+
+from adapt.model.intake import resolve_source
+from adapt.model.zoo import ZOO_NAMES
+from validators.compare import thresholds_for
+from validators.generation import (
+    GenerationOptions,
+    GenerationReport,
+    StepJudge,
+    generation_check,
+)
+
+FEW = GenerationOptions(prompts=3, prompt_len=10, new_tokens=8)
+
+
+def check(zoo, name: str, options: GenerationOptions = FEW, transform=None, dtype: str = "fp32") -> GenerationReport:
+    src = resolve_source(str(zoo(name)), trust_remote_code=name == "custom")
+    return generation_check(src, dtype=dtype, transform=transform, options=options)
+
+
+def drop_cached_position(layer: int, position: int):
+    """A candidate whose KV cache loses one position's keys and values in one layer while decoding."""
+
+    def transform(model):
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def leaky(*args, **kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is not None and cache.get_seq_length() > position:
+                cache.layers[layer].keys[:, :, position] = 0
+                cache.layers[layer].values[:, :, position] = 0
+            return forward(*args, **kwargs)
+
+        model.forward = leaky
+        return model
+
+    return transform
+
+
+def ignore_padding_mask(model):
+    """A candidate that drops the attention mask: left-padded rows then attend to their padding."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def unmasked(*args, **kwargs):
+        kwargs.pop("attention_mask", None)
+        return forward(*args, **kwargs)
+
+    model.forward = unmasked
+    return model
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_unadapted_model_generates_like_its_reference(zoo, name):
+    report = check(zoo, name)
+    if name == "bert":
+        assert not report.applicable and report.verdict == "not applicable"
+        return
+    assert report.passed, report.summary()
+    checked = {c.name for c in report.checks if c.checked}
+    assert {"tokens", "logprobs"} <= checked
+    if name != "custom":  # the custom family's model keeps no KV cache, and says so
+        assert {"cache", "batch"} <= checked
+    else:
+        assert "no cache" in next(c.note for c in report.checks if c.name == "cache")
+
+
+def test_sixty_four_tokens_with_sliding_window_cache(zoo):
+    report = check(zoo, "mistral", GenerationOptions(prompts=2, prompt_len=12, new_tokens=64))
+    assert report.passed, report.summary()
+    assert "sliding_attention" in report.cache_kinds
+    tokens = next(c for c in report.checks if c.name == "tokens")
+    assert tokens.steps == 2 * 64  # past the 16-token window
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_cache_that_drops_a_position_is_caught_and_named(zoo, name):
+    report = check(zoo, name, transform=drop_cached_position(layer=1, position=3))
+    assert not report.passed
+    cache = next(c for c in report.checks if c.name == "cache")
+    assert cache.checked and not cache.passed
+    first = report.first_divergence
+    assert first is not None and first.check == "cache"
+    assert first.step == 1 and first.position == report.prompt_lengths[first.prompt] + 1  # the first cached decode
+    assert first.layer is not None and first.layer.startswith("model.layers.1.") and first.block == 1
+    assert "first divergent layer model.layers.1." in report.summary()
+
+
+def test_broken_norm_is_named_at_the_first_step(zoo):
+    report = check(zoo, "llama", transform=scale_norm_output(1, 1.5))
+    assert not report.passed
+    first = report.first_divergence
+    assert first.step == 0 and first.check in ("tokens", "logprobs")
+    assert first.block == 1 and first.layer.startswith("model.layers.1")
+
+
+def test_left_padding_that_leaks_is_caught_as_batch_inconsistency(zoo):
+    report = check(zoo, "llama", transform=ignore_padding_mask)
+    by_name = {c.name: c for c in report.checks}
+    assert by_name["cache"].passed and by_name["tokens"].passed  # single prompts carry no padding
+    assert not by_name["batch"].passed and not report.passed
+    assert report.first_divergence.check == "batch"
+    assert report.first_divergence.prompt > 0  # the longest prompt has no padding
+
+
+def test_left_padded_batch_of_different_lengths_is_consistent(zoo):
+    report = check(zoo, "gemma2", GenerationOptions(prompts=4, prompt_len=14, new_tokens=6))
+    assert len(set(report.prompt_lengths)) == 4
+    batch = next(c for c in report.checks if c.name == "batch")
+    assert batch.checked and batch.passed and batch.steps == 4 * 6
+
+
+def test_undecidable_tie_is_reported_not_failed():
+    limits = thresholds_for("bf16")
+    reference = torch.zeros(2, 5, dtype=torch.float64)
+    reference[:, 1] = reference[:, 2] = 3.0  # two top tokens tied exactly at both steps
+    reference[1, 2] = 2.0  # step 1: a clear gap of one logit
+    baseline = reference + 0.01 * torch.randn(2, 5, dtype=torch.float64)
+    candidate = reference.clone()
+    candidate[:, 2] += 0.05  # prefers token 2 at step 0 ...
+    candidate[1, 2] = 3.5  # ... and, against a decidable gap, at step 1
+    ties = []
+    mismatch = StepJudge(limits, reference, baseline, torch.tensor([1, 1])).token_mismatch(candidate, 0, ties)
+    assert [(t.step, t.reference_token, t.candidate_token) for t in ties] == [(0, 1, 2)]
+    assert mismatch is not None and mismatch[0] == 1 and "instead of 1" in mismatch[1]
+
+
+def test_report_round_trips_through_json(zoo):
+    report = check(zoo, "llama", transform=drop_cached_position(layer=0, position=2))
+    again = GenerationReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.to_dict() == report.to_dict()
+    assert again.first_divergence.layer == report.first_divergence.layer
+    assert report.to_dict()["verdict"] == "failed"
+
+
+def test_config_only_source_gets_one_set_of_random_weights(zoo, tmp_path):
+    (tmp_path / "config.json").write_text((zoo("qwen2") / "config.json").read_text())
+    report = generation_check(resolve_source(str(tmp_path / "config.json")), dtype="fp32", options=FEW)
+    assert report.passed, report.summary()
+    assert any("config-only source" in note for note in report.notes)
+
+
+def test_cli_exit_codes(zoo, capsys):
+    from adapt.app.cli import main
+
+    assert main(["generate-check", str(zoo("llama")), "--no-kernels", "--new-tokens", "4", "--prompts", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "passed" and data["new_tokens"] == 4
+    assert main(["generate-check", str(zoo("llama")), "--new-tokens", "0"]) == 2
+    assert "--new-tokens must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the operators stage per family, under Triton's CPU interpreter
+@pytest.mark.parametrize("name", [n for n in ZOO_NAMES if n != "bert"])
+def test_adapted_model_generates_like_its_reference(zoo, name):
+    from operators import run_ops
+
+    src = resolve_source(str(zoo(name)), trust_remote_code=name == "custom")
+    plan = run_ops(src, onnx=False, check_patch=False).plan
+    report = generation_check(src, plan, dtype="fp32", options=FEW)
+    assert report.passed, report.summary()
+    assert any(note.startswith("kernel plan patched") for note in report.notes)
