@@ -58,9 +58,11 @@ def build_checkpoint(name: str, root: Path, tiny: bool, device: str) -> Path:
     return path
 
 
-def run_one(name: str, checkpoint: Path, out: Path, device: str, budget_s: float) -> dict:
-    run_dir = out / f"adapt-run-{name}"
+def run_one(name: str, checkpoint: Path, out: Path, device: str, budget_s: float, stages: str | None) -> dict:
+    run_dir = checkpoint.parent / f"adapt-run-{name}"  # beside the checkpoint: only the reports are copied to --out
     command = [sys.executable, "-m", "adapt", "run", str(checkpoint), "--device", device, "--out", str(run_dir)]
+    if stages:
+        command += ["--stages", stages]
     started = time.perf_counter()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=budget_s)
@@ -70,7 +72,7 @@ def run_one(name: str, checkpoint: Path, out: Path, device: str, budget_s: float
         stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
     wall = time.perf_counter() - started
     print(stdout[-6000:], stderr[-3000:], sep="\n", flush=True)
-    tag = f"run-{'h200' if device == 'cuda' else device}-{name}"
+    tag = f"run-{'h200' if device == 'cuda' else device}-{name}" + ("-" + stages.replace(",", "-") if stages else "")
     for suffix in ("json", "md"):
         report = run_dir / f"report.{suffix}"
         if report.is_file():
@@ -90,13 +92,14 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="rehearsal widths (CPU)")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds per adapt run")
+    parser.add_argument("--stages", help="a subset of stages (default: all, as a user runs it)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt_root = Path(os.environ.get("TMPDIR", "/tmp")) / "adapt-run-device"
     results = []
     for name in args.models.split(","):
         checkpoint = build_checkpoint(name, ckpt_root, args.tiny, "cuda" if args.device == "cuda" else "cpu")
-        results.append(run_one(name, checkpoint, args.out, args.device, args.budget))
+        results.append(run_one(name, checkpoint, args.out, args.device, args.budget, args.stages))
     tag = "h200" if args.device == "cuda" else args.device
     (args.out / f"run-{tag}-summary.json").write_text(json.dumps(results, indent=2) + "\n")
     for result in results:
