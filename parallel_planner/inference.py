@@ -27,7 +27,7 @@ from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives
 from parallel_planner.profile import profile_model
-from parallel_planner.timing import Efficiency
+from parallel_planner.timing import ATTENTION_FRACTION, Efficiency
 
 WEIGHT_BYTES = {"bf16": 2, "fp8": 1}
 BATCHED_TOKENS = 8192  # the prefill chunk the activation reserve is sized for (stated as --max-num-batched-tokens)
@@ -218,7 +218,8 @@ def _score(spec, layers: list[_Layer], cluster: Cluster, work: ServingWorkload, 
         peak = gpu.peak_flops(work.precision)
         flops = per_replica * 2 * (sum(m.active_params for m in members) + (head if index == pp - 1 else 0)) / tp
         attention = per_replica * sum(m.attention_flops_per_ctx * min(work.context_len, m.window or work.context_len) for m in members) / tp
-        compute_s = flops / (peak * gpu.gemm_ceiling * eff.gemm) + attention / (peak * eff.attention)
+        attention_fraction = ATTENTION_FRACTION[eff.attention].get(gpu.name, 0.3)  # the training model's rates
+        compute_s = flops / (peak * gpu.gemm_ceiling * eff.gemm_scale) + attention / (peak * attention_fraction)
         allreduce = collectives.time("all_reduce", np.array([per_replica * spec.hidden_size * 2.0]), tp * one, one)[0]
         comm_s = 2 * len(members) * allreduce
         launch_s = len(members) * KERNELS_PER_LAYER * eff.kernel_overhead_s

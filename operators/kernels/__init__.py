@@ -32,7 +32,7 @@ else:
         rms_norm,
         swiglu,
     )
-    from .grouped_gemm import GemmConfig
+    from .gemm import GemmConfig
     from .moe import PermutationState
     from .norms import RowConfig
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from . import grouped_gemm as gemm_kernels
+from . import gemm as gemm_kernels
 from . import moe_ops, norms, ops  # noqa: F401  (ops and moe_ops register the torch.ops.adapt operators)
 from ._utils import check_float
 from .cross_entropy import REDUCTIONS
-from .grouped_gemm import GemmConfig
+from .gemm import GemmConfig
 from .moe import SCORINGS, PermutationState
 from .norms import CAST_MODES, RowConfig
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op, register_autograd
 
-from . import grouped_gemm, moe
+from . import gemm, moe
 from .ops import CALLS, no_gradient, none_if_empty
 
 
@@ -147,9 +147,9 @@ register_autograd("adapt::moe_unpermute", _unpermute_grad, setup_context=_unperm
 
 @custom_op("adapt::grouped_gemm", mutates_args=())
 def grouped_gemm_op(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, config: list[int]) -> torch.Tensor:
-    """``x[rows of e] @ w[e]`` for every expert ``e``; ``config`` is ``grouped_gemm.encode_config``'s list."""
+    """``x[rows of e] @ w[e]`` for every expert ``e``; ``config`` is ``gemm.encode_config``'s list."""
     CALLS["grouped_gemm"] += 1
-    return grouped_gemm.grouped_mm(x, w, group_offsets, False, grouped_gemm.decode_config(config))
+    return gemm.grouped_mm(x, w, group_offsets, False, gemm.decode_config(config))
 
 
 @grouped_gemm_op.register_fake
@@ -162,10 +162,10 @@ def grouped_gemm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gr
                           need_dx: bool, need_dw: bool, config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx or empty, dw in ``w``'s layout or empty)."""
     CALLS["grouped_gemm_backward"] += 1
-    gemm = grouped_gemm.decode_config(config)
+    launch = gemm.decode_config(config)
     dy = dy.contiguous()
-    dx = grouped_gemm.grouped_mm(dy, w, group_offsets, True, gemm) if need_dx else no_gradient(x)
-    dw = grouped_gemm.grouped_weight_grad(x, dy, w, group_offsets, gemm) if need_dw else no_gradient(w)
+    dx = gemm.grouped_mm(dy, w, group_offsets, True, launch) if need_dx else no_gradient(x)
+    dw = gemm.grouped_weight_grad(x, dy, w, group_offsets, launch) if need_dw else no_gradient(w)
     return dx, dw
 
 

@@ -11,15 +11,16 @@ from adapt.core.errors import BadInput
 
 
 def _cluster(args: argparse.Namespace) -> Any:
-    from parallel_planner.cluster import load_cluster_file, local_cluster, make_cluster
+    """The same cluster forms and default as a training plan (``adapt plan --help``)."""
+    from adapt.app.clusters import local_cluster, target_cluster
+    from adapt.app.commands.flags import DEFAULT_CLUSTER
+    from parallel_planner.cluster import make_cluster
 
-    if args.cluster:
-        return load_cluster_file(args.cluster)
-    if args.gpu == "local":
+    if args.gpu == "local" and not args.cluster:
         return local_cluster()
-    if args.gpu and args.gpus:
-        return make_cluster(args.gpu, args.gpus, args.gpus_per_node)
-    raise BadInput("say where to serve: --gpu TYPE --gpus N, --cluster FILE, or --gpu local")
+    if args.gpu:
+        return make_cluster(args.gpu, args.gpus or 8, args.gpus_per_node)
+    return target_cluster(args.cluster or DEFAULT_CLUSTER)
 
 
 def run_inference_plan(args: argparse.Namespace, spec_loader: Any) -> int:
