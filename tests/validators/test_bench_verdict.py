@@ -33,8 +33,24 @@ def test_a_cpu_figure_is_inconclusive_and_a_host_bound_one_is_marked():
     verdict, reasons = judge(runs, "cpu", BenchOptions(seq_len=32, batch=2, steps=3))
     assert verdict == "inconclusive" and "2 x 32" in reasons[0]
     runs = [variant("eager", 100.0), variant("compiled", 100.0, idle=0.6), variant("adapted", 120.0)]
+    verdict, reasons = judge(runs, "cuda", CUDA_OPTIONS)  # a host-bound baseline is what the user would get: said, judged
+    assert verdict == "passed" and any("compiled is host-bound" in r and "60%" in r for r in reasons)
+    runs = [variant("eager", 100.0), variant("compiled", 100.0), variant("adapted", 120.0, idle=0.5)]
     verdict, reasons = judge(runs, "cuda", CUDA_OPTIONS)
-    assert verdict == "inconclusive" and any("compiled is host-bound" in r and "60%" in r for r in reasons)
+    assert verdict == "inconclusive" and any("adapted is host-bound" in r and "50%" in r for r in reasons)
+
+
+def test_decode_is_judged_on_the_serving_paths_when_they_were_timed():
+    runs = [variant("eager", 100.0, decode=300.0), variant("compiled", 120.0, decode=250.0), variant("adapted", 130.0, decode=280.0)]
+    rows = [{"variant": v, "batch": b, "decode_tokens_per_s": r} for v, b, r in (
+        ("hf-eager", 1, 40.0), ("hf-static-compile", 1, 310.0), ("adapted", 1, 370.0),
+        ("hf-eager", 8, 290.0), ("hf-static-compile", 8, 1580.0), ("adapted", 8, 1500.0))]
+    verdict, reasons = judge(runs, "cuda", CUDA_OPTIONS, rows)
+    assert verdict == "failed" and "decode at batch 8 x0.95 of hf-static-compile" in reasons[0]
+    assert "decode at batch 1" not in reasons[0] and "decode x" not in reasons[0]  # the training loop's decode is not judged
+    rows[-1]["decode_tokens_per_s"] = 2900.0
+    verdict, reasons = judge(runs, "cuda", CUDA_OPTIONS, rows)
+    assert verdict == "passed" and "decode at batch 1 x1.19 of hf-static-compile" in reasons[0]
 
 
 def test_cuda_shapes_fill_a_fraction_of_free_memory():

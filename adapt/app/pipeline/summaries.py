@@ -337,10 +337,15 @@ def throughput(report: dict[str, Any], options: RunOptions) -> Summary:
     speedups = [
         f"{r['metric']} x{r['speedup']:.2f}" for r in rows if r.get("speedup") is not None and r["unit"] == "tokens/s"
     ]
+    data["verdict"], data["reasons"], data["decode"] = report.get("verdict"), report.get("reasons", []), report.get("decode", [])
     verdict = f"adapted/eager on {data['device_name'] or data['device']}: " + (
         ", ".join(speedups) or "no comparable rates"
     )
-    return Summary(bool(report.get("passed", False)), verdict, data)
+    if data["verdict"] in ("failed", "inconclusive") and data["reasons"]:
+        verdict = f"{data['verdict']} ({data['reasons'][0]}); {verdict}"  # the measured verdict and why, first
+    elif data["verdict"] == "passed" and data["reasons"]:
+        verdict = f"{data['reasons'][0]}; {verdict}"
+    return Summary(bool(report.get("passed", False)) and data["verdict"] != "failed", verdict, data)
 
 
 # ---- soak -------------------------------------------------------------------------------------------
