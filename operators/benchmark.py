@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from operators.recognition import Component
+from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
 from operators.timing_cache import DiskCache, make_key
 

@@ -25,8 +25,10 @@ from torch import nn
 from operators.decompose import decompose
 from operators.inventory import OpInventory, json_ready
 from operators.profiles import BackendProfile
-from operators.recognition import Component, Recognition
-from operators.registry import KernelOption, Target, provider_status, providers
+from operators.recognition import Recognition
+from operators.recognition.component import Component
+from operators.providers import provider_status, providers
+from operators.registry import KernelOption, Target
 
 STATUSES = ("fused", "native", "decomposed", "generated", "unsupported")
 # Kinds recognised on the path of another component (the add before a norm, the rope inside an attention).

@@ -7,7 +7,7 @@ through hooks and parameter swaps (FSDP2 ``fully_shard``, DTensor TP) keep worki
 Attention is switched through transformers' attention-function hook: the attention module gets a
 private config copy selecting the ``adapt`` function, which runs SDPA/FlexAttention with the
 recognised parameters.  A replacement forward may carry ``release``, undoing process-wide state it
-set up: rotary embedding swaps a function in the modelling module's globals (``swap_global``,
+set up: rotary embedding swaps a function in the modelling module's globals (``operators.global_swap``,
 reference-counted across modules and models).  The fused loss is installed on the module that owns
 the vocabulary projection (``get_output_embeddings()``), not on the projection itself.  A fused
 residual-add + norm hooks the children of the block whose own code runs the add
@@ -29,8 +29,9 @@ from operators.mapping import KernelChoice, KernelPlan
 from operators.providers import torch_native
 from operators.providers.triton_head import head_owner
 from operators.providers.triton_residual import FusionTarget
-from operators.recognition import Component
-from operators.registry import Target, providers
+from operators.recognition.component import Component
+from operators.providers import providers
+from operators.registry import Target
 
 _MISSING = object()
 
@@ -131,51 +132,6 @@ def _install(handle: PatchHandle, module: nn.Module, forward) -> None:
         handle.releases.append(forward.release)
     handle.forwards.append((module, module.__dict__.get("forward", _MISSING)))
     module.forward = forward
-
-
-@dataclass
-class _GlobalSwap:
-    scope: dict[str, Any]
-    name: str
-    original: Any
-    replacement: Any
-    users: int = 0
-
-
-@dataclass
-class GlobalLease:
-    """One user's hold on a swapped module-level name; ``release()`` is idempotent."""
-
-    original: Any
-    swap: _GlobalSwap
-    released: bool = False
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        swap = self.swap
-        swap.users -= 1
-        if swap.users == 0:
-            if swap.scope.get(swap.name) is swap.replacement:
-                swap.scope[swap.name] = swap.original
-            _SWAPS.pop((id(swap.scope), swap.name), None)
-
-
-_SWAPS: dict[tuple[int, str], _GlobalSwap] = {}
-
-
-def swap_global(scope: dict[str, Any], name: str, make_replacement: Callable[[Any], Any]) -> GlobalLease:
-    """Replace ``scope[name]`` by ``make_replacement(original)``, once per scope and name, for as long
-    as any lease is held: several modules and models share a modelling module's globals."""
-    key = (id(scope), name)
-    swap = _SWAPS.get(key)
-    if swap is None:
-        original = scope[name]
-        swap = _SWAPS[key] = _GlobalSwap(scope, name, original, make_replacement(original))
-        scope[name] = swap.replacement
-    swap.users += 1
-    return GlobalLease(swap.original, swap)
 
 
 def _install_attention(handle: PatchHandle, module: nn.Module, choice: KernelChoice) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from operators.recognition import Component
+from operators.recognition.component import Component
 
 
 @dataclass
@@ -59,20 +59,3 @@ class Provider(Protocol):
     def available(self, target: Target) -> tuple[bool, str]: ...
 
     def options(self, component: Component, target: Target) -> list[KernelOption]: ...
-
-
-def providers() -> list[Provider]:
-    from operators.providers.adapt_triton import AdaptTritonProvider
-    from operators.providers.liger import LigerProvider
-    from operators.providers.torch_native import TorchNativeProvider
-
-    return [TorchNativeProvider(), AdaptTritonProvider(), LigerProvider()]
-
-
-def provider_status(target: Target) -> dict[str, str]:
-    """Each provider's availability on ``target`` with the reason, for the report."""
-    out = {}
-    for prov in providers():
-        ok, why = prov.available(target)
-        out[prov.name] = "available" if ok else f"unavailable: {why}"
-    return out

@@ -169,7 +169,7 @@ def _run_scale(run: dict, profile: ModelProfile, cluster: Cluster, workload: Wor
     import dataclasses
 
     from parallel_planner.layout import FIELDS, SPLITS, Candidates, stage_layout
-    from parallel_planner.search import parse_fixed
+    from parallel_planner.knobs import parse_fixed
     from parallel_planner.timing import step_time
 
     knobs = parse_fixed({**RUN_DEFAULTS, **(run.get("layout") or {})})

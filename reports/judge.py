@@ -193,7 +193,7 @@ def _alignment(report: dict[str, Any], section: dict[str, Any]) -> tuple[list[Ch
 
 def _tensor_check(stage: str, tensor: dict[str, Any], limits: dict[str, float]) -> Check:
     """The validators' own rule (``validators.compare.verdict``) on one captured tensor; NaN/Inf fails."""
-    from validators.compare import Thresholds, verdict
+    from adapt.core.verdicts import Thresholds, verdict
 
     cosine, rel, base = _num(tensor.get("cosine")), _num(tensor.get("rel_err")), _num(tensor.get("baseline_rel_err"))
     rule = Thresholds(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from validators.compare import Thresholds, tensor_error
-from validators.generation import Divergence, cached_steps, logits_of
+from validators.generation_steps import Divergence, cached_steps, logits_of
 from validators.modules import Recording, find_blocks, probes, record_outputs
 
 

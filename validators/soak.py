@@ -29,7 +29,8 @@ import torch
 
 from adapt.core.errors import BadInput
 from adapt.core.interrupts import deferred_interrupts
-from validators.align import check_device, kernel_plan_transform
+from validators.align import kernel_plan_transform
+from validators.alignment import check_device
 from validators.compare import parse_dtype
 
 LEAK_TOLERANCE_BYTES = {"cuda": 1 << 20, "cpu": 64 << 20}  # the CPU heap is process-wide and noisier

@@ -25,7 +25,7 @@ from torch import nn
 from adapt.model.blocks import residual_width
 from adapt.core.errors import BadInput
 from adapt.model.skeleton import build_skeleton, loop_experts
-from validators.align import AlignmentReport, _finish, peak_rss_bytes, reference_dtype
+from validators.alignment import AlignmentReport, finish_report, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
 from validators.modules import (
     NonFiniteOutput,
@@ -156,7 +156,7 @@ def streamed_align(src, dtype_name: str, device: str, limits: Thresholds, transf
         notes.append(f"float64 reference failed ({str(err).splitlines()[0]}); reference runs in float32")
         report = _run(src, build_skeleton(src), torch.float32, dtype, dtype_name, device, limits, transform, options, seed)
     report.notes[:0] = notes
-    _finish(report, started)
+    finish_report(report, started)
     return report
 
 

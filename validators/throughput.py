@@ -30,7 +30,8 @@ from torch import nn
 
 from adapt.core.errors import BadInput
 from adapt.model.skeleton import quiet_transformers
-from validators.align import check_device, kernel_plan_transform
+from validators.align import kernel_plan_transform
+from validators.alignment import check_device
 from validators.compare import parse_dtype
 from validators.modules import find_blocks, first_tensor
 from validators.session import prepare_run, synchronize
@@ -350,7 +351,7 @@ def _reset_peak(device: str) -> None:
 def _peak_bytes(device: str) -> int:
     if device.startswith("cuda"):
         return int(torch.cuda.max_memory_allocated())
-    from validators.align import peak_rss_bytes
+    from validators.alignment import peak_rss_bytes
 
     return peak_rss_bytes()
 

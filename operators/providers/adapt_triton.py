@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from operators.providers import triton_head, triton_moe, triton_residual, triton_rope
-from operators.recognition import Component
+from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
 
 _GLU = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh": ("geglu", "tanh")}

@@ -9,7 +9,7 @@ import importlib.util
 
 from torch import nn
 
-from operators.recognition import Component
+from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
 
 

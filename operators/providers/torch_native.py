@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from operators.recognition import Component
+from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
 
 ATTENTION_HOOK_NAME = "adapt"

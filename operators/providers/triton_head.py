@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from operators.recognition import Component
+from operators.recognition.component import Component
 
 # (hidden [..., H], weight [V, H], labels [...], bias, ignore_index, softcap, reduction) -> loss
 LinearCrossEntropy = Callable[..., torch.Tensor]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from operators.recognition import Component, local_path
+from operators.recognition.component import Component, local_path
 
 GLU_KERNELS = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh": ("geglu", "tanh")}
 SCORINGS = ("softmax", "sigmoid")

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from operators import kernels
-from operators.recognition import Component, local_path
+from operators.recognition.component import Component, local_path
 
 _FRAMES_TO_BLOCK = 8  # hook -> Module._call_impl / _wrapped_call_impl -> the block's forward (and its wrappers)
 # How ``a + b`` reaches a TorchFunctionMode differs across torch versions; every spelling counts.

@@ -5,7 +5,7 @@ Hugging Face attention forwards rotate q and k by calling a function of their mo
 style; here it is replaced, in the module's globals, by a dispatcher that runs the Triton kernel
 only while a patched attention module is executing (a stack the patched forward pushes on and pops
 off) and the original function otherwise.  The unpatched reference model of an alignment run shares
-those globals and is therefore untouched.  The swap is reference-counted (``operators.patch``).
+those globals and is therefore untouched.  The swap is reference-counted (``operators.global_swap``).
 Everything on the call path is plain Python that Dynamo follows (a list, positional binding), so a
 patched model compiles with ``fullgraph=True``; a ``ContextVar`` or ``inspect.Signature.bind`` would not.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from operators.recognition import Component
+from operators.recognition.component import Component
 from operators.recognition.probes import forward_function, is_default
 
 
@@ -93,7 +93,7 @@ def rotary_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
 def rotary_forward(module: nn.Module, component: Component):
     """adapt-triton factory: swaps the recognised global for the dispatcher and wraps ``module.forward``
     so the dispatcher knows this module is running.  The returned forward carries ``release``."""
-    from operators.patch import swap_global
+    from operators.global_swap import swap_global
 
     v = component.variant
     scope = forward_function(module).__globals__

@@ -10,17 +10,17 @@ as ``new``; they run through decomposition or a generated kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from adapt.model.blocks import NoBlockList, find_blocks, is_expert_list
-from operators.inventory import ModuleRecord, OpInventory, json_ready
+from operators.inventory import ModuleRecord, OpInventory
 from operators.recognition import patterns as pat
+from operators.recognition.component import Component
 from operators.recognition.moe import probe_moe, routing_from_sequence
 from operators.recognition.probe_cache import ProbeCache, structure_key
 from operators.recognition.probes import (
@@ -65,29 +65,6 @@ _ACTIVATION_OPS = {
     "aten.gelu.default", "aten.silu.default", "aten.relu.default", "aten.tanh.default", "aten.sigmoid.default",
     "aten.hardtanh.default", "aten.elu.default", "aten.leaky_relu.default", "aten.mish.default",
 }
-
-
-@dataclass
-class Component:
-    """One recognised piece of the model."""
-
-    module: str
-    kind: str  # one of KINDS, or "new"
-    variant: dict[str, Any] = field(default_factory=dict)
-    confirmed: bool = False  # True only after a numeric probe matched
-    evidence: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return json_ready(dataclasses.asdict(self))
-
-
-def local_path(path: str, base: str) -> str:
-    """Recognition records absolute dotted paths; a patch resolves them below the module ``base`` it installs on."""
-    if path == base:
-        return ""
-    if base and not path.startswith(base + "."):
-        raise ValueError(f"{path} is not inside {base}")
-    return path[len(base) + 1 :] if base else path
 
 
 @dataclass

@@ -1,0 +1,133 @@
+"""The alignment result and what the full and the streamed comparison share: options, the report, the reference
+dtype, the device check, and the final verdict (``finish_report``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from adapt.core.errors import BadInput
+from validators.compare import LayerResult, parse_dtype
+
+# Widths from which a float64 CPU reference costs more than it tells: use float32 there.
+FP32_REFERENCE_FROM_WIDTH = 4096
+PARITY_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 3e-2}
+
+
+@dataclass
+class AlignOptions:
+    batch: int = 2
+    seq_len: int = 32
+    seed: int | None = None  # None: fresh random inputs each run (the seed used is reported)
+    backward: bool = True
+    parity_steps: int = 4
+    lr: float = 1e-3
+    reference_dtype: str | None = None  # "fp64" or "fp32"; None: fp64, or fp32 from FP32_REFERENCE_FROM_WIDTH
+
+
+@dataclass
+class ParityResult:
+    steps: int
+    baseline_losses: list[float]
+    candidate_losses: list[float]
+    max_rel_diff: float
+    tolerance: float
+    passed: bool
+    training_randomness_off: bool = False  # the model's training forward is random: both ran with it off
+
+
+@dataclass
+class AlignmentReport:
+    source: str
+    dtype: str
+    device: str
+    reference_dtype: str
+    streamed: bool
+    seed: int
+    thresholds: dict[str, float]
+    # The verdict starts as "not passed, nothing compared" and is filled in as tensors are judged.
+    passed: bool = False
+    first_divergent: str | None = None
+    first_divergent_block: int | None = None
+    first_divergent_component: str | None = None
+    nonfinite_module: str | None = None
+    layers: list[LayerResult] = field(default_factory=list)
+    gradients: list[LayerResult] = field(default_factory=list)
+    parity: ParityResult | None = None
+    peak_rss_bytes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["layers"] = [r.to_dict() for r in self.layers]
+        data["gradients"] = [r.to_dict() for r in self.gradients]
+        data["parity"] = dataclasses.asdict(self.parity) if self.parity else None
+        return data
+
+
+def reference_dtype(hidden_size: int, requested: str | None = None, candidate: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """float64 unless asked otherwise; float32 for wide 16-bit candidates (half the memory, still 2^16 finer)."""
+    if requested is not None:
+        if requested not in ("fp64", "fp32"):
+            raise BadInput(f"reference dtype must be fp64 or fp32, not {requested!r}")
+        return torch.float64 if requested == "fp64" else torch.float32
+    wide_enough = candidate.itemsize < 4 and hidden_size >= FP32_REFERENCE_FROM_WIDTH
+    return torch.float32 if wide_enough else torch.float64
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set.  Linux: ``VmHWM`` of the current address space, because
+    ``ru_maxrss`` also carries the parent's peak across fork+exec; elsewhere ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def check_device(device: str) -> None:
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise BadInput(f"unknown device {device!r}: use cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput("--device cuda requested but no CUDA device is available")
+
+
+def _reference_more_precise(report: AlignmentReport) -> bool:
+    reference = getattr(torch, report.reference_dtype, None)
+    if not isinstance(reference, torch.dtype):
+        return False
+    return torch.finfo(reference).eps < torch.finfo(parse_dtype(report.dtype)).eps
+
+
+def finish_report(report: AlignmentReport, started: float) -> None:
+    """Verdict: every tensor, every gradient and the parity run must pass; name the first divergence."""
+    first = next((r for r in report.layers if not r.passed), None)
+    if first is None:
+        first = next((r for r in report.gradients if not r.passed), None)
+    if first is not None:
+        report.first_divergent = first.name
+        report.first_divergent_block = first.block
+        report.first_divergent_component = first.component
+    dtype_limited = [r.name for r in report.layers if r.baseline_rel_err > report.thresholds["max_rel_err"]]
+    if dtype_limited:
+        report.notes.append(
+            f"{len(dtype_limited)} tensors exceed the {report.dtype} rel_err limit in the unadapted model too "
+            f"(a cost of the dtype, judged by err_ratio only), first: {dtype_limited[0]}"
+        )
+    parity_ok = report.parity is None or report.parity.passed
+    precise = _reference_more_precise(report)
+    if not precise:
+        report.notes.append(f"inconclusive, so not passed: the reference ran in {report.reference_dtype}, no more precise than "
+                            f"the {report.dtype} candidate; its agreement proves nothing")
+    report.passed = first is None and parity_ok and precise and report.nonfinite_module is None and bool(report.layers)
+    report.seconds = time.perf_counter() - started
+    report.peak_rss_bytes = peak_rss_bytes()

@@ -1,0 +1,109 @@
+"""Running a model one generated token at a time, with its cache and without, and the record of a first divergence:
+what the generation check and its layer diagnosis share."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from adapt.model.skeleton import quiet_transformers
+from validators.decode import accepts, cache_keyword, returned_cache
+from validators.modules import first_tensor
+
+
+@dataclass
+class Divergence:
+    """The first step that failed a check, where, and which layer's hidden state went wrong first."""
+
+    check: str  # one of CHECKS
+    prompt: int
+    step: int  # new-token index, from 0
+    position: int  # position of the generated token in its sequence (prompt length + step)
+    detail: str
+    layer: str | None = None
+    block: int | None = None
+    layer_rel_err: float | None = None
+
+    def describe(self) -> str:
+        where = f"{self.check} at prompt {self.prompt} step {self.step} (position {self.position})"
+        return where + (f", first divergent layer {self.layer}" if self.layer else "") + f": {self.detail}"
+
+
+def logits_of(model: nn.Module, cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The model's logits and its cache (None when it keeps none); ``cache`` goes in under the forward's name."""
+    if cache is not None:
+        kwargs[cache_keyword(model)] = cache
+    with quiet_transformers():
+        out = model(**kwargs)
+    logits = first_tensor(out)
+    if logits is None:
+        raise RuntimeError("the model returned no tensor")
+    return logits, returned_cache(out)
+
+
+def greedy_reference(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy continuation recomputing the whole prefix every step (no cache).  Returns (ids, step logits)."""
+    seq, steps = prompt.view(1, -1), []
+    for _ in range(new_tokens):
+        logits, _ = logits_of(model, input_ids=seq, use_cache=False)
+        steps.append(logits[0, -1].double().cpu())
+        seq = torch.cat([seq, logits[:, -1:].argmax(-1)], dim=1)
+    return seq[0], torch.stack(steps)
+
+
+def uncached_steps(model: nn.Module, full_ids: torch.Tensor, prompt_len: int, new_tokens: int, device: str) -> torch.Tensor:
+    """Step logits from one forward over the teacher sequence without a cache (causal: one prefix per step)."""
+    ids = full_ids[: prompt_len + new_tokens - 1].view(1, -1).to(device)
+    logits, _ = logits_of(model, input_ids=ids, use_cache=False)
+    return logits[0, prompt_len - 1 :].double().cpu()
+
+
+def cached_steps(
+    model: nn.Module,
+    sequences: list[torch.Tensor],
+    prompt_lens: list[int],
+    new_tokens: int,
+    device: str,
+    on_step: Any = None,
+) -> tuple[torch.Tensor | None, Any]:
+    """Step logits ``[rows, new_tokens, vocab]`` from prefill plus cached decode, teacher-forced.
+
+    Several sequences run as one left-padded batch with an attention mask and explicit positions.
+    ``on_step(step)`` may return a context manager that wraps that step's forward (diagnosis records
+    hidden states through it).  Returns (None, note) when the model keeps no cache.
+    """
+    rows, longest = len(sequences), max(prompt_lens)
+    ids = torch.zeros(rows, longest, dtype=torch.long)
+    mask = torch.zeros(rows, longest, dtype=torch.long)
+    for r, (seq, n) in enumerate(zip(sequences, prompt_lens)):
+        ids[r, longest - n :], mask[r, longest - n :] = seq[:n], 1
+    ids, mask = ids.to(device), mask.to(device)
+    padded = rows > 1 and min(prompt_lens) < longest
+    kwargs: dict[str, Any] = {"attention_mask": mask} if padded else {}
+    positions = accepts(model, "position_ids")
+    if padded and positions:
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    steps, past = [], None
+    for step in range(new_tokens):
+        if step:
+            next_ids = torch.stack([seq[n + step - 1] for seq, n in zip(sequences, prompt_lens)]).view(rows, 1)
+            ids = next_ids.to(device)
+            if padded:
+                mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+                kwargs["attention_mask"] = mask
+                if positions:
+                    kwargs["position_ids"] = torch.tensor([[n + step - 1] for n in prompt_lens], device=device)
+        with on_step(step) if on_step is not None else contextlib.nullcontext():
+            logits, past = logits_of(model, past, input_ids=ids, use_cache=True, **kwargs)
+        if past is None:
+            return None, "the model returns no cache: decode recomputes the prefix, no cache to check"
+        steps.append(logits[:, -1].double().cpu())
+    note = None if positions or not padded else "the model takes no position_ids: left-padded rows are positioned by the cache"
+    return torch.stack(steps, dim=1), note
+
+
+# ---- judging -----------------------------------------------------------------------------------
