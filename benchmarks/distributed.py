@@ -69,16 +69,18 @@ def make_kernel_plan(source: Path, path: Path) -> float:
 
     import torch
 
+    from adapt.runtime.runner import load_for_training
     from operators import load_profile, plan_kernels, recognise
     from operators.inventory import trace_model
     from operators.registry import Target
-    from adapt.runtime.runner import load_for_training
 
     started = time.perf_counter()
     torch.manual_seed(0)
     model = load_for_training(str(source)).to("cuda")
     inventory = trace_model(model)
-    plan = plan_kernels(inventory, recognise(model, inventory), load_profile("cuda-hopper"), Target.here(dtype="bfloat16"))
+    plan = plan_kernels(
+        inventory, recognise(model, inventory), load_profile("cuda-hopper"), Target.here(dtype="bfloat16")
+    )
     path.write_bytes(pickle.dumps(plan))
     del model, inventory
     torch.cuda.empty_cache()
@@ -160,14 +162,33 @@ def launch(layout: str, plan: dict, source: Path, scratch: Path, args: argparse.
     gpus = LAYOUTS[layout][0]
     out = scratch / f"{layout.replace(' ', '_').replace('+', '')}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", __file__,
-           "--worker", layout, "--plan", json.dumps(plan), "--source", str(source), "--result", str(out),
-           "--kernel-regions", args.kernel_regions, "--backend", args.backend]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        __file__,
+        "--worker",
+        layout,
+        "--plan",
+        json.dumps(plan),
+        "--source",
+        str(source),
+        "--result",
+        str(out),
+        "--kernel-regions",
+        args.kernel_regions,
+        "--backend",
+        args.backend,
+    ]
     cmd += ["--kernel-plan", str(scratch / "kernel_plan.pkl")] if args.kernels else []
     cmd += [] if args.async_tp else ["--no-async-tp"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRANSFORMERS_VERBOSITY": "error"}
     # Its own session: on timeout the whole group (torchrun and its workers) goes, freeing the GPUs.
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -235,12 +256,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/distributed-h200x2.json"))
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="default: all (1 GPU always runs first)")
-    parser.add_argument("--no-kernels", dest="kernels", action="store_false", help="compiled blocks without the kernel plan")
-    parser.add_argument("--kernel-regions", default="auto", choices=("auto", "inline", "opaque"),
-                        help="patched modules inside the compiled graph (inline) or outside it (opaque)")
-    parser.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"), help="torch.compile backend per block")
-    parser.add_argument("--no-async-tp", dest="async_tp", action="store_false", help="TP without Inductor's micro-pipelining")
-    parser.add_argument("--budget-s", type=float, default=530, help="total wall-clock budget; later layouts are skipped")
+    parser.add_argument(
+        "--no-kernels", dest="kernels", action="store_false", help="compiled blocks without the kernel plan"
+    )
+    parser.add_argument(
+        "--kernel-regions",
+        default="auto",
+        choices=("auto", "inline", "opaque"),
+        help="patched modules inside the compiled graph (inline) or outside it (opaque)",
+    )
+    parser.add_argument(
+        "--backend", default="inductor", choices=("inductor", "aot_eager"), help="torch.compile backend per block"
+    )
+    parser.add_argument(
+        "--no-async-tp", dest="async_tp", action="store_false", help="TP without Inductor's micro-pipelining"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=530, help="total wall-clock budget; later layouts are skipped"
+    )
     parser.add_argument("--render", help="write the Markdown table for an existing result JSON and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
@@ -278,7 +311,10 @@ def main() -> int:
             run = launch(layout, plan, source, Path(tmp), args, min(left, 240))
             report["layouts"][layout] = summarise(layout, run, predicted, note)
             row = report["layouts"][layout]
-            print(f"   tokens/s {row['tokens_per_s']}, host ms {row['host_ms_per_step']}, error {_last_line(row['error'])}", flush=True)
+            print(
+                f"   tokens/s {row['tokens_per_s']}, host ms {row['host_ms_per_step']}, error {_last_line(row['error'])}",
+                flush=True,
+            )
     one = report["layouts"]["1 GPU"]
     for row in report["layouts"].values():
         if one.get("tokens_per_s") and row.get("tokens_per_s"):

@@ -43,28 +43,96 @@ PEAK_FLOPS = 989e12  # H200 dense bf16
 MODELS: dict[str, dict[str, Any]] = {
     "llama-1b": {
         "model_type": "llama",
-        "full": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-                     "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 8192},
-        "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "vocab_size": 256, "tie_word_embeddings": True, "max_position_embeddings": 256},
+        "full": {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 8192,
+        },
+        "tiny": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 256,
+        },
     },
     "gemma2-2b": {
         "model_type": "gemma2",
-        "full": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                     "head_dim": 256, "vocab_size": 256000, "tie_word_embeddings": True, "max_position_embeddings": 8192, "sliding_window": 4096,
-                     "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
-        "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "head_dim": 16, "vocab_size": 256, "tie_word_embeddings": True, "max_position_embeddings": 256, "sliding_window": 16,
-                     "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+        "full": {
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "vocab_size": 256000,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 8192,
+            "sliding_window": 4096,
+            "query_pre_attn_scalar": 256,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+        "tiny": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 256,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 256,
+            "sliding_window": 16,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
     },
     "qwen3-moe": {
         "model_type": "qwen3_moe",
-        "full": {"hidden_size": 2048, "moe_intermediate_size": 768, "intermediate_size": 6144, "num_hidden_layers": 3, "num_attention_heads": 32,
-                     "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-                     "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 8192},
-        "tiny": {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
-                     "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 256, "tie_word_embeddings": False, "max_position_embeddings": 256},
+        "full": {
+            "hidden_size": 2048,
+            "moe_intermediate_size": 768,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 8192,
+        },
+        "tiny": {
+            "hidden_size": 64,
+            "moe_intermediate_size": 32,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": 256,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 256,
+        },
     },
 }
 VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager", "compile-blocks", "adapt-whole")
@@ -107,7 +175,13 @@ def ops_job(ckpt: Path, plan_path: Path, light: bool) -> dict[str, Any]:
         "compile": report.plan.compile,
         "patch_check": report.patch_check.passed if report.patch_check is not None and report.patch_check.ran else None,
         "choices": [
-            {"module": c.module, "kind": c.kind, "kernel": f"{c.provider}:{c.kernel}", "timings_ms": c.timings, "margin": c.margin}
+            {
+                "module": c.module,
+                "kind": c.kind,
+                "kernel": f"{c.provider}:{c.kernel}",
+                "timings_ms": c.timings,
+                "margin": c.margin,
+            }
             for c in report.plan.components
             if c.timings or c.patch
         ],
@@ -181,7 +255,9 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused, foreach=None if fused else True)
     info["optimizer"] = "AdamW fused" if fused else "AdamW foreach"
     gen = torch.Generator().manual_seed(1234)
-    batches = [torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen).to(device) for _ in range(4)]
+    batches = [
+        torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen).to(device) for _ in range(4)
+    ]
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
@@ -213,7 +289,9 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
         if i >= args.warmup:
             times.append(elapsed)
         if time.perf_counter() - started > args.variant_budget_s and len(times) >= 3:
-            info["stopped_early"] = f"{len(times)} timed steps within the variant budget of {args.variant_budget_s:.0f} s"
+            info["stopped_early"] = (
+                f"{len(times)} timed steps within the variant budget of {args.variant_budget_s:.0f} s"
+            )
             break
     mean = statistics.fmean(times)
     tokens_per_s = args.batch * args.seq / mean
@@ -254,7 +332,9 @@ def profile_steps(step, device: str, steps: int = 3) -> dict[str, Any]:
             torch.cuda.synchronize()
     wall_us = (time.perf_counter() - start) * 1e6
     events = prof.key_averages()
-    kernel_time = {e.key: getattr(e, "device_time_total", 0.0) if device == "cuda" else e.self_cpu_time_total for e in events}
+    kernel_time = {
+        e.key: getattr(e, "device_time_total", 0.0) if device == "cuda" else e.self_cpu_time_total for e in events
+    }
     top = sorted(kernel_time.items(), key=lambda kv: -kv[1])[:15]
     busy = _device_busy_us(prof) if device == "cuda" else None
     return {
@@ -269,7 +349,9 @@ def profile_steps(step, device: str, steps: int = 3) -> dict[str, Any]:
 def _device_busy_us(prof) -> float:
     """Union of device kernel intervals (overlapping kernels on several streams count once)."""
     intervals = sorted(
-        (e.time_range.start, e.time_range.end) for e in prof.events() if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
     )
     busy, cur_start, cur_end = 0.0, None, None
     for start, end in intervals:
@@ -292,7 +374,9 @@ def worker(args: argparse.Namespace) -> int:
         if args.job == "checkpoint":
             import torch
 
-            build_checkpoint(args.model, args.tiny, ckpt, "cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+            build_checkpoint(
+                args.model, args.tiny, ckpt, "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+            )
             result: dict[str, Any] = {"ok": True}
         elif args.job in ("ops-cold", "ops-warm"):
             result = {"ok": True, **ops_job(ckpt, plan_path, args.ops_light)}
@@ -316,9 +400,29 @@ def run_job(args: argparse.Namespace, model: str, job: str, timeout_s: float, en
     out = Path(args.out)
     result_path = out / "e2e-work" / model / f"{job}.json"
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--model", model, "--job", job, "--variant", job,
-           "--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--variant-budget-s", str(max(5.0, timeout_s - 30))]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--out",
+        str(out),
+        "--model",
+        model,
+        "--job",
+        job,
+        "--variant",
+        job,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--variant-budget-s",
+        str(max(5.0, timeout_s - 30)),
+    ]
     cmd += ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--ops-light"] * args.ops_light
     start = time.perf_counter()
     log_path = out / "e2e-work" / model / f"{job}.log"
@@ -326,11 +430,19 @@ def run_job(args: argparse.Namespace, model: str, job: str, timeout_s: float, en
         try:
             subprocess.run(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"no result within {timeout_s:.0f} s", "wall_s": round(time.perf_counter() - start, 1)}
+            return {
+                "ok": False,
+                "error": f"no result within {timeout_s:.0f} s",
+                "wall_s": round(time.perf_counter() - start, 1),
+            }
     wall = round(time.perf_counter() - start, 1)
     if not result_path.is_file():
         tail = log_path.read_text()[-300:].strip().splitlines()
-        return {"ok": False, "error": f"the process wrote no result: {tail[-1] if tail else 'no output'}", "wall_s": wall}
+        return {
+            "ok": False,
+            "error": f"the process wrote no result: {tail[-1] if tail else 'no output'}",
+            "wall_s": wall,
+        }
     return {**json.loads(result_path.read_text()), "wall_s": wall}
 
 
@@ -342,17 +454,29 @@ def main_parent(args: argparse.Namespace) -> int:
     variants = args.variants.split(",")
     for name in models + variants:
         if name not in MODELS and name not in VARIANTS:
-            print(f"unknown model or variant {name!r}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}", file=sys.stderr)
+            print(
+                f"unknown model or variant {name!r}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}",
+                file=sys.stderr,
+            )
             return 2
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    report: dict[str, Any] = {"budget_s": args.budget_s, "batch": args.batch, "seq": args.seq, "warmup": args.warmup,
-                              "steps": args.steps, "tiny": args.tiny, "models": {},
-                              "ops_cold_means": "adapt's timing cache empty (a fresh ADAPT_CACHE); Triton's and Inductor's caches as found"}
+    report: dict[str, Any] = {
+        "budget_s": args.budget_s,
+        "batch": args.batch,
+        "seq": args.seq,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "tiny": args.tiny,
+        "models": {},
+        "ops_cold_means": "adapt's timing cache empty (a fresh ADAPT_CACHE); Triton's and Inductor's caches as found",
+    }
     previous = out / f"{_stem(args)}.json"
     if args.merge and previous.is_file():  # keep the other models' entries of an earlier call
-        report["models"] = {k: v for k, v in json.loads(previous.read_text()).get("models", {}).items() if k not in models}
+        report["models"] = {
+            k: v for k, v in json.loads(previous.read_text()).get("models", {}).items() if k not in models
+        }
     # Each model gets an equal share of what is left when its turn comes, so a slow model cannot starve the next.
     for index, model in enumerate(models):
         work = out / "e2e-work" / model
@@ -372,7 +496,9 @@ def main_parent(args: argparse.Namespace) -> int:
         jobs = ["checkpoint", "ops-cold", *first, "ops-warm", *[v for v in variants if v not in first]]
         for job in jobs:
             left = model_deadline - time.perf_counter()
-            cap = {"checkpoint": 120.0, "ops-cold": args.ops_timeout_s, "ops-warm": args.ops_timeout_s}.get(job, args.variant_timeout_s)
+            cap = {"checkpoint": 120.0, "ops-cold": args.ops_timeout_s, "ops-warm": args.ops_timeout_s}.get(
+                job, args.variant_timeout_s
+            )
             timeout = min(cap, left)
             if timeout < 20:
                 result = {"ok": False, "skipped": f"budget spent ({left:.0f} s left for this model)"}
@@ -409,14 +535,24 @@ def _stem(args: argparse.Namespace) -> str:
 def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) -> None:
     stem = _stem(args)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    lines = [f"# One training step, side by side ({'CPU rehearsal, toy sizes' if args.tiny else 'one H200'})", "",
-             (f"batch {args.batch} x {args.seq}, {args.warmup} warm-up steps, up to {args.steps} timed steps; "
-             "bf16, AdamW fused (CUDA) / foreach (CPU), HF forward with labels. MFU: 6 x active params + 6 x L x H x seq per token, 989 TFLOP/s."), ""]
-    lines += ["| model | variant | tokens/s | vs best baseline | MFU | peak GiB | step cv | steps | first step s | note |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# One training step, side by side ({'CPU rehearsal, toy sizes' if args.tiny else 'one H200'})",
+        "",
+        (
+            f"batch {args.batch} x {args.seq}, {args.warmup} warm-up steps, up to {args.steps} timed steps; "
+            "bf16, AdamW fused (CUDA) / foreach (CPU), HF forward with labels. MFU: 6 x active params + 6 x L x H x seq per token, 989 TFLOP/s."
+        ),
+        "",
+    ]
+    lines += [
+        "| model | variant | tokens/s | vs best baseline | MFU | peak GiB | step cv | steps | first step s | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for model, entry in report["models"].items():
         variants = entry["variants"]
-        baselines = [v["tokens_per_s"] for k, v in variants.items() if k in ("eager", "compile", "liger") and v.get("ok")]
+        baselines = [
+            v["tokens_per_s"] for k, v in variants.items() if k in ("eager", "compile", "liger") and v.get("ok")
+        ]
         best = max(baselines) if baselines else None
         for name, v in variants.items():
             if not v.get("ok"):
@@ -426,21 +562,34 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
             mfu = f"{v['mfu']:.1%}" if v.get("mfu") is not None else "–"
             peak = f"{v['peak_memory_gib']:.1f}" if v.get("peak_memory_gib") is not None else "–"
             note = v.get("stopped_early") or (f"compile {v['compile_mode']}" if v.get("compile_mode") else "")
-            lines.append(f"| {model} | {name} | {v['tokens_per_s']:,.0f} | {ratio} | {mfu} | {peak} | {v['step_s_cv'] or 0:.3f} | "
-                         f"{v['steps_timed']} | {v['first_step_s']:.1f} | {note} |")
-    lines += ["", "## Operators stage (the plan the adapt variants applied)", "", "| model | cold s | warm s | warm phases | compile |",
-              "| --- | --- | --- | --- | --- |"]
+            lines.append(
+                f"| {model} | {name} | {v['tokens_per_s']:,.0f} | {ratio} | {mfu} | {peak} | {v['step_s_cv'] or 0:.3f} | "
+                f"{v['steps_timed']} | {v['first_step_s']:.1f} | {note} |"
+            )
+    lines += [
+        "",
+        "## Operators stage (the plan the adapt variants applied)",
+        "",
+        "| model | cold s | warm s | warm phases | compile |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for model, entry in report["models"].items():
         cold, warm = entry.get("ops-cold", {}), entry.get("ops-warm", {})
-        lines.append(f"| {model} | {cold.get('seconds', cold.get('error', '–'))} | {warm.get('seconds', warm.get('error', '–'))} | "
-                     f"{warm.get('phases', '–')} | {(warm.get('compile') or {}).get('mode', '–')} |")
+        lines.append(
+            f"| {model} | {cold.get('seconds', cold.get('error', '–'))} | {warm.get('seconds', warm.get('error', '–'))} | "
+            f"{warm.get('phases', '–')} | {(warm.get('compile') or {}).get('mode', '–')} |"
+        )
     lines += ["", "## Timed kernel choices (ms per candidate; margin = runner-up / winner)", ""]
     for model, entry in report["models"].items():
         for choice in (entry.get("ops-cold") or {}).get("choices", []):
             if choice["timings_ms"]:
                 timings = ", ".join(f"{k} {v:.3f}" for k, v in choice["timings_ms"].items())
-                lines.append(f"- {model} `{choice['module']}` ({choice['kind']}): {choice['kernel']} chosen; {timings}; margin x{choice['margin']}")
-    profiles = [(m, n, v["profile"]) for m, e in report["models"].items() for n, v in e["variants"].items() if v.get("profile")]
+                lines.append(
+                    f"- {model} `{choice['module']}` ({choice['kind']}): {choice['kernel']} chosen; {timings}; margin x{choice['margin']}"
+                )
+    profiles = [
+        (m, n, v["profile"]) for m, e in report["models"].items() for n, v in e["variants"].items() if v.get("profile")
+    ]
     if profiles:
         lines += ["", "## Profiles (3 steps)", ""]
         for model, name, prof in profiles:
@@ -466,7 +615,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ops-timeout-s", type=float, default=150.0, help="one operators-stage run's limit")
     parser.add_argument("--ops-light", action="store_true", help="operators stage without ONNX export and patch check")
     parser.add_argument("--profile", action="store_true", help="add a torch-profiler summary per variant")
-    parser.add_argument("--merge", action="store_true", help="keep the other models' entries of an earlier report in --out")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the other models' entries of an earlier report in --out"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)

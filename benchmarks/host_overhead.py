@@ -106,7 +106,9 @@ def launch(layout: str, mode: str, source: Path, args: argparse.Namespace, scrat
 def _reason(stderr: str) -> str:
     """The worker's own exception line (adapt's BadInput first), not torchrun's summary."""
     lines = [ln.split("]:", 1)[-1].strip() for ln in stderr.splitlines()]
-    found = [ln for ln in lines if "BadInput" in ln] or [ln for ln in lines if "Error" in ln and "ChildFailedError" not in ln]
+    found = [ln for ln in lines if "BadInput" in ln] or [
+        ln for ln in lines if "Error" in ln and "ChildFailedError" not in ln
+    ]
     return found[-1][:200] if found else ""
 
 
@@ -125,7 +127,14 @@ def markdown(report: dict) -> str:
         e, c = eager.get("cpu_ms_per_step"), compiled.get("cpu_ms_per_step")
         note = eager.get("error") or compiled.get("error") or ""
         ratio = f"{e / c:.2f}x" if e and c else "-"
-        cells = [layout, LAYOUTS[layout][0], f"{e:.1f}" if e else "-", f"{c:.1f}" if c else "-", ratio, note.replace("|", "/")]
+        cells = [
+            layout,
+            LAYOUTS[layout][0],
+            f"{e:.1f}" if e else "-",
+            f"{c:.1f}" if c else "-",
+            ratio,
+            note.replace("|", "/"),
+        ]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     for note in report.get("notes", []):
         lines += ["", note]

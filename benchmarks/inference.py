@@ -116,14 +116,20 @@ def decode_variant(variant: str, path: Path, tiny: bool) -> dict[str, Any]:
     vocab = model.get_input_embeddings().num_embeddings
     rows = []
     for batch in size["batches"]:
-        ids = torch.randint(0, vocab, (batch, size["prompt"]), generator=torch.Generator().manual_seed(batch)).to(device)
+        ids = torch.randint(0, vocab, (batch, size["prompt"]), generator=torch.Generator().manual_seed(batch)).to(
+            device
+        )
         if variant == "adapted":
             timing = time_static_decoder(variant, model, ids, size["new_tokens"], repeats=size["repeats"])
         else:
-            timing = time_hf_generate(variant, model, ids, size["new_tokens"], static=variant == "hf-static-compile", repeats=size["repeats"])
+            timing = time_hf_generate(
+                variant, model, ids, size["new_tokens"], static=variant == "hf-static-compile", repeats=size["repeats"]
+            )
         timing.notes = notes + timing.notes
         rows.append(timing.to_dict())
-        log(f"  {variant} batch {batch}: prefill {timing.prefill_s * 1e3:.1f} ms, decode {timing.decode_tokens_per_s:,.0f} tok/s")
+        log(
+            f"  {variant} batch {batch}: prefill {timing.prefill_s * 1e3:.1f} ms, decode {timing.decode_tokens_per_s:,.0f} tok/s"
+        )
     return {"rows": rows}
 
 
@@ -136,7 +142,9 @@ def alignment_variant(path: Path, tiny: bool) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = sizes(tiny)
     options = GenerationOptions(prompts=size["gen_prompts"], prompt_len=32, new_tokens=size["gen_tokens"])
-    report = generation_check(resolve_source(str(path)), _kernel_plan(path), dtype="bf16", device=device, options=options)
+    report = generation_check(
+        resolve_source(str(path)), _kernel_plan(path), dtype="bf16", device=device, options=options
+    )
     log(f"  generation: {report.verdict}: {report.summary()}")
     return report.to_dict()
 
@@ -161,7 +169,18 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(variant: str, shape: str, checkpoint: Path, tiny: bool, limit_s: float, work: Path) -> dict[str, Any]:
     result = work / f"{shape}-{variant}.json"
-    cmd = [sys.executable, __file__, "--child", variant, "--shape", shape, "--checkpoint", str(checkpoint), "--result", str(result)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--shape",
+        shape,
+        "--checkpoint",
+        str(checkpoint),
+        "--result",
+        str(result),
+    ]
     cmd += ["--tiny"] if tiny else []
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     started = time.perf_counter()
@@ -184,9 +203,21 @@ def orchestrate(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = "inference-tiny" if args.tiny else "inference-h200"
     deadline = time.perf_counter() + args.budget_s
-    results: dict[str, Any] = {"sizes": sizes(args.tiny), "shapes": {}, "budget_s": args.budget_s, "environment": environment()}
+    results: dict[str, Any] = {
+        "sizes": sizes(args.tiny),
+        "shapes": {},
+        "budget_s": args.budget_s,
+        "environment": environment(),
+    }
     # Per-variant shares of the budget: compiling variants need the most.
-    shares = {"build": 0.04, "plan": 0.1, "hf-eager": 0.08, "hf-static-compile": 0.12, "adapted": 0.12, "generation": 0.06}
+    shares = {
+        "build": 0.04,
+        "plan": 0.1,
+        "hf-eager": 0.08,
+        "hf-static-compile": 0.12,
+        "adapted": 0.12,
+        "generation": 0.06,
+    }
     with tempfile.TemporaryDirectory(dir=args.work) as work_dir:
         work = Path(work_dir)
         for shape in SHAPES:
@@ -238,16 +269,36 @@ def write(out: Path, stem: str, results: dict[str, Any]) -> None:
                 return f"{row['decode_tokens_per_s']:,.0f}" if row else "error"
 
             def ratio(a, b):
-                return f"{a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x" if a and b and b["decode_tokens_per_s"] else "-"
+                return (
+                    f"{a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x"
+                    if a and b and b["decode_tokens_per_s"]
+                    else "-"
+                )
 
             prefill = " / ".join(f"{r['prefill_s'] * 1e3:.1f}" if r else "-" for r in (eager, static, adapted))
             lines.append(f"| {shape} | {batch} | {tps(eager)} | {tps(static)} | {tps(adapted)} | {ratio(adapted, static)} | "
                          f"{ratio(adapted, eager)} | {prefill} |")  # fmt: skip
-    lines += ["", "## Generation alignment (adapted bf16 against the unadapted model: float32 on a GPU, float64 on the CPU)", ""]
+    lines += [
+        "",
+        "## Generation alignment (adapted bf16 against the unadapted model: float32 on a GPU, float64 on the CPU)",
+        "",
+    ]
     for shape, entry in results["shapes"].items():
         gen = entry.get("generation", {})
-        lines.append(f"- {shape}: " + (f"**{gen['verdict']}**: {gen['summary']}" if "verdict" in gen else f"error: {gen.get('error', 'not run')}"))
-    errors = [(shape, v, d["error"]) for shape, e in results["shapes"].items() for v, d in e.items() if isinstance(d, dict) and "error" in d]
+        lines.append(
+            f"- {shape}: "
+            + (
+                f"**{gen['verdict']}**: {gen['summary']}"
+                if "verdict" in gen
+                else f"error: {gen.get('error', 'not run')}"
+            )
+        )
+    errors = [
+        (shape, v, d["error"])
+        for shape, e in results["shapes"].items()
+        for v, d in e.items()
+        if isinstance(d, dict) and "error" in d
+    ]
     if errors:
         lines += ["", "## Errors", ""] + [f"- {shape} {variant}: {error}" for shape, variant, error in errors]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")

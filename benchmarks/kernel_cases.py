@@ -7,8 +7,8 @@ Liger-Kernel 0.8.5 where it has the same operation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +77,15 @@ def _liger():
     except Exception as exc:
         print(f"Liger-Kernel unavailable: {exc}")
         return None
-    return dict(rms=LigerRMSNorm, add_rms=LigerFusedAddRMSNorm, ln=LigerLayerNorm, silu_mul=LigerSiLUMulFunction,
-                gelu_mul=LigerGELUMulFunction, rope=liger_rotary_pos_emb, flce=liger_fused_linear_cross_entropy)
+    return dict(
+        rms=LigerRMSNorm,
+        add_rms=LigerFusedAddRMSNorm,
+        ln=LigerLayerNorm,
+        silu_mul=LigerSiLUMulFunction,
+        gelu_mul=LigerGELUMulFunction,
+        rope=liger_rotary_pos_emb,
+        flce=liger_fused_linear_cross_entropy,
+    )
 
 
 def _compiled(fn):
@@ -117,11 +124,21 @@ def rms_cases(shapes, lg):
             weight.copy_(torch.randn(n, device=DEVICE) * 0.1 + 1)
             if liger is not None:
                 liger.weight.copy_(weight)
-        yield Case("rms_norm", f"{m}x{n}", BF16, lambda m=m, n=n, w=weight: {"x": _rand(m, n), "w": w},
-                   _with_variants(lambda x, w, hf=hf: hf(x), lambda x, w: K.rms_norm(x, w, 1e-6),
-                                  (lambda x, w, lig=liger: lig(x)) if liger is not None else None),
-                   ref, fwd_bytes=2 * m * n * 2, fwdbwd_bytes=5 * m * n * 2,
-                   make_check=lambda m=m, n=n, w=weight: {"x": _rand(min(m, 4096), n), "w": w})
+        yield Case(
+            "rms_norm",
+            f"{m}x{n}",
+            BF16,
+            lambda m=m, n=n, w=weight: {"x": _rand(m, n), "w": w},
+            _with_variants(
+                lambda x, w, hf=hf: hf(x),
+                lambda x, w: K.rms_norm(x, w, 1e-6),
+                (lambda x, w, lig=liger: lig(x)) if liger is not None else None,
+            ),
+            ref,
+            fwd_bytes=2 * m * n * 2,
+            fwdbwd_bytes=5 * m * n * 2,
+            make_check=lambda m=m, n=n, w=weight: {"x": _rand(min(m, 4096), n), "w": w},
+        )
 
 
 def add_rms_cases(shapes, lg):
@@ -147,12 +164,17 @@ def add_rms_cases(shapes, lg):
             if liger is not None:
                 liger.weight.copy_(weight)
         liger_fn = (lambda x, r, w, lig=liger: lig(x, r)) if liger is not None else None
-        yield Case("add_rms_norm", f"{m}x{n}", BF16,
-                   lambda m=m, n=n, w=weight: {"x": _rand(m, n), "r": _rand(m, n), "w": w},
-                   _with_variants(eager, lambda x, r, w: K.add_rms_norm(x, r, w, 1e-6), liger_fn), ref,
-                   fwd_bytes=4 * m * n * 2, fwdbwd_bytes=9 * m * n * 2,
-                   make_check=lambda m=m, n=n, w=weight: {"x": _rand(min(m, 4096), n), "r": _rand(min(m, 4096), n),
-                                                          "w": w})
+        yield Case(
+            "add_rms_norm",
+            f"{m}x{n}",
+            BF16,
+            lambda m=m, n=n, w=weight: {"x": _rand(m, n), "r": _rand(m, n), "w": w},
+            _with_variants(eager, lambda x, r, w: K.add_rms_norm(x, r, w, 1e-6), liger_fn),
+            ref,
+            fwd_bytes=4 * m * n * 2,
+            fwdbwd_bytes=9 * m * n * 2,
+            make_check=lambda m=m, n=n, w=weight: {"x": _rand(min(m, 4096), n), "r": _rand(min(m, 4096), n), "w": w},
+        )
 
 
 def layer_norm_cases(shapes, lg):
@@ -166,12 +188,21 @@ def layer_norm_cases(shapes, lg):
                 liger.weight.copy_(hf.weight)
                 liger.bias.copy_(hf.bias)
         w, b = hf.weight, hf.bias
-        yield Case("layer_norm", f"{m}x{n}", BF16, lambda m=m, n=n: {"x": _rand(m, n)},
-                   _with_variants(lambda x, hf=hf: hf(x), lambda x, w=w, b=b: K.layer_norm(x, w, b, 1e-5),
-                                  (lambda x, lig=liger: lig(x)) if liger is not None else None),
-                   lambda x, w=w, b=b: F.layer_norm(x, (x.shape[-1],), w.double(), b.double(), 1e-5),
-                   fwd_bytes=2 * m * n * 2, fwdbwd_bytes=5 * m * n * 2,
-                   make_check=lambda m=m, n=n: {"x": _rand(min(m, 4096), n)})
+        yield Case(
+            "layer_norm",
+            f"{m}x{n}",
+            BF16,
+            lambda m=m, n=n: {"x": _rand(m, n)},
+            _with_variants(
+                lambda x, hf=hf: hf(x),
+                lambda x, w=w, b=b: K.layer_norm(x, w, b, 1e-5),
+                (lambda x, lig=liger: lig(x)) if liger is not None else None,
+            ),
+            lambda x, w=w, b=b: F.layer_norm(x, (x.shape[-1],), w.double(), b.double(), 1e-5),
+            fwd_bytes=2 * m * n * 2,
+            fwdbwd_bytes=5 * m * n * 2,
+            make_check=lambda m=m, n=n: {"x": _rand(min(m, 4096), n)},
+        )
 
 
 def glu_cases(kind, shapes, lg):
@@ -182,13 +213,21 @@ def glu_cases(kind, shapes, lg):
     ref_act = F.silu if kind == "swiglu" else (lambda g: F.gelu(g, approximate="tanh"))
     liger = None
     if lg:
-        liger = (lambda g, u: lg["silu_mul"].apply(g, u)) if kind == "swiglu" else (
-            lambda g, u: lg["gelu_mul"].apply(g, u))
+        liger = (
+            (lambda g, u: lg["silu_mul"].apply(g, u)) if kind == "swiglu" else (lambda g, u: lg["gelu_mul"].apply(g, u))
+        )
     for m, n in shapes:
-        yield Case(kind, f"{m}x{n}", BF16, lambda m=m, n=n: {"g": _rand(m, n), "u": _rand(m, n)},
-                   _with_variants(lambda g, u: act(g) * u, ours, liger), lambda g, u: ref_act(g) * u,
-                   fwd_bytes=3 * m * n * 2, fwdbwd_bytes=8 * m * n * 2,
-                   make_check=lambda m=m, n=n: {"g": _rand(min(m, 2048), n), "u": _rand(min(m, 2048), n)})
+        yield Case(
+            kind,
+            f"{m}x{n}",
+            BF16,
+            lambda m=m, n=n: {"g": _rand(m, n), "u": _rand(m, n)},
+            _with_variants(lambda g, u: act(g) * u, ours, liger),
+            lambda g, u: ref_act(g) * u,
+            fwd_bytes=3 * m * n * 2,
+            fwdbwd_bytes=8 * m * n * 2,
+            make_check=lambda m=m, n=n: {"g": _rand(min(m, 2048), n), "u": _rand(min(m, 2048), n)},
+        )
 
 
 def rope_cases(shapes, lg):
@@ -220,10 +259,17 @@ def rope_cases(shapes, lg):
 
         liger = (lambda q, k, cos=cos, sin=sin: lg["rope"](q, k, cos, sin)) if lg else None
         tensor_bytes = 2 * b * (hq + hk) * s * d * 2 + 2 * cos.numel() * 2
-        yield Case("rope", f"b{b} hq{hq} hk{hk} s{s} d{d}", BF16, make,
-                   _with_variants(lambda q, k, cos=cos, sin=sin: apply_rotary_pos_emb(q, k, cos, sin), adapt, liger),
-                   ref, fwd_bytes=tensor_bytes, fwdbwd_bytes=2 * tensor_bytes,
-                   make_check=lambda make=make, s=s: make(rows=min(256, s)))
+        yield Case(
+            "rope",
+            f"b{b} hq{hq} hk{hk} s{s} d{d}",
+            BF16,
+            make,
+            _with_variants(lambda q, k, cos=cos, sin=sin: apply_rotary_pos_emb(q, k, cos, sin), adapt, liger),
+            ref,
+            fwd_bytes=tensor_bytes,
+            fwdbwd_bytes=2 * tensor_bytes,
+            make_check=lambda make=make, s=s: make(rows=min(256, s)),
+        )
 
 
 def flce_cases(shapes, lg):
@@ -231,23 +277,31 @@ def flce_cases(shapes, lg):
         weight = _rand(vocab, hidden, scale=hidden**-0.5)
 
         def make(tokens=tokens, hidden=hidden, vocab=vocab, weight=weight):
-            return {"h": _rand(tokens, hidden), "w": weight,
-                    "y": torch.randint(0, vocab, (tokens,), device=DEVICE)}
+            return {"h": _rand(tokens, hidden), "w": weight, "y": torch.randint(0, vocab, (tokens,), device=DEVICE)}
 
         def eager(h, w, y):
             return F.cross_entropy((h @ w.t()).float(), y)
 
         liger = (lambda h, w, y: lg["flce"](h, w, y)) if lg else None
         flops = 2 * tokens * hidden * vocab
-        yield Case("fused_linear_ce", f"T{tokens} H{hidden} V{vocab}", BF16, make,
-                   _with_variants(eager, lambda h, w, y: K.fused_linear_cross_entropy(h, w, y), liger,
-                                  compile_eager=tokens <= 8192),  # compile time: one token count only
-                   lambda h, w, y: F.cross_entropy(h @ w.t(), y), fwd_flops=flops, fwdbwd_flops=3 * flops,
-                   make_check=lambda make=make: {k: (v[:1024] if k != "w" else v) for k, v in make().items()})
+        yield Case(
+            "fused_linear_ce",
+            f"T{tokens} H{hidden} V{vocab}",
+            BF16,
+            make,
+            _with_variants(
+                eager, lambda h, w, y: K.fused_linear_cross_entropy(h, w, y), liger, compile_eager=tokens <= 8192
+            ),  # compile time: one token count only
+            lambda h, w, y: F.cross_entropy(h @ w.t(), y),
+            fwd_flops=flops,
+            fwdbwd_flops=3 * flops,
+            make_check=lambda make=make: {k: (v[:1024] if k != "w" else v) for k, v in make().items()},
+        )
 
 
 def grouped_gemm_cases(shapes):
     for tokens, top_k, experts, k, n in shapes:
+
         def make(tokens=tokens, top_k=top_k, experts=experts, k=k, n=n, scale=1):
             t = max(tokens // scale, 1)
             ids = torch.rand(t, experts, device=DEVICE).argsort(-1)[:, :top_k]
@@ -257,12 +311,20 @@ def grouped_gemm_cases(shapes):
 
         def loop(x, w, offsets):
             bounds = offsets.tolist()
-            return torch.cat([x[bounds[e]:bounds[e + 1]] @ w[e] for e in range(w.shape[0])])
+            return torch.cat([x[bounds[e] : bounds[e + 1]] @ w[e] for e in range(w.shape[0])])
 
         flops = 2 * tokens * top_k * k * n
-        yield Case("grouped_gemm", f"T{tokens} k{top_k} E{experts} {k}x{n}", BF16, make,
-                   {"adapt": lambda x, w, offsets: K.grouped_gemm(x, w, offsets), "torch.mm loop": loop}, loop,
-                   fwd_flops=flops, fwdbwd_flops=3 * flops, make_check=lambda make=make: make(scale=8))
+        yield Case(
+            "grouped_gemm",
+            f"T{tokens} k{top_k} E{experts} {k}x{n}",
+            BF16,
+            make,
+            {"adapt": lambda x, w, offsets: K.grouped_gemm(x, w, offsets), "torch.mm loop": loop},
+            loop,
+            fwd_flops=flops,
+            fwdbwd_flops=3 * flops,
+            make_check=lambda make=make: make(scale=8),
+        )
 
 
 def all_cases(smoke: bool, only: list[str] | None):
@@ -304,8 +366,14 @@ def sweep_configs(bench: Callable, smoke: bool) -> list[dict]:
         b = _rand(n, grad=False)
         src = torch.empty(m * n, device=DEVICE, dtype=BF16)
         dst = torch.empty_like(src)
-        out.append({"kernel": "copy (same bytes as the norm forward)", "shape": f"{m}x{n}", "config": "torch copy_",
-                    "ms": bench(lambda: dst.copy_(src))})
+        out.append(
+            {
+                "kernel": "copy (same bytes as the norm forward)",
+                "shape": f"{m}x{n}",
+                "config": "torch copy_",
+                "ms": bench(lambda: dst.copy_(src)),
+            }
+        )
         forward = {
             "rms_norm fwd": lambda cfg: norms.rms_forward(x, None, w, 1e-6, 0.0, "llama", cfg, need_rstd=False),
             "add_rms_norm fwd": lambda cfg: norms.rms_forward(x, r, w, 1e-6, 0.0, "llama", cfg, need_rstd=False),
@@ -317,8 +385,7 @@ def sweep_configs(bench: Callable, smoke: bool) -> list[dict]:
                     if block_m * n > 32768 or block_m * n < 32 * warps:
                         continue
                     cfg = norms.RowConfig(block_m=block_m, num_warps=warps, programs_per_sm=0)
-                    out.append({"kernel": name, "shape": f"{m}x{n}", "config": str(cfg),
-                                "ms": bench(lambda: run(cfg))})
+                    out.append({"kernel": name, "shape": f"{m}x{n}", "config": str(cfg), "ms": bench(lambda: run(cfg))})
             out.append({"kernel": name, "shape": f"{m}x{n}", "config": "default", "ms": bench(lambda: run(None))})
             print(f"swept {name} {m}x{n}", flush=True)
         dy = torch.randn_like(x)

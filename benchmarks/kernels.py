@@ -20,9 +20,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -138,8 +138,7 @@ def run_graph_phase(results: Results, only) -> None:
                 inputs = case.make()
                 leaves = [t for t in inputs.values() if t.requires_grad]
                 grads = [torch.randn_like(o) for o in _as_tuple(fn(**inputs))]
-                row.fwdbwd_graph_ms = graph_ms(lambda: torch.autograd.backward(_as_tuple(fn(**inputs)), grads),
-                                               leaves)
+                row.fwdbwd_graph_ms = graph_ms(lambda: torch.autograd.backward(_as_tuple(fn(**inputs)), grads), leaves)
                 print(f"graph {case.kernel} {case.shape} {variant}: {row.fwdbwd_graph_ms:.3f} ms", flush=True)
             except Exception as exc:
                 row.error = f"graph capture: {type(exc).__name__}: {str(exc)[:120]}"
@@ -164,8 +163,10 @@ def check(case: cases.Case) -> dict:
     """Forward and every input gradient of adapt's kernel against float64; raises when off."""
     inputs = case.make_check()
     leaves = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in inputs.items()}
-    refs = {k: v.detach().double().requires_grad_(v.requires_grad) if v.is_floating_point() else v
-            for k, v in inputs.items()}
+    refs = {
+        k: v.detach().double().requires_grad_(v.requires_grad) if v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
     outs = _as_tuple(case.variants["adapt"](**leaves))
     ref_outs = _as_tuple(case.reference(**refs))
     errors = {}
@@ -229,8 +230,11 @@ def run_case(case: cases.Case, results: Results, smoke: bool, skip: set[str]) ->
             row.fwdbwd_gbps = case.fwdbwd_bytes / row.fwdbwd_ms / 1e6 if case.fwdbwd_bytes else None
             row.fwdbwd_tflops = case.fwdbwd_flops / row.fwdbwd_ms / 1e9 if case.fwdbwd_flops else None
         results.rows.append(row)
-        print(f"  {variant:>16}: fwd {_fmt(row.fwd_ms, 3)} ms ({_fmt(row.fwd_pct_copy, 1)}% copy) "
-              f"fwd+bwd {_fmt(row.fwdbwd_ms, 3)} ms peak {_fmt(row.peak_mib, 0)} MiB {row.error or ''}", flush=True)
+        print(
+            f"  {variant:>16}: fwd {_fmt(row.fwd_ms, 3)} ms ({_fmt(row.fwd_pct_copy, 1)}% copy) "
+            f"fwd+bwd {_fmt(row.fwdbwd_ms, 3)} ms peak {_fmt(row.peak_mib, 0)} MiB {row.error or ''}",
+            flush=True,
+        )
 
 
 def _fmt(v, digits):
@@ -251,20 +255,34 @@ def evaluate_targets(results: Results) -> None:
     for kernel, shape in shapes:
         ours_f, ours_fb = get(kernel, shape, "adapt", "fwd_ms"), get(kernel, shape, "adapt", "fwdbwd_ms")
         liger_f, liger_fb = get(kernel, shape, "liger", "fwd_ms"), get(kernel, shape, "liger", "fwdbwd_ms")
-        compile_fb, eager_fb = get(kernel, shape, "torch.compile", "fwdbwd_ms"), get(kernel, shape, "hf_eager",
-                                                                                        "fwdbwd_ms")
+        compile_fb, eager_fb = (
+            get(kernel, shape, "torch.compile", "fwdbwd_ms"),
+            get(kernel, shape, "hf_eager", "fwdbwd_ms"),
+        )
         pct = get(kernel, shape, "adapt", "fwd_pct_copy")
 
         def add(name, measured, goal, ok):
-            results.targets.append({"kernel": kernel, "shape": shape, "target": name, "measured": measured,
-                                    "goal": goal, "met": bool(ok) if ok is not None else None})
+            results.targets.append(
+                {
+                    "kernel": kernel,
+                    "shape": shape,
+                    "target": name,
+                    "measured": measured,
+                    "goal": goal,
+                    "met": bool(ok) if ok is not None else None,
+                }
+            )
 
         if kernel == "rms_norm" and pct is not None:
             add("fwd >= 95% of copy", round(pct, 1), 95, pct >= 95)
             refs = [v for v in (liger_fb, compile_fb) if v]
             if refs and ours_fb:
-                add("fwd+bwd <= 0.9x min(liger, compile)", round(ours_fb / min(refs), 3), 0.9,
-                    ours_fb <= 0.9 * min(refs))
+                add(
+                    "fwd+bwd <= 0.9x min(liger, compile)",
+                    round(ours_fb / min(refs), 3),
+                    0.9,
+                    ours_fb <= 0.9 * min(refs),
+                )
         if kernel == "swiglu" and pct is not None:
             add("fwd >= 97% of copy", round(pct, 1), 97, pct >= 97)
         if kernel in ("add_rms_norm", "layer_norm", "geglu", "rope", "swiglu") and liger_fb and ours_fb:
@@ -281,31 +299,49 @@ def evaluate_targets(results: Results) -> None:
         if kernel == "grouped_gemm" and ours_fb:
             loop_fb = get(kernel, shape, "torch.mm loop", "fwdbwd_ms")
             if loop_fb:
-                add("fwd+bwd vs per-expert torch.mm loop (speed-up)", round(loop_fb / ours_fb, 2), 1.0,
-                    ours_fb <= loop_fb)
+                add(
+                    "fwd+bwd vs per-expert torch.mm loop (speed-up)",
+                    round(loop_fb / ours_fb, 2),
+                    1.0,
+                    ours_fb <= loop_fb,
+                )
 
 
 def markdown(results: Results) -> str:
-    lines = [f"# adapt kernels on {results.device}", "",
-             f"Versions: {results.versions}. Copy bandwidth measured in this run: **{results.copy_gbps:,.0f} GB/s** "
-             "(bytes read + written). Times are `do_bench` medians; GB/s counts bytes read plus written once.", "",
-             "\"% copy\" is against that 2 GiB copy (the issue's yardstick); \"% same-size copy\" is against a copy "
-             "moving the same bytes as the kernel's forward, which pays the same launch, ramp and tail costs.", "",
-             "| kernel | shape | variant | fwd ms | fwd GB/s | % copy | % same-size copy | fwd TFLOP/s | fwd+bwd ms "
-             "| fwd+bwd TFLOP/s | fwd+bwd ms, CUDA graph | peak MiB | note |", "| --- " * 13 + "|"]
+    lines = [
+        f"# adapt kernels on {results.device}",
+        "",
+        f"Versions: {results.versions}. Copy bandwidth measured in this run: **{results.copy_gbps:,.0f} GB/s** "
+        "(bytes read + written). Times are `do_bench` medians; GB/s counts bytes read plus written once.",
+        "",
+        '"% copy" is against that 2 GiB copy (the issue\'s yardstick); "% same-size copy" is against a copy '
+        "moving the same bytes as the kernel's forward, which pays the same launch, ramp and tail costs.",
+        "",
+        "| kernel | shape | variant | fwd ms | fwd GB/s | % copy | % same-size copy | fwd TFLOP/s | fwd+bwd ms "
+        "| fwd+bwd TFLOP/s | fwd+bwd ms, CUDA graph | peak MiB | note |",
+        "| --- " * 13 + "|",
+    ]
     for r in results.rows:
-        lines.append(f"| {r.kernel} | {r.shape} | {r.variant} | {_fmt(r.fwd_ms, 3)} | {_fmt(r.fwd_gbps, 0)} | "
-                     f"{_fmt(r.fwd_pct_copy, 1)} | {_fmt(r.fwd_pct_size_copy, 1)} | {_fmt(r.fwd_tflops, 0)} | {_fmt(r.fwdbwd_ms, 3)} | "
-                     f"{_fmt(r.fwdbwd_tflops, 0)} | {_fmt(r.fwdbwd_graph_ms, 3)} | {_fmt(r.peak_mib, 0)} | "
-                     f"{r.error or ''} |")
+        lines.append(
+            f"| {r.kernel} | {r.shape} | {r.variant} | {_fmt(r.fwd_ms, 3)} | {_fmt(r.fwd_gbps, 0)} | "
+            f"{_fmt(r.fwd_pct_copy, 1)} | {_fmt(r.fwd_pct_size_copy, 1)} | {_fmt(r.fwd_tflops, 0)} | {_fmt(r.fwdbwd_ms, 3)} | "
+            f"{_fmt(r.fwdbwd_tflops, 0)} | {_fmt(r.fwdbwd_graph_ms, 3)} | {_fmt(r.peak_mib, 0)} | "
+            f"{r.error or ''} |"
+        )
     lines += ["", "## Targets", "", "| kernel | shape | target | measured | goal | met |", "| --- " * 6 + "|"]
     for t in results.targets:
-        lines.append(f"| {t['kernel']} | {t['shape']} | {t['target']} | {t['measured']} | {t['goal']} | "
-                     f"{'yes' if t['met'] else 'NO'} |")
+        lines.append(
+            f"| {t['kernel']} | {t['shape']} | {t['target']} | {t['measured']} | {t['goal']} | "
+            f"{'yes' if t['met'] else 'NO'} |"
+        )
     if results.sweeps:
-        lines += ["", "## Launch-config sweeps (adapt kernels alone, best 5 per kernel and shape)",
-                  "",
-                  "| kernel | shape | config | ms |", "| --- " * 4 + "|"]
+        lines += [
+            "",
+            "## Launch-config sweeps (adapt kernels alone, best 5 per kernel and shape)",
+            "",
+            "| kernel | shape | config | ms |",
+            "| --- " * 4 + "|",
+        ]
         groups: dict = {}
         for s in results.sweeps:
             groups.setdefault((s["kernel"], s["shape"]), []).append(s)
@@ -325,8 +361,12 @@ def main() -> int:
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph forward+backward phase")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if cases.DEVICE == "cuda" else "cpu (Triton interpreter)"
-    versions = {"torch": torch.__version__, "triton": cases.triton_version(), "transformers": cases.hf_version(),
-                "liger_kernel": cases.liger_version()}
+    versions = {
+        "torch": torch.__version__,
+        "triton": cases.triton_version(),
+        "transformers": cases.hf_version(),
+        "liger_kernel": cases.liger_version(),
+    }
     results = Results(device=device, versions=versions, copy_gbps=copy_bandwidth(args.smoke))
     print(f"{device} {versions} copy {results.copy_gbps:,.0f} GB/s", flush=True)
     if args.sweep:
@@ -342,8 +382,10 @@ def main() -> int:
         run_graph_phase(results, args.only)
         results.save(args.out)
     for t in results.targets:
-        print(f"{'MET ' if t['met'] else 'MISS'} {t['kernel']:>16} {t['shape']:>22} {t['target']}: "
-              f"{t['measured']} (goal {t['goal']})")
+        print(
+            f"{'MET ' if t['met'] else 'MISS'} {t['kernel']:>16} {t['shape']:>22} {t['target']}: "
+            f"{t['measured']} (goal {t['goal']})"
+        )
     return 0
 
 

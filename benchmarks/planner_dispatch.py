@@ -71,10 +71,19 @@ def main() -> int:
         left = args.budget_s - (time.monotonic() - started)
         print(f"[planner_dispatch] {part} (budget left {left:.0f} s)", flush=True)
         try:
-            proc = subprocess.run([sys.executable, __file__, "--part", part], capture_output=True, text=True, check=False,
-                                  timeout=max(left, 1), env={**os.environ, "PYTHONPATH": str(REPO)})
-            results[part] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {
-                "error": proc.stderr[-2000:]}
+            proc = subprocess.run(
+                [sys.executable, __file__, "--part", part],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=max(left, 1),
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
+            results[part] = (
+                json.loads(proc.stdout.strip().splitlines()[-1])
+                if proc.returncode == 0
+                else {"error": proc.stderr[-2000:]}
+            )
         except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as err:
             results[part] = {"error": f"{type(err).__name__}: {err}"}
         print(f"[planner_dispatch] {part}: {results[part]}", flush=True)
@@ -87,11 +96,15 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "planner-h200-calibration.json").write_text(json.dumps(calibration, indent=2))
-    rows = [f"| {k} | {v} |" for k, v in {**calibration.get("dispatch", {}),
-                                           "gemm_efficiency": calibration.get("gemm_efficiency")}.items()]
+    rows = [
+        f"| {k} | {v} |"
+        for k, v in {**calibration.get("dispatch", {}), "gemm_efficiency": calibration.get("gemm_efficiency")}.items()
+    ]
     (out / "planner-h200-calibration.md").write_text(
         f"# Planner calibration measured on {calibration['device']}\n\n| quantity | value |\n| --- | --- |\n"
-        + "\n".join(rows) + "\n")
+        + "\n".join(rows)
+        + "\n"
+    )
     return 0 if "dispatch" in calibration else 1
 
 

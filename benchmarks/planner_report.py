@@ -66,7 +66,11 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
     for run, row in zip(runs, rows):
         span = knob_range(run)
         row["citation"] = run.citation
-        row["software"] = {"framework": run.framework, "attention": run.attention, "flop_convention": run.flop_convention}
+        row["software"] = {
+            "framework": run.framework,
+            "attention": run.attention,
+            "flop_convention": run.flop_convention,
+        }
         if span:
             published = row["published_tokens_per_s_per_gpu"]
             row["unstated_knob_range"] = [span[0] / published - 1, span[1] / published - 1]
@@ -75,8 +79,12 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
     # Leave-one-source-out: the model is fitted to nothing, so holding a source out changes no parameter and
     # its prediction is the in-sample one.  Computed anyway, from a model built without reading that source.
     loso = {s: signed([r for r in evaluate([x for x in runs if x.source == s], search=False)]) for s in sources}
-    summary: dict[str, Any] = {"all": signed(rows), "per_source": per_source, "leave_one_source_out": loso,
-                               "efficiency": Efficiency().to_dict()}
+    summary: dict[str, Any] = {
+        "all": signed(rows),
+        "per_source": per_source,
+        "leave_one_source_out": loso,
+        "efficiency": Efficiency().to_dict(),
+    }
     summary["deepseek_v3"] = deepseek_v3_check()
     if not skip_speed:
         summary["speed"] = planning_speed(cold_runs, cases=1)
@@ -97,12 +105,22 @@ def deepseek_v3_check() -> dict[str, Any]:
         DeepseekV3Config().save_pretrained(tmp)
         spec = inspect(tmp, config_only=True, seq_len=4096)
     layout = dict(tp=1, pp=16, dp=128, cp=1, ep=64, zero=1, recompute="selective", schedule="1f1b")
-    best = plan_parallel(spec, make_cluster("h800", 2048), Workload(4096, 15360, precision="fp8"), fixed=layout, top_k=1,
-                         efficiency=Efficiency(runtime="megatron", attention="flash3")).best
-    return {"layout": layout, "published_tokens_per_s_per_gpu": published,
-            "predicted_tokens_per_s_per_gpu": best.tokens_per_s_per_gpu,
-            "error": best.tokens_per_s_per_gpu / published - 1, "fits": best.fits,
-            "memory_gib_per_gpu": best.memory_gib_per_gpu}
+    best = plan_parallel(
+        spec,
+        make_cluster("h800", 2048),
+        Workload(4096, 15360, precision="fp8"),
+        fixed=layout,
+        top_k=1,
+        efficiency=Efficiency(runtime="megatron", attention="flash3"),
+    ).best
+    return {
+        "layout": layout,
+        "published_tokens_per_s_per_gpu": published,
+        "predicted_tokens_per_s_per_gpu": best.tokens_per_s_per_gpu,
+        "error": best.tokens_per_s_per_gpu / published - 1,
+        "fits": best.fits,
+        "memory_gib_per_gpu": best.memory_gib_per_gpu,
+    }
 
 
 def _llama_spec():
@@ -122,10 +140,21 @@ def measured_report() -> dict[str, Any]:
     eager = Efficiency(fused_kernels=False)
     anchor = measured[CALIBRATE_FROM]
     calibration = calibration_from_measurements(
-        "NVIDIA H200", environment["matmul_tflops"], 989.0, None,
-        [{"gpus": anchor["gpus"], "layout": dict(MEASURED_LAYOUTS[CALIBRATE_FROM], **COMMON), "seq_len": 2048,
-          "global_batch": anchor["plan"]["global_batch"], "tokens_per_s": anchor["tokens_per_s"],
-          "peak_memory_gib": anchor["peak_memory_gib"]}])
+        "NVIDIA H200",
+        environment["matmul_tflops"],
+        989.0,
+        None,
+        [
+            {
+                "gpus": anchor["gpus"],
+                "layout": dict(MEASURED_LAYOUTS[CALIBRATE_FROM], **COMMON),
+                "seq_len": 2048,
+                "global_batch": anchor["plan"]["global_batch"],
+                "tokens_per_s": anchor["tokens_per_s"],
+                "peak_memory_gib": anchor["peak_memory_gib"],
+            }
+        ],
+    )
     host = REPO / "benchmarks/results/planner-h200-calibration.json"
     if host.is_file():  # the target host's own dispatch costs and GEMM rate, from planner_dispatch.py
         measured_host = json.loads(host.read_text())
@@ -136,17 +165,27 @@ def measured_report() -> dict[str, Any]:
         cluster, workload = make_cluster("h200", got["gpus"]), Workload(2048, got["plan"]["global_batch"])
         fixed = dict(layout, **COMMON)
         before = plan_parallel(spec, cluster, workload, fixed=fixed, top_k=1, efficiency=eager).best
-        after = replan_with_measurements(spec, cluster, workload, calibration, fixed=fixed, top_k=1,
-                                         efficiency=eager).best
-        rows.append({
-            "case": case, "gpus": got["gpus"], "layout": layout, "measured_tokens_per_s": got["tokens_per_s"],
-            "measured_peak_gib": got["peak_memory_gib"], "predicted_gib": before.memory_gib_per_gpu,
-            "before": before.tokens_per_s, "before_error": before.tokens_per_s / got["tokens_per_s"] - 1,
-            "after": after.tokens_per_s, "after_error": after.tokens_per_s / got["tokens_per_s"] - 1,
-            "host_bound_before": before.host_bound, "host_bound_after": after.host_bound,
-            "calibration_input": case == CALIBRATE_FROM,
-            "time_breakdown_before": before.time_breakdown,
-        })
+        after = replan_with_measurements(
+            spec, cluster, workload, calibration, fixed=fixed, top_k=1, efficiency=eager
+        ).best
+        rows.append(
+            {
+                "case": case,
+                "gpus": got["gpus"],
+                "layout": layout,
+                "measured_tokens_per_s": got["tokens_per_s"],
+                "measured_peak_gib": got["peak_memory_gib"],
+                "predicted_gib": before.memory_gib_per_gpu,
+                "before": before.tokens_per_s,
+                "before_error": before.tokens_per_s / got["tokens_per_s"] - 1,
+                "after": after.tokens_per_s,
+                "after_error": after.tokens_per_s / got["tokens_per_s"] - 1,
+                "host_bound_before": before.host_bound,
+                "host_bound_after": after.host_bound,
+                "calibration_input": case == CALIBRATE_FROM,
+                "time_breakdown_before": before.time_breakdown,
+            }
+        )
     return {"calibration": calibration, "rows": rows}
 
 
@@ -175,38 +214,58 @@ def published_markdown(report: dict[str, Any]) -> str:
     ]
     for source, e in s["per_source"].items():
         o = s["leave_one_source_out"][source]
-        lines.append(f"| {source} | {e['rows']} | {e['mean_abs_error']:.1%} | {e['max_abs_error']:.1%} | "
-                     f"{e['mean_signed_error']:+.1%} | {o['mean_abs_error']:.1%} | {o['max_abs_error']:.1%} | "
-                     f"{o['mean_signed_error']:+.1%} |")
-    lines += ["", ("| run | source | layout and knobs | software | published tok/s/GPU | predicted | error | "
-                   "unstated-knob range | chosen mbs / vpp | fits | GiB/GPU | searched plan speed-up |"),
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {source} | {e['rows']} | {e['mean_abs_error']:.1%} | {e['max_abs_error']:.1%} | "
+            f"{e['mean_signed_error']:+.1%} | {o['mean_abs_error']:.1%} | {o['max_abs_error']:.1%} | "
+            f"{o['mean_signed_error']:+.1%} |"
+        )
+    lines += [
+        "",
+        (
+            "| run | source | layout and knobs | software | published tok/s/GPU | predicted | error | "
+            "unstated-knob range | chosen mbs / vpp | fits | GiB/GPU | searched plan speed-up |"
+        ),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in report["rows"]:
         lay = r["layout"]
-        knobs = (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} z{lay['zero']} {lay['recompute']} "
-                 f"sp{lay['sp']} tpo{lay['tp_overlap']} go{lay['grad_overlap']}"
-                 + (f" {lay['split']}" if "split" in lay else ""))
+        knobs = (
+            f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} z{lay['zero']} {lay['recompute']} "
+            f"sp{lay['sp']} tpo{lay['tp_overlap']} go{lay['grad_overlap']}"
+            + (f" {lay['split']}" if "split" in lay else "")
+        )
         span = r.get("unstated_knob_range")
         lines.append(
             f"| {r['run']} | {r['citation']} | {knobs} | {r['software']['framework']}, {r['software']['attention']} "
             f"| {r['published_tokens_per_s_per_gpu']:.0f} | {r['predicted_tokens_per_s_per_gpu']:.0f} | {r['error']:+.1%} "
             f"| {f'{span[0]:+.0%} .. {span[1]:+.0%}' if span else '-'} | {r['chosen']['micro_batch']} / {r['chosen']['vpp']} "
-            f"| {r['fits']} | {r['memory_gib_per_gpu']:.1f} | {r.get('searched_speedup', float('nan')):.2f}x |")
+            f"| {r['fits']} | {r['memory_gib_per_gpu']:.1f} | {r.get('searched_speedup', float('nan')):.2f}x |"
+        )
     d = s["deepseek_v3"]
-    lines += ["", "## Outside the CSV: DeepSeek-V3 on 2048 H800", "",
-              f"Published: 180K H800 GPU-hours per trillion tokens (arXiv 2412.19437, sec. 1) = "
-              f"{d['published_tokens_per_s_per_gpu']:.0f} tokens/s/GPU. Its layout pinned (PP16, EP64, ZeRO-1, no TP, "
-              f"fp8, 1F1B for DualPipe, selective recompute): predicted {d['predicted_tokens_per_s_per_gpu']:.0f}, "
-              f"error {d['error']:+.0%}, {d['memory_gib_per_gpu']:.0f} GiB per GPU ({'fits' if d['fits'] else 'does not fit'}). "
-              "The model does not have DualPipe's overlap of the EP all-to-all with compute, nor its memory savings, "
-              "so this row is reported, not averaged into the errors above."]
+    lines += [
+        "",
+        "## Outside the CSV: DeepSeek-V3 on 2048 H800",
+        "",
+        f"Published: 180K H800 GPU-hours per trillion tokens (arXiv 2412.19437, sec. 1) = "
+        f"{d['published_tokens_per_s_per_gpu']:.0f} tokens/s/GPU. Its layout pinned (PP16, EP64, ZeRO-1, no TP, "
+        f"fp8, 1F1B for DualPipe, selective recompute): predicted {d['predicted_tokens_per_s_per_gpu']:.0f}, "
+        f"error {d['error']:+.0%}, {d['memory_gib_per_gpu']:.0f} GiB per GPU ({'fits' if d['fits'] else 'does not fit'}). "
+        "The model does not have DualPipe's overlap of the EP all-to-all with compute, nor its memory savings, "
+        "so this row is reported, not averaged into the errors above.",
+    ]
     if s.get("speed"):
         case = s["speed"][0]
-        lines += ["", f"## Planning speed (2-core machine shared with other jobs; load average {case['load_average']})", "",
-                  (f"{case['case']}: `adapt plan --no-cache` end to end {case['cli_cold_s']:.2f} s median, "
-                   f"{case['cli_cold_min_s']:.2f} s least of {case['cold_runs']} cold runs; spec cached "
-                   f"{case['cli_cached_s']:.2f} s; search alone {case['plan_s']:.2f} s over {case['layouts_scored']:,} "
-                   "layouts.")]
+        lines += [
+            "",
+            f"## Planning speed (2-core machine shared with other jobs; load average {case['load_average']})",
+            "",
+            (
+                f"{case['case']}: `adapt plan --no-cache` end to end {case['cli_cold_s']:.2f} s median, "
+                f"{case['cli_cold_min_s']:.2f} s least of {case['cold_runs']} cold runs; spec cached "
+                f"{case['cli_cached_s']:.2f} s; search alone {case['plan_s']:.2f} s over {case['layouts_scored']:,} "
+                "layouts."
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -221,8 +280,12 @@ def measured_markdown(report: dict[str, Any]) -> str:
         "",
         "Before calibration: the physical model with the build machine's host costs. After: a calibration made from the "
         f"1-GPU run only (its tokens/s; gemm_efficiency {cal.get('gemm_efficiency', 0):.3f}; host dispatch costs "
-        + (f"measured on the GPU host {cal['dispatch']}" if cal.get("dispatch") else
-           "not yet measured on the GPU host, so the build machine's stand") + "); the 2-GPU rows after calibration "
+        + (
+            f"measured on the GPU host {cal['dispatch']}"
+            if cal.get("dispatch")
+            else "not yet measured on the GPU host, so the build machine's stand"
+        )
+        + "); the 2-GPU rows after calibration "
         "are predictions. Targets: within 15 % before, within 5 % after.",
         "",
         "| case | GPUs | measured tok/s | before | error | host-bound | after | error | measured / predicted GiB |",
@@ -232,19 +295,26 @@ def measured_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['case']}{' (calibration input)' if r['calibration_input'] else ''} | {r['gpus']} "
             f"| {r['measured_tokens_per_s']:,.0f} | {r['before']:,.0f} | {r['before_error']:+.1%} | {r['host_bound_before']} "
-            f"| {r['after']:,.0f} | {r['after_error']:+.1%} | {r['measured_peak_gib']:.1f} / {r['predicted_gib']:.1f} |")
+            f"| {r['after']:,.0f} | {r['after_error']:+.1%} | {r['measured_peak_gib']:.1f} / {r['predicted_gib']:.1f} |"
+        )
     worst_before = max(abs(r["before_error"]) for r in report["rows"])
     worst_after = max(abs(r["after_error"]) for r in report["rows"])
     lines += ["", f"Worst |error|: {worst_before:.1%} before, {worst_after:.1%} after calibration."]
     missed = [r for r in report["rows"] if abs(r["after_error"]) > 0.05]
     if missed:
-        lines += ["", "Beyond 5 % after calibration: " + ", ".join(
-            f"{r['case']} ({r['after_error']:+.0%}{', host-bound' if r['host_bound_after'] else ''})" for r in missed)
+        lines += [
+            "",
+            "Beyond 5 % after calibration: "
+            + ", ".join(
+                f"{r['case']} ({r['after_error']:+.0%}{', host-bound' if r['host_bound_after'] else ''})"
+                for r in missed
+            )
             + ". A 1-GPU run calibrates compute only; host-bound layouts (DTensor TP) move with the GPU host's own "
             "dispatch costs, which `benchmarks/planner_dispatch.py` measures in one command"
             + ("" if cal.get("dispatch") else " (not yet run)")
             + ". Context parallelism is slower than any modelled term explains (ring attention is hidden behind "
-            "attention in the model, and the run is not host-bound at the build machine's costs)."]
+            "attention in the model, and the run is not host-bound at the build machine's costs).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -266,8 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         measured = measured_report()
         (out / "planner-measured.json").write_text(json.dumps(measured, indent=2, default=str))
         (out / "planner-measured.md").write_text(measured_markdown(measured))
-        print(json.dumps([(r["case"], round(r["before_error"], 3), round(r["after_error"], 3)) for r in measured["rows"]]),
-              flush=True)
+        print(
+            json.dumps(
+                [(r["case"], round(r["before_error"], 3), round(r["after_error"], 3)) for r in measured["rows"]]
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -23,20 +23,48 @@ from pathlib import Path
 # Full-size shapes (the public configs' widths) and rehearsal widths for the CPU.
 MODELS: dict[str, dict] = {
     "llama-1b": dict(
-        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072,
-        rope_theta=500000.0, rms_norm_eps=1e-5,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     ),
     "qwen2-0.5b": dict(
-        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6,
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
     ),
 }
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=512, max_position_embeddings=256)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+)
 
 
 def build_checkpoint(name: str, root: Path, tiny: bool, device: str) -> Path:
@@ -80,9 +108,14 @@ def run_one(name: str, checkpoint: Path, out: Path, device: str, budget_s: float
     if (run_dir / "report.html").is_file():
         with tarfile.open(out / f"{tag}-html.tar.gz", "w:gz") as tar:
             tar.add(run_dir / "report.html", arcname=f"{tag}.html")
-    return {"model": name, "command": " ".join(command[1:]), "exit_code": code, "wall_s": round(wall, 1),
-            "verdict_lines": [ln for ln in stdout.splitlines() if ln[:1] in "✓✗!⏸–…" or "exit" in ln],
-            "stderr_tail": stderr[-1000:]}
+    return {
+        "model": name,
+        "command": " ".join(command[1:]),
+        "exit_code": code,
+        "wall_s": round(wall, 1),
+        "verdict_lines": [ln for ln in stdout.splitlines() if ln[:1] in "✓✗!⏸–…" or "exit" in ln],
+        "stderr_tail": stderr[-1000:],
+    }
 
 
 def main() -> int:

@@ -84,10 +84,26 @@ MODELS = {
         model_type="llama",
         title="the Llama-3.2-1B shape",
         file_stem="validation-h200",
-        full={"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-              "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 8192},
-        tiny={"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 512},
+        full={
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 8192,
+        },
+        tiny={
+            "hidden_size": 64,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 512,
+        },
         sizes=StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=500),
         tiny_sizes=_TINY_SIZES,
         ops_limit_s=240,
@@ -97,14 +113,38 @@ MODELS = {
         model_type="qwen3_moe",
         title="a reduced Qwen3-30B-A3B shape ({num_hidden_layers} routed layers, {num_experts} experts top-{num_experts_per_tok})",
         file_stem="validation-moe-h200",
-        full={"hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 3, "num_attention_heads": 32,
-              "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
-              "tie_word_embeddings": False, "max_position_embeddings": 8192},
-        tiny={"hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
-              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 512,
-              "tie_word_embeddings": False, "max_position_embeddings": 512},
+        full={
+            "hidden_size": 2048,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 8192,
+        },
+        tiny={
+            "hidden_size": 64,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": 512,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 512,
+        },
         # Training 2.5 B parameters at 4 x 2048 tokens; the soak writes two DCP checkpoints of
         # bf16 weights + AdamW state (about 15 GB each), so it is kept to 100 steps at 256 tokens.
         sizes=StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=100),
@@ -140,7 +180,9 @@ def make_checkpoint(path: Path, model_type: str, fields: dict[str, Any], device:
     facts = {
         "parameters": sum(p.numel() for p in model.parameters()),
         # what the unadapted ("eager") model runs its experts with on this device
-        "experts_implementation": getattr(model.config, "_experts_implementation", None) if fields.get("num_experts") else None,
+        "experts_implementation": getattr(model.config, "_experts_implementation", None)
+        if fields.get("num_experts")
+        else None,
     }
     del model
     return facts
@@ -215,13 +257,24 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", choices=sorted(MODELS), default="llama-1b")
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal at tiny width")
-    parser.add_argument("--soak-steps", type=int, default=None, help="default: 500 (llama-1b), 100 (qwen3-moe), 20 (--tiny)")
+    parser.add_argument(
+        "--soak-steps", type=int, default=None, help="default: 500 (llama-1b), 100 (qwen3-moe), 20 (--tiny)"
+    )
     parser.add_argument("--bench-steps", type=int, default=5, help="timed training steps per variant in the bench")
-    parser.add_argument("--unpatched", nargs="*", default=[], metavar="KIND",
-                        help="component kinds the kernel plan leaves as traced (to isolate what a patch costs or saves)")
+    parser.add_argument(
+        "--unpatched",
+        nargs="*",
+        default=[],
+        metavar="KIND",
+        help="component kinds the kernel plan leaves as traced (to isolate what a patch costs or saves)",
+    )
     parser.add_argument("--skip", nargs="*", default=[], choices=STAGES, help="stages to skip")
-    parser.add_argument("--ops-limit", type=int, default=None,
-                        help="seconds allowed for the operators stage (default 240 llama-1b, 300 qwen3-moe)")
+    parser.add_argument(
+        "--ops-limit",
+        type=int,
+        default=None,
+        help="seconds allowed for the operators stage (default 240 llama-1b, 300 qwen3-moe)",
+    )
     args = parser.parse_args()
     chosen = MODELS[args.model]
     out = Path(args.out)
@@ -239,8 +292,14 @@ def main() -> int:
     from validators.throughput import BenchOptions, bench
 
     title = chosen.title.format(**fields) + (" at tiny width" if args.tiny else "")
-    results: dict = {"model": args.model, "title": title, "shape": fields,
-                     "device": device, "argv": sys.argv[1:], "moe_blocks": moe_blocks}
+    results: dict = {
+        "model": args.model,
+        "title": title,
+        "shape": fields,
+        "device": device,
+        "argv": sys.argv[1:],
+        "moe_blocks": moe_blocks,
+    }
     run = Run(out, chosen.file_stem, moe_blocks > 0, results)
     start = time.perf_counter()
     ckpt_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"{args.model}-shape"
@@ -252,6 +311,7 @@ def main() -> int:
         run.stage("environment", lambda: check_environment(precision="bf16", device=device).to_dict())
     plan = None
     if "ops" not in args.skip:
+
         def ops():
             nonlocal plan
             from operators import run_ops
@@ -262,12 +322,28 @@ def main() -> int:
                 if choice.kind in args.unpatched and choice.patch:
                     choice.patch, choice.note = False, "left as traced (--unpatched)"
             reused = sum("probed on" in c.evidence for c in report.recognition.components)
-            components = [{"module": c.module, "kind": c.kind, "status": c.status, "patch": c.patch, "provider": c.provider,
-                           "kernel": c.kernel, "confirmed": c.confirmed, "note": c.note} for c in plan.components]
-            return {"components": components, "run_ops_s": report.seconds, "trace_s": report.inventory.seconds,
-                    "probe_verdicts_reused": reused, "providers": plan.providers,
-                    "patch_check": dataclasses.asdict(report.patch_check) if report.patch_check.ran else None,
-                    "moe": moe_summary(plan, components, moe_blocks)}
+            components = [
+                {
+                    "module": c.module,
+                    "kind": c.kind,
+                    "status": c.status,
+                    "patch": c.patch,
+                    "provider": c.provider,
+                    "kernel": c.kernel,
+                    "confirmed": c.confirmed,
+                    "note": c.note,
+                }
+                for c in plan.components
+            ]
+            return {
+                "components": components,
+                "run_ops_s": report.seconds,
+                "trace_s": report.inventory.seconds,
+                "probe_verdicts_reused": reused,
+                "providers": plan.providers,
+                "patch_check": dataclasses.asdict(report.patch_check) if report.patch_check.ran else None,
+                "moe": moe_summary(plan, components, moe_blocks),
+            }
 
         run.stage("operators", ops, limit_s=args.ops_limit or chosen.ops_limit_s)
     if "align" not in args.skip:
@@ -283,13 +359,27 @@ def main() -> int:
         run.stage("alignment", alignment, runs_adapted_model=True)
         if moe_blocks:  # float32 rounding decides every expert choice: each token judged, layer by layer
             fp32_options = dataclasses.replace(options, seed=None)
-            run.stage("alignment_fp32", lambda: align(src, plan, dtype="fp32", device=device, options=fp32_options).to_dict(),
-                      runs_adapted_model=True)
+            run.stage(
+                "alignment_fp32",
+                lambda: align(src, plan, dtype="fp32", device=device, options=fp32_options).to_dict(),
+                runs_adapted_model=True,
+            )
     if "bench" not in args.skip:
-        options = BenchOptions(dtype="bf16", seq_len=sizes.bench_seq, batch=sizes.bench_batch, steps=args.bench_steps, warmup=2, decode_tokens=16)
+        options = BenchOptions(
+            dtype="bf16",
+            seq_len=sizes.bench_seq,
+            batch=sizes.bench_batch,
+            steps=args.bench_steps,
+            warmup=2,
+            decode_tokens=16,
+        )
         run.stage("bench", lambda: bench(src, plan, device=device, options=options).to_dict(), runs_adapted_model=True)
     if "soak" not in args.skip:
-        run.stage("soak", lambda: _soak(soak, src, plan, device, soak_steps, sizes.soak_seq, sizes.soak_batch), runs_adapted_model=True)
+        run.stage(
+            "soak",
+            lambda: _soak(soak, src, plan, device, soak_steps, sizes.soak_seq, sizes.soak_batch),
+            runs_adapted_model=True,
+        )
     print(render_markdown(results))
     return 0
 
@@ -298,8 +388,18 @@ def _soak(soak, src, plan, device, steps, seq, batch) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory() as ckpt_dir:
-        report = soak(src, plan, steps=steps, ckpt_every=steps // 2, device=device, dtype="bf16", seq_len=seq,
-                      batch_size=batch, ckpt_dir=ckpt_dir, deterministic=False).to_dict()
+        report = soak(
+            src,
+            plan,
+            steps=steps,
+            ckpt_every=steps // 2,
+            device=device,
+            dtype="bf16",
+            seq_len=seq,
+            batch_size=batch,
+            ckpt_dir=ckpt_dir,
+            deterministic=False,
+        ).to_dict()
     report["step_time_s"] = [s["step_time_s"] for s in report["steps"]]
     report["allocated_bytes"] = [s["allocated_bytes"] for s in report["steps"]]
     report["reserved_bytes"] = [s["reserved_bytes"] for s in report["steps"]]
@@ -317,9 +417,14 @@ def moe_summary(plan, components: list[dict[str, Any]], expected: int) -> dict[s
     moe = [c for c in components if c["kind"] == "moe"]
     patched = [c for c in moe if c["patch"]]
     by_kernel = Counter(f"{c['provider']}/{c['kernel']}" for c in patched)
-    others = [{**{k: c[k] for k in ("module", "provider", "kernel", "status", "confirmed", "note")},
-               "variant_refused": unsupported_reason(plan.component(c["module"], "moe").variant, training)}
-              for c in moe if not (c["patch"] and c["provider"] == MOE_PROVIDER)]
+    others = [
+        {
+            **{k: c[k] for k in ("module", "provider", "kernel", "status", "confirmed", "note")},
+            "variant_refused": unsupported_reason(plan.component(c["module"], "moe").variant, training),
+        }
+        for c in moe
+        if not (c["patch"] and c["provider"] == MOE_PROVIDER)
+    ]
     return {
         "provider_status": plan.providers.get(MOE_PROVIDER, "not registered"),
         "expected_blocks": expected,
@@ -336,6 +441,7 @@ def moe_summary(plan, components: list[dict[str, Any]], expected: int) -> dict[s
 # Markdown
 # ---------------------------------------------------------------------------------------------
 
+
 def summarise_notes(notes: list[str]) -> list[str]:
     """Notes as Markdown list items (the patch note already counts modules per kernel)."""
     return [f"- {note}" for note in notes]
@@ -347,29 +453,54 @@ def _moe_lines(r: dict) -> list[str]:
         return []
     moe = r.get("operators", {}).get("moe")
     if moe is None:
-        return [(f"**MoE blocks: no kernel plan** (operators stage skipped or failed): "
-                 f"the {r['moe_blocks']} routed blocks ran HF's own code."), ""]
+        return [
+            (
+                f"**MoE blocks: no kernel plan** (operators stage skipped or failed): "
+                f"the {r['moe_blocks']} routed blocks ran HF's own code."
+            ),
+            "",
+        ]
     kernels = ", ".join(f"{n}× {k}" for k, n in moe["patched_by_kernel"].items()) or "none"
-    lines = [(f"MoE blocks: {moe['expected_blocks']} routed blocks in the model; {moe['recognised']} recognised as `moe` "
-              f"({moe['confirmed']} confirmed); kernel plan patched {moe['patched']}: {kernels}.")]
+    lines = [
+        (
+            f"MoE blocks: {moe['expected_blocks']} routed blocks in the model; {moe['recognised']} recognised as `moe` "
+            f"({moe['confirmed']} confirmed); kernel plan patched {moe['patched']}: {kernels}."
+        )
+    ]
     if moe["all_on_adapt_kernel"]:
-        lines.append(f"Every MoE block is planned on {MOE_PROVIDER}'s routed-MoE Triton path "
-                     "(route, permute, grouped GEMM, GLU, weighted unpermute).")
+        lines.append(
+            f"Every MoE block is planned on {MOE_PROVIDER}'s routed-MoE Triton path "
+            "(route, permute, grouped GEMM, GLU, weighted unpermute)."
+        )
     else:
         missing = moe["expected_blocks"] - moe["recognised"]
-        lines.append(f"**The plan did NOT choose {MOE_PROVIDER} for every MoE block**"
-                     + (f": {missing} routed block(s) were not recognised as `moe`" if missing > 0 else "") + ".")
+        lines.append(
+            f"**The plan did NOT choose {MOE_PROVIDER} for every MoE block**"
+            + (f": {missing} routed block(s) were not recognised as `moe`" if missing > 0 else "")
+            + "."
+        )
         lines.append(f"{MOE_PROVIDER} on this device: {moe['provider_status']}.")
-        lines += [f"- {c['module']}: {c['provider']}/{c['kernel']} ({c['status']}{', unconfirmed' if not c['confirmed'] else ''})"
-                  + (f"; note: {c['note']}" if c["note"] else "")
-                  + (f"; adapt's MoE kernels refuse this variant: {c['variant_refused']}" if c["variant_refused"] else "")
-                  for c in moe["not_on_adapt_kernel"]]
-    calls = {name: r[name]["moe_kernel_calls"] for name in ("alignment", "alignment_fp32", "bench", "soak") if "moe_kernel_calls" in r.get(name, {})}
+        lines += [
+            f"- {c['module']}: {c['provider']}/{c['kernel']} ({c['status']}{', unconfirmed' if not c['confirmed'] else ''})"
+            + (f"; note: {c['note']}" if c["note"] else "")
+            + (f"; adapt's MoE kernels refuse this variant: {c['variant_refused']}" if c["variant_refused"] else "")
+            for c in moe["not_on_adapt_kernel"]
+        ]
+    calls = {
+        name: r[name]["moe_kernel_calls"]
+        for name in ("alignment", "alignment_fp32", "bench", "soak")
+        if "moe_kernel_calls" in r.get(name, {})
+    }
     if calls:
-        lines.append(f"Calls of adapt's `{MOE_ROUTE_KERNEL}` kernel (once per MoE block forward): "
-                     + ", ".join(f"{name} {n:,}" for name, n in calls.items())
-                     + ("" if all(calls.values()) else
-                        " — **zero in a stage that ran the adapted model: adapt's MoE kernel did not run there**"))
+        lines.append(
+            f"Calls of adapt's `{MOE_ROUTE_KERNEL}` kernel (once per MoE block forward): "
+            + ", ".join(f"{name} {n:,}" for name, n in calls.items())
+            + (
+                ""
+                if all(calls.values())
+                else " — **zero in a stage that ran the adapted model: adapt's MoE kernel did not run there**"
+            )
+        )
     return lines + [""]
 
 
@@ -380,8 +511,10 @@ def _judged_tokens(excluded: int) -> list[str]:
         return []
     line = f"tokens judged at the logits: {tokens - excluded} of {tokens} ({excluded} had an expert choice undecidable in bf16)"
     if 2 * excluded > tokens:
-        line = (f"**{line}: the per-tensor verdict past the first routed block rests on few tokens; the loss parity "
-                "(every token) and the float32 patch check (identical routing) are what test the MoE path**")
+        line = (
+            f"**{line}: the per-tensor verdict past the first routed block rests on few tokens; the loss parity "
+            "(every token) and the float32 patch check (identical routing) are what test the MoE path**"
+        )
     return [line]
 
 
@@ -394,18 +527,28 @@ def _alignment_lines(al: dict, dtype: str) -> list[str]:
         return []
     worst = max(al["layers"], key=lambda l: l["rel_err"] or 0)
     grads = al["gradients"]
-    lines = [f"## Alignment ({dtype} candidate on the device vs CPU reference)", "",
-             (f"reference {al['reference_dtype']}; passed **{al['passed']}**; first divergent: {al['first_divergent']}; "
-              f"{sum(l['passed'] for l in al['layers'])}/{len(al['layers'])} tensors and "
-              f"{sum(g['passed'] for g in grads)}/{len(grads)} gradients within limits; worst tensor {worst['name']} "
-              f"rel_err {worst['rel_err']:.3g} (cosine {worst['cosine']:.6f}, err_ratio {worst['err_ratio']:.3g})"), ""]
+    lines = [
+        f"## Alignment ({dtype} candidate on the device vs CPU reference)",
+        "",
+        (
+            f"reference {al['reference_dtype']}; passed **{al['passed']}**; first divergent: {al['first_divergent']}; "
+            f"{sum(l['passed'] for l in al['layers'])}/{len(al['layers'])} tensors and "
+            f"{sum(g['passed'] for g in grads)}/{len(grads)} gradients within limits; worst tensor {worst['name']} "
+            f"rel_err {worst['rel_err']:.3g} (cosine {worst['cosine']:.6f}, err_ratio {worst['err_ratio']:.3g})"
+        ),
+        "",
+    ]
     logits = next((l for l in al["layers"] if l["name"] == "logits"), None)
     if logits:
-        lines.append(f"logits: cosine {logits['cosine']:.6f}, rel_err {logits['rel_err']:.3g}, err_ratio {logits['err_ratio']:.3g}")
+        lines.append(
+            f"logits: cosine {logits['cosine']:.6f}, rel_err {logits['rel_err']:.3g}, err_ratio {logits['err_ratio']:.3g}"
+        )
         lines += _judged_tokens(logits["excluded_tokens"])
     if al.get("parity"):
         p = al["parity"]
-        lines.append(f"loss parity over {p['steps']} steps: max relative difference {p['max_rel_diff']:.3g} (tolerance {p['tolerance']})")
+        lines.append(
+            f"loss parity over {p['steps']} steps: max relative difference {p['max_rel_diff']:.3g} (tolerance {p['tolerance']})"
+        )
     return [*lines, "", "notes:", *summarise_notes(al["notes"]), ""]
 
 
@@ -417,42 +560,77 @@ def render_markdown(r: dict) -> str:
         lines += [f"Unadapted model's experts: transformers `{r['experts_implementation']}`", ""]
     env = r.get("environment", {})
     if "versions" in env:
-        lines += [f"Versions: `{json.dumps(env['versions'])}`", "",
-                  (f"Devices: {', '.join(d['name'] + ' sm_' + d['capability'] for d in env['devices']) or 'none'}; "
-                  f"copy {env['copy_gbps']:.0f} GB/s, {env['matmul_dtype']} matmul {env['matmul_tflops']:.1f} TFLOP/s; "
-                  + (f"NCCL all-reduce {env['allreduce_gbps']:.0f} GB/s bus bandwidth; " if env.get("allreduce_gbps") else "") +
-                  f"problems: {env['problems'] or 'none'}; not checked: {env['unchecked'] or 'nothing'}"), ""]
+        lines += [
+            f"Versions: `{json.dumps(env['versions'])}`",
+            "",
+            (
+                f"Devices: {', '.join(d['name'] + ' sm_' + d['capability'] for d in env['devices']) or 'none'}; "
+                f"copy {env['copy_gbps']:.0f} GB/s, {env['matmul_dtype']} matmul {env['matmul_tflops']:.1f} TFLOP/s; "
+                + (
+                    f"NCCL all-reduce {env['allreduce_gbps']:.0f} GB/s bus bandwidth; "
+                    if env.get("allreduce_gbps")
+                    else ""
+                )
+                + f"problems: {env['problems'] or 'none'}; not checked: {env['unchecked'] or 'nothing'}"
+            ),
+            "",
+        ]
     ops = r.get("operators", {})
     if "components" in ops:
         patched = [c for c in ops["components"] if c["patch"]]
         by_kernel = Counter(f"{c['provider']}/{c['kernel']}" for c in patched if "provider" in c)
-        lines += [f"Kernel plan: {len(patched)} of {len(ops['components'])} components patched"
-                  + (": " + ", ".join(f"{n}× {k}" for k, n in by_kernel.most_common()) if by_kernel else ""), ""]
+        lines += [
+            f"Kernel plan: {len(patched)} of {len(ops['components'])} components patched"
+            + (": " + ", ".join(f"{n}× {k}" for k, n in by_kernel.most_common()) if by_kernel else ""),
+            "",
+        ]
         check = ops.get("patch_check")
         if check:
-            lines += [(f"Patch check (float32, patched vs unpatched model, same weights and tokens): passed **{check['passed']}**; "
-                       f"logits max abs diff {check['logits_max_abs_diff']:.3g}, gradient max rel diff {check['grad_max_rel_diff']:.3g}, "
-                       f"{check['patched_modules']} modules patched, state dict unchanged {check['state_dict_unchanged']}, "
-                       f"reverted exactly {check['reverted_exactly']}"), ""]
+            lines += [
+                (
+                    f"Patch check (float32, patched vs unpatched model, same weights and tokens): passed **{check['passed']}**; "
+                    f"logits max abs diff {check['logits_max_abs_diff']:.3g}, gradient max rel diff {check['grad_max_rel_diff']:.3g}, "
+                    f"{check['patched_modules']} modules patched, state dict unchanged {check['state_dict_unchanged']}, "
+                    f"reverted exactly {check['reverted_exactly']}"
+                ),
+                "",
+            ]
     lines += _moe_lines(r)
     for name, dtype in (("alignment", "bf16"), ("alignment_fp32", "fp32")):
         lines += _alignment_lines(r.get(name, {}), dtype)
     be = r.get("bench", {})
     if "variants" in be:
-        lines += ["## Throughput", "", (f"{be['device_name']}, {be['dtype']}, batch {be['batch']} x {be['seq_len']} tokens, "
-                  f"peak {be['peak_flops'] / 1e12:.0f} TFLOP/s ({be['peak_flops_basis']}), train FLOPs/token {be['train_flops_per_token']:.4g}"), "",
-                  "| variant | train tokens/s | MFU | prefill tokens/s | decode tokens/s | peak memory GiB |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## Throughput",
+            "",
+            (
+                f"{be['device_name']}, {be['dtype']}, batch {be['batch']} x {be['seq_len']} tokens, "
+                f"peak {be['peak_flops'] / 1e12:.0f} TFLOP/s ({be['peak_flops_basis']}), train FLOPs/token {be['train_flops_per_token']:.4g}"
+            ),
+            "",
+            "| variant | train tokens/s | MFU | prefill tokens/s | decode tokens/s | peak memory GiB |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for v in be["variants"]:
-            lines.append(f"| {v['name']} | {v['train_tokens_per_s']:,.0f} | {v['mfu'] * 100:.1f}% | {v['prefill_tokens_per_s']:,.0f} | "
-                         f"{v['decode_tokens_per_s']:,.0f} | {v['peak_memory_bytes'] / 2**30:.1f} |")
+            lines.append(
+                f"| {v['name']} | {v['train_tokens_per_s']:,.0f} | {v['mfu'] * 100:.1f}% | {v['prefill_tokens_per_s']:,.0f} | "
+                f"{v['decode_tokens_per_s']:,.0f} | {v['peak_memory_bytes'] / 2**30:.1f} |"
+            )
         lines += ["", "notes:", *summarise_notes(be["notes"]), ""]
     so = r.get("soak", {})
     if "losses" in so:
         losses = so["losses"]
-        lines += ["## Soak", "", (f"{so['steps_done']}/{so['steps_planned']} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-                  f"finite {so['loss_finite']}, step-time CV {so['step_time_cv']:.3f}, drift {so['step_time_drift']:.3f}, "
-                  f"memory slope {so['memory_slope_bytes_per_step']:.1f} B/step, leak {so['leak']}, checkpoints at {so['checkpoints']}; "
-                  f"passed **{so['passed']}**"), ""]
+        lines += [
+            "## Soak",
+            "",
+            (
+                f"{so['steps_done']}/{so['steps_planned']} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                f"finite {so['loss_finite']}, step-time CV {so['step_time_cv']:.3f}, drift {so['step_time_drift']:.3f}, "
+                f"memory slope {so['memory_slope_bytes_per_step']:.1f} B/step, leak {so['leak']}, checkpoints at {so['checkpoints']}; "
+                f"passed **{so['passed']}**"
+            ),
+            "",
+        ]
     stage_names = ("environment", "operators", "alignment", "alignment_fp32", "bench", "soak")
     stage_times = {name: r[name]["wall_s"] for name in stage_names if "wall_s" in r.get(name, {})}
     if stage_times:

@@ -39,19 +39,20 @@ from transformers import AutoConfig
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from x8_calibration import calibrate  # noqa: E402  (beside this script)
+
 from adapt.core.errors import BadInput
 from adapt.model.intake import build_spec, inspect, load_model, resolve_source
-from parallel_planner.calibration import load_calibration
-from parallel_planner.catalog import gpu_type
-from parallel_planner.cluster import make_cluster
 from adapt.runtime import checkpoint
 from adapt.runtime.runner import init_distributed, prepare
 from adapt.runtime.trainer import TrainConfig, set_determinism
+from parallel_planner.calibration import load_calibration
+from parallel_planner.catalog import gpu_type
+from parallel_planner.cluster import make_cluster
 from parallel_planner.plan import ParallelPlan
 from parallel_planner.profile import profile_model
 from parallel_planner.search import plan_parallel
 from parallel_planner.workload import Workload
-from x8_calibration import calibrate  # noqa: E402  (beside this script)
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -285,7 +286,9 @@ def rel_error(predicted: float, measured: float | None) -> float | None:
 def layout_name(plan: dict) -> str:
     parts = [f"{k.upper()}{plan[k]}" for k in ("pp", "tp", "cp") if plan[k] > 1]
     if plan["ep"] > 1:  # experts borrow the data-parallel ranks: ep-way sharded, dp/ep-way replicated
-        parts.append(f"EP{plan['ep']}" + (f" (expert-DP {plan['dp'] // plan['ep']})" if plan["dp"] > plan["ep"] else ""))
+        parts.append(
+            f"EP{plan['ep']}" + (f" (expert-DP {plan['dp'] // plan['ep']})" if plan["dp"] > plan["ep"] else "")
+        )
     parts.append(f"FSDP{plan['dp']} ZeRO-{plan['zero']}" if plan["dp"] > 1 else "")
     extra = [f"mbs{plan['micro_batch']}", f"ga{plan['grad_accum']}"]
     if plan["pp"] > 1:
@@ -424,7 +427,11 @@ def markdown(report: dict) -> str:
                     f" {max(m.get('peak_memory_gib_per_rank') or [0]):.1f} ({pr['memory_gib_per_gpu']:.1f}) |"
                     f" {_pct(e.get('prediction_error', {}).get('tokens_per_s'))} | {_pct(cal.get('error_after'))} |")  # fmt: skip
         lines.append(row)
-    moved = [e["parity"]["reference_weights_moved"] for e in report["layouts"].values() if "same_initial_weights" in e["parity"]]
+    moved = [
+        e["parity"]["reference_weights_moved"]
+        for e in report["layouts"].values()
+        if "same_initial_weights" in e["parity"]
+    ]
     if moved:
         same = all(e["parity"].get("same_initial_weights") for e in report["layouts"].values())
         lines += ["", (f"Initial weights: {'bitwise identical to' if same else '**different from**'} the reference's in "

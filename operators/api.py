@@ -77,7 +77,9 @@ class OpsReport:
         out = []
         for c in self.plan.components:
             if c.kind == "new":
-                out.append({"module": c.module, "ops": c.variant.get("ops", []), "status": c.status, "kernel": c.kernel})
+                out.append(
+                    {"module": c.module, "ops": c.variant.get("ops", []), "status": c.status, "kernel": c.kernel}
+                )
         listed = {item["module"] for item in out}
         for r in self.recognition.rejected:  # look-alikes: each one's entry says why no kind claimed it
             entry = {"rejected_candidate": r["candidate"], "reason": r["reason"]}
@@ -96,11 +98,31 @@ class OpsReport:
                 "tracer": self.inventory.tracer,
                 "traced_blocks": self.inventory.traced_blocks,
                 "components": [
-                    {"module": c.module, "kind": c.kind, "provider": c.provider, "kernel": c.kernel, "status": c.status, "confirmed": c.confirmed, "variant": c.variant, "note": c.note,
-                     "timings_ms": c.timings, "margin": c.margin}
+                    {
+                        "module": c.module,
+                        "kind": c.kind,
+                        "provider": c.provider,
+                        "kernel": c.kernel,
+                        "status": c.status,
+                        "confirmed": c.confirmed,
+                        "variant": c.variant,
+                        "note": c.note,
+                        "timings_ms": c.timings,
+                        "margin": c.margin,
+                    }
                     for c in self.plan.components
                 ],
-                "ops": [{"overload": o.overload, "count": o.count, "status": o.status, "core": o.core, "replacement": o.replacement, "modules": o.modules} for o in self.plan.ops],
+                "ops": [
+                    {
+                        "overload": o.overload,
+                        "count": o.count,
+                        "status": o.status,
+                        "core": o.core,
+                        "replacement": o.replacement,
+                        "modules": o.modules,
+                    }
+                    for o in self.plan.ops
+                ],
                 "coverage": self.plan.coverage(),
                 "new": self.new(),
                 "onnx": self.onnx,
@@ -115,7 +137,9 @@ class OpsReport:
         )
 
 
-def build_inventory(model_or_spec: Any, *, seq_len: int = 24, backward: bool = True, trust_remote_code: bool = False) -> OpInventory:
+def build_inventory(
+    model_or_spec: Any, *, seq_len: int = 24, backward: bool = True, trust_remote_code: bool = False
+) -> OpInventory:
     """Trace a model: real weights -> forward+backward ATen inventory; meta -> one block per structure.
 
     Accepts an ``nn.Module``, a ``ModelSource``, or a ``ModelSpec`` (its ``source`` is re-read config-only).
@@ -158,10 +182,16 @@ def run_ops(
 
     start = time.perf_counter()
     phases: dict[str, float] = {}
-    source = resolve_source(str(src), config_only=config_only, trust_remote_code=trust_remote_code) if isinstance(src, (str, Path)) else src
+    source = (
+        resolve_source(str(src), config_only=config_only, trust_remote_code=trust_remote_code)
+        if isinstance(src, (str, Path))
+        else src
+    )
     label = getattr(source, "text", str(src))
     prof = profile if isinstance(profile, BackendProfile) else load_profile(profile)
-    tgt = target or Target.here(dtype="bfloat16" if torch.cuda.is_available() else "float32")  # what adapt run trains in
+    tgt = target or Target.here(
+        dtype="bfloat16" if torch.cuda.is_available() else "float32"
+    )  # what adapt run trains in
     out = Path(out_dir) if out_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -174,10 +204,21 @@ def run_ops(
             recognition = recognise(model, inventory, probe=False)
         with _phase(phases, "plan"):
             plan = plan_kernels(inventory, recognition, prof, tgt, compile_mode=compile_mode)
-        report = OpsReport(label, prof, tgt, inventory, recognition, plan, None, patch_check=PatchCheck(False, note="config-only: no weights"))
+        report = OpsReport(
+            label,
+            prof,
+            tgt,
+            inventory,
+            recognition,
+            plan,
+            None,
+            patch_check=PatchCheck(False, note="config-only: no weights"),
+        )
     else:
         with _phase(phases, "load"):
-            model = load_model(source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu")
+            model = load_model(
+                source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu"
+            )
         with _phase(phases, "trace"):
             inventory = trace_model(model)
         with _phase(phases, "recognise"):
@@ -190,7 +231,9 @@ def run_ops(
         if onnx:
             with _phase(phases, "onnx"):
                 onnx_report, onnx_blocks = _onnx(model, inventory, out)
-        report = OpsReport(label, prof, tgt, inventory, recognition, plan, onnx_report, generated, onnx_blocks=onnx_blocks)
+        report = OpsReport(
+            label, prof, tgt, inventory, recognition, plan, onnx_report, generated, onnx_blocks=onnx_blocks
+        )
         with _phase(phases, "patch_check"):
             report.patch_check = check_kernel_plan(model, plan) if check_patch else PatchCheck(False, note="skipped")
     report.seconds = time.perf_counter() - start
@@ -352,7 +395,9 @@ def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -
         calls = handle.attention_calls()
         fusion = handle.residual_fusion()
         patched = len(handle.patched)
-        unchanged = model.state_dict().keys() == before.keys() and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        unchanged = model.state_dict().keys() == before.keys() and all(
+            torch.equal(before[k], v) for k, v in model.state_dict().items()
+        )
     finally:
         handle.revert()
     again, _ = _forward_backward(model, ids, training)
@@ -361,17 +406,32 @@ def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -
     # KeyError; a gradient that is zero in truth is judged against the model's largest gradient, not 1e-12.
     floor = 1e-6 * max((float(g.abs().max()) for g in ref_grads.values()), default=0.0) or 1e-12
     missing = set(ref_grads) - set(grads)
-    grad_rel = float("inf") if missing else max(
-        (float((grads[k] - g).abs().max()) / max(float(g.abs().max()), floor) for k, g in ref_grads.items()), default=0.0
+    grad_rel = (
+        float("inf")
+        if missing
+        else max(
+            (float((grads[k] - g).abs().max()) / max(float(g.abs().max()), floor) for k, g in ref_grads.items()),
+            default=0.0,
+        )
     )
     scale = max(float(ref_out.abs().max()), 1.0)
     # every fused add+norm pair must have served its norm: a pair that ran unfused would be a silent fallback
     fused_all = fusion["idle"] == 0 and fusion["missed"] == 0
-    passed = logits_diff <= PATCH_RTOL * scale and grad_rel <= 1e-4 and unchanged and torch.equal(again, ref_out) and fused_all
-    return PatchCheck(True, passed, logits_diff, grad_rel, unchanged, bool(torch.equal(again, ref_out)), calls, patched, fusion)
+    passed = (
+        logits_diff <= PATCH_RTOL * scale
+        and grad_rel <= 1e-4
+        and unchanged
+        and torch.equal(again, ref_out)
+        and fused_all
+    )
+    return PatchCheck(
+        True, passed, logits_diff, grad_rel, unchanged, bool(torch.equal(again, ref_out)), calls, patched, fusion
+    )
 
 
-def _forward_backward(model: nn.Module, ids: torch.Tensor, training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _forward_backward(
+    model: nn.Module, ids: torch.Tensor, training: bool = True
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     saved = {p: p.grad for p in model.parameters()}
     for p in model.parameters():
         p.grad = None
@@ -388,4 +448,3 @@ def _forward_backward(model: nn.Module, ids: torch.Tensor, training: bool = True
         for p, g in saved.items():
             p.grad = g
     return logits.detach(), grads
-

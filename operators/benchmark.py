@@ -37,11 +37,25 @@ def _name(option: KernelOption) -> str:
 
 def _key(option_name: str, comp: Component, target: Target, compiled: bool) -> str:
     variant = {k: v for k, v in comp.variant.items() if not k.endswith("evidence")}
-    return make_key("cuda", option_name, comp.kind, variant, target.dtype, target.training, TOKENS, "compiled" if compiled else "eager")
+    return make_key(
+        "cuda",
+        option_name,
+        comp.kind,
+        variant,
+        target.dtype,
+        target.training,
+        TOKENS,
+        "compiled" if compiled else "eager",
+    )
 
 
 def fastest(
-    options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module | None = None, *, compiled: bool = False
+    options: list[KernelOption],
+    comp: Component,
+    target: Target,
+    module: torch.nn.Module | None = None,
+    *,
+    compiled: bool = False,
 ) -> tuple[KernelOption, dict[str, float]]:
     """The fastest option and the timings (ms) that chose it; each option's timing comes from the cache when
     it is there.  Without a module to time, the first option in provider order and no timings."""
@@ -59,7 +73,9 @@ def fastest(
     return by_name[winner], timings
 
 
-def measure(options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module, *, compiled: bool = False) -> dict[str, float]:
+def measure(
+    options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module, *, compiled: bool = False
+) -> dict[str, float]:
     """Median ms of each option's forward (+ backward when training) on a CUDA copy of ``module``."""
     dtype = getattr(torch, target.dtype)
     timings = {}
@@ -125,7 +141,11 @@ def attention_backend(variant: dict, target: Target) -> tuple[str | None, dict[s
     it beats the default by more than the timing noise.  A backend that refuses the shape is left out.
     """
     if target.device != "cuda" or not torch.cuda.is_available():
-        return None, {}, f"{target.device}: the SDPA backend is chosen by measurement on CUDA only; PyTorch's dispatch decides here"
+        return (
+            None,
+            {},
+            f"{target.device}: the SDPA backend is chosen by measurement on CUDA only; PyTorch's dispatch decides here",
+        )
     if variant.get("softcap") or variant.get("sinks"):
         return None, {}, "score modification (softcap/sinks): FlexAttention, not an SDPA backend"
     if variant.get("window") or not variant.get("causal") or variant.get("mla"):
@@ -137,7 +157,9 @@ def attention_backend(variant: dict, target: Target) -> tuple[str | None, dict[s
         key = make_key("cuda", "sdpa", name, shape)
         ms = cache.get(key)
         if ms is None:
-            ms = _time_sdpa(name, int(variant["num_heads"]), int(variant["head_dim"]), getattr(torch, target.dtype), target.training)
+            ms = _time_sdpa(
+                name, int(variant["num_heads"]), int(variant["head_dim"]), getattr(torch, target.dtype), target.training
+            )
             cache.put(key, ms)
         if ms >= 0:  # -1: this backend cannot run the shape
             timings[name] = ms
@@ -154,7 +176,10 @@ def _time_sdpa(backend: str, heads: int, head_dim: int, dtype: torch.dtype, trai
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     batch = max(1, TOKENS // ATTENTION_SEQ)
-    q, k, v = (torch.randn(batch, heads, ATTENTION_SEQ, head_dim, device="cuda", dtype=dtype, requires_grad=training) for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, heads, ATTENTION_SEQ, head_dim, device="cuda", dtype=dtype, requires_grad=training)
+        for _ in range(3)
+    )
 
     def run() -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

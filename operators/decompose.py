@@ -48,6 +48,8 @@ def decompose(overload: str, profile: BackendProfile, dtypes: list[str]) -> Deco
         graph = make_fx(lambda *a: func(*a, **kwargs), decomposition_table=table, tracing_mode="real")(*args)
     except Exception as err:  # a decomposition that cannot be traced is not usable
         return Decomposition(overload, False, reason=f"decomposition failed to trace: {type(err).__name__}")
-    into = sorted({str(n.target) for n in graph.graph.nodes if n.op == "call_function" and hasattr(n.target, "_schema")})
+    into = sorted(
+        {str(n.target) for n in graph.graph.nodes if n.op == "call_function" and hasattr(n.target, "_schema")}
+    )
     missing = [op for op in into if not profile.supports_aten(op, dtypes)]
     return Decomposition(overload, not missing, into, missing, "" if not missing else "decomposes into unsupported ops")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,14 +39,21 @@ def compile_module(module: nn.Module) -> Callable[..., Any]:
     return torch.compile(original, backend="inductor", fullgraph=True, dynamic=None)
 
 
-def generate(module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: str | Path | None) -> tuple[Callable[..., Any], GeneratedKernel]:
+def generate(
+    module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: str | Path | None
+) -> tuple[Callable[..., Any], GeneratedKernel]:
     """Compile ``module``, run it forward and backward once on fresh inputs shaped like ``args``, capture the code."""
     from torch._inductor.codecache import PyCodeCache
 
     fn = compile_module(module)
     before = {id(m) for m in PyCodeCache.modules}
     start = time.perf_counter()
-    fresh = [torch.randn_like(a).requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    fresh = [
+        torch.randn_like(a).requires_grad_(a.is_floating_point())
+        if isinstance(a, torch.Tensor) and a.is_floating_point()
+        else a
+        for a in args
+    ]
     # captured keyword tensors belong to the traced model's graph: detached, so this backward cannot reach it again
     kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     out = fn(*fresh, **kwargs)
@@ -55,7 +63,11 @@ def generate(module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: s
     new = [m for m in PyCodeCache.modules if id(m) not in before and getattr(m, "__file__", None)]
     sources = [Path(m.__file__).read_text() for m in new]
     text = "\n".join(sources)
-    language = "triton" if "@triton.jit" in text else ("c++/openmp" if "cpp_fused" in text or "extern \"C\"" in text else "unknown")
+    language = (
+        "triton"
+        if "@triton.jit" in text
+        else ("c++/openmp" if "cpp_fused" in text or 'extern "C"' in text else "unknown")
+    )
     names = sorted(set(re.findall(r"\b(cpp_fused_\w+|triton_\w+)\b", text)))
     files = []
     if out_dir is not None and sources:

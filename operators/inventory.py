@@ -14,8 +14,9 @@ import dataclasses
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ _EXAMPLE_CALLS: dict[str, tuple[Any, tuple, dict]] = {}
 
 def example_call(overload: str) -> tuple[Any, tuple, dict] | None:
     return _EXAMPLE_CALLS.get(overload)
+
+
 _META_KEY = "adapt_module"
 
 
@@ -102,7 +105,9 @@ class OpInventory:
     def ops_of(self, module: str, *, subtree: bool = True) -> list[OpRecord]:
         """Records owned by ``module`` (and its descendants when ``subtree``)."""
         prefix = module + "."
-        return [r for r in self.ops if r.module == module or (subtree and (module == ROOT or r.module.startswith(prefix)))]
+        return [
+            r for r in self.ops if r.module == module or (subtree and (module == ROOT or r.module.startswith(prefix)))
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "captured"}
@@ -167,8 +172,12 @@ def _matmul_flops(name: str, args: tuple, out: Any) -> int:
 class _Recorder(TorchDispatchMode):
     """Counts every dispatched ATen op under the module that owns it."""
 
-    def __init__(self, current_module: Callable[[], str], first_call: Callable[[str], bool],
-                 add_position: Callable[[str], tuple[str | None, int]]):
+    def __init__(
+        self,
+        current_module: Callable[[], str],
+        first_call: Callable[[str], bool],
+        add_position: Callable[[str], tuple[str | None, int]],
+    ):
         super().__init__()
         self.current_module = current_module
         self.first_call = first_call
@@ -362,7 +371,9 @@ def _join(prefix: str, path: str) -> str:
     return ".".join(p for p in (prefix, path) if p)
 
 
-def _module_records(model: nn.Module, recorder: _Recorder, tracker: _ModuleTracker, prefix: str) -> dict[str, ModuleRecord]:
+def _module_records(
+    model: nn.Module, recorder: _Recorder, tracker: _ModuleTracker, prefix: str
+) -> dict[str, ModuleRecord]:
     own: dict[str, Counter] = {}
     for rec in recorder.records.values():
         if rec.phase == "forward":
@@ -402,10 +413,16 @@ def _fed_by_add(prefix: str, producer: tuple[str, str | None, int] | None) -> di
     if producer is None:
         return {}
     module, after, index = producer
-    return {"fed_by_add": _join(prefix, module), "fed_by_add_after": _join(prefix, after) if after is not None else None, "fed_by_add_index": index}
+    return {
+        "fed_by_add": _join(prefix, module),
+        "fed_by_add_after": _join(prefix, after) if after is not None else None,
+        "fed_by_add_index": index,
+    }
 
 
-def example_batch(model: nn.Module, batch: int = 2, seq_len: int = 24, device: str | torch.device = "cpu") -> torch.Tensor:
+def example_batch(
+    model: nn.Module, batch: int = 2, seq_len: int = 24, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """Fresh random token ids inside the model's vocabulary."""
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or model.get_input_embeddings().num_embeddings)
     return torch.randint(0, vocab, (batch, seq_len), device=device)
@@ -448,7 +465,9 @@ def trace_model(
     return OpInventory(
         ops=sorted(records.values(), key=lambda r: (r.phase, r.module, r.overload)),
         modules=modules,
-        tracer="TorchDispatchMode (post-autograd ATen, forward+backward)" if backward else "TorchDispatchMode (forward)",
+        tracer="TorchDispatchMode (post-autograd ATen, forward+backward)"
+        if backward
+        else "TorchDispatchMode (forward)",
         device=str(device.type),
         with_backward=backward,
         input_shape=list(ids.shape),

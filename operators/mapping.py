@@ -25,9 +25,9 @@ from torch import nn
 from operators.decompose import decompose
 from operators.inventory import OpInventory, json_ready
 from operators.profiles import BackendProfile
+from operators.providers import provider_status, providers
 from operators.recognition import Recognition
 from operators.recognition.component import Component
-from operators.providers import provider_status, providers
 from operators.registry import KernelOption, Target
 
 STATUSES = ("fused", "native", "decomposed", "generated", "unsupported")
@@ -140,8 +140,9 @@ def plan_kernels(
 
 COMPILE_MODES = ("blocks", "whole", "none")
 # Under compile, the module's own forward is a candidate for every timed kind: Inductor's code for it.
-INDUCTOR_OWN_FORWARD = KernelOption("inductor", "own forward, compiled", "native", None,
-                                    note="the module's own forward, compiled with its block")
+INDUCTOR_OWN_FORWARD = KernelOption(
+    "inductor", "own forward, compiled", "native", None, note="the module's own forward, compiled with its block"
+)
 
 
 def compile_plan(target: Target, profile: BackendProfile, mode: str | None = None) -> dict[str, Any]:
@@ -153,25 +154,64 @@ def compile_plan(target: Target, profile: BackendProfile, mode: str | None = Non
             raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, not {mode!r}")
         return {"mode": mode, "reason": "chosen by the caller"}
     if target.device != "cuda":
-        return {"mode": "none", "reason": f"{target.device}: the plan runs eager (Inductor's C++ path is not timed here)"}
+        return {
+            "mode": "none",
+            "reason": f"{target.device}: the plan runs eager (Inductor's C++ path is not timed here)",
+        }
     if profile.codegen != "triton":
         return {"mode": "none", "reason": f"the profile's code generator is {profile.codegen!r}, not Triton"}
-    return {"mode": "blocks", "reason": "CUDA: every repeated block compiled on its own (one compilation serves all identical blocks)"}
+    return {
+        "mode": "blocks",
+        "reason": "CUDA: every repeated block compiled on its own (one compilation serves all identical blocks)",
+    }
 
 
-def _choose(comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None, compiled: bool = False) -> KernelChoice:
+def _choose(
+    comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None, compiled: bool = False
+) -> KernelChoice:
     if comp.kind == "new" and not comp.variant.get("container"):  # a container's own code runs as traced
         if profile.codegen == "none":
-            return KernelChoice(comp.module, comp.kind, comp.variant, None, None, "unsupported", False, note="profile has no code generator")
-        return KernelChoice(comp.module, comp.kind, comp.variant, "inductor", f"inductor ({_codegen_language(target)})", "generated", False, patch=True)
+            return KernelChoice(
+                comp.module,
+                comp.kind,
+                comp.variant,
+                None,
+                None,
+                "unsupported",
+                False,
+                note="profile has no code generator",
+            )
+        return KernelChoice(
+            comp.module,
+            comp.kind,
+            comp.variant,
+            "inductor",
+            f"inductor ({_codegen_language(target)})",
+            "generated",
+            False,
+            patch=True,
+        )
     options: list[KernelOption] = []
     for prov in provs:
         for opt in prov.options(comp, target):
-            if all(profile.supports_aten(op) for op in opt.requires_ops) and (opt.needs_codegen is None or opt.needs_codegen == profile.codegen):
+            if all(profile.supports_aten(op) for op in opt.requires_ops) and (
+                opt.needs_codegen is None or opt.needs_codegen == profile.codegen
+            ):
                 options.append(opt)
     if not options:
-        return KernelChoice(comp.module, comp.kind, comp.variant, None, None, "native", comp.confirmed, note="no provider kernel; runs as traced")
-    best, timings = _rank(options, comp, target, model.get_submodule(comp.module) if model is not None else None, compiled)
+        return KernelChoice(
+            comp.module,
+            comp.kind,
+            comp.variant,
+            None,
+            None,
+            "native",
+            comp.confirmed,
+            note="no provider kernel; runs as traced",
+        )
+    best, timings = _rank(
+        options, comp, target, model.get_submodule(comp.module) if model is not None else None, compiled
+    )
     context = "inside torch.compile" if compiled else "eager"
     timed = f"timed here ({context}): " + ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) if timings else ""
     margin = _margin(timings)
@@ -182,10 +222,26 @@ def _choose(comp: Component, provs, profile: BackendProfile, target: Target, mod
 
         backend, timings, why = attention_backend(comp.variant, target)
         margin = _margin(timings)
-        timed = "SDPA backends: " + (", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) + "; " if timings else "") + why
+        timed = (
+            "SDPA backends: "
+            + (", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) + "; " if timings else "")
+            + why
+        )
     note = "; ".join(filter(None, [best.note, timed, won]))
-    return KernelChoice(comp.module, comp.kind, comp.variant, best.provider, best.kernel, best.status, comp.confirmed,
-                        patch=best.make_forward is not None, note=note, timings=timings, margin=margin, backend=backend)
+    return KernelChoice(
+        comp.module,
+        comp.kind,
+        comp.variant,
+        best.provider,
+        best.kernel,
+        best.status,
+        comp.confirmed,
+        patch=best.make_forward is not None,
+        note=note,
+        timings=timings,
+        margin=margin,
+        backend=backend,
+    )
 
 
 def _margin(timings: dict[str, float]) -> float | None:
@@ -198,7 +254,9 @@ def _codegen_language(target: Target) -> str:
     return "Triton" if target.device == "cuda" else "C++/OpenMP"
 
 
-def _rank(options: list[KernelOption], comp: Component, target: Target, module: nn.Module | None, compiled: bool = False) -> tuple[KernelOption, dict[str, float]]:
+def _rank(
+    options: list[KernelOption], comp: Component, target: Target, module: nn.Module | None, compiled: bool = False
+) -> tuple[KernelOption, dict[str, float]]:
     """The preferred provider's kernel; else, on CUDA, the fastest measured - the module's own traced
     path competing where it maps hidden states to hidden states (under compile: what Inductor makes of
     it); else the first fused option."""
@@ -206,7 +264,9 @@ def _rank(options: list[KernelOption], comp: Component, target: Target, module: 
     preferred = [o for o in fused if o.provider in target.prefer]
     if preferred:
         return preferred[0], {}
-    traced = [o for o in options if o.status == "native" and o.make_forward is None] if comp.kind in _TIMED_KINDS else []
+    traced = (
+        [o for o in options if o.status == "native" and o.make_forward is None] if comp.kind in _TIMED_KINDS else []
+    )
     if compiled and comp.kind in _TIMED_KINDS and not traced:
         traced = [INDUCTOR_OWN_FORWARD]
     candidates = fused + [o for o in traced if o not in fused]
@@ -221,7 +281,12 @@ def _escalate_to_generated(need: set[str], choices: list[KernelChoice]) -> None:
     """Components holding an op that only a generated kernel can run are compiled as a whole."""
     for c in choices:
         if c.module in need and c.kind == "rotary_application" and c.patch:
-            c.provider, c.kernel, c.status, c.patch = "inductor", "inductor (with its attention module)", "generated", False
+            c.provider, c.kernel, c.status, c.patch = (
+                "inductor",
+                "inductor (with its attention module)",
+                "generated",
+                False,
+            )
             c.note = "inside a module compiled whole by Inductor"
         elif c.module in need and c.status != "generated" and c.kind not in _SHARED_PATH_KINDS:
             c.provider, c.kernel, c.status, c.patch = "inductor", "inductor (subgraph)", "generated", True
@@ -239,12 +304,16 @@ def _owner(module: str, by_module: dict[str, KernelChoice]) -> KernelChoice | No
         path = path.rsplit(".", 1)[0] if "." in path else ""
 
 
-def _op_decisions(inv: OpInventory, choices: list[KernelChoice], profile: BackendProfile) -> tuple[list[OpDecision], set[str]]:
+def _op_decisions(
+    inv: OpInventory, choices: list[KernelChoice], profile: BackendProfile
+) -> tuple[list[OpDecision], set[str]]:
     by_module = {}
     for c in choices:  # these share a path with the component they sit in, whose decision owns the ops
         if c.kind not in _SHARED_PATH_KINDS:
             by_module[c.module] = c
-    grouped: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "status": Counter(), "modules": set(), "flops": 0, "core": False, "repl": set()})
+    grouped: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {"count": 0, "status": Counter(), "modules": set(), "flops": 0, "core": False, "repl": set()}
+    )
     decomp_cache: dict[str, Any] = {}
     to_generate: set[str] = set()
     for rec in inv.ops:
@@ -276,5 +345,15 @@ def _op_decisions(inv: OpInventory, choices: list[KernelChoice], profile: Backen
     for overload, g in sorted(grouped.items()):
         for status, count in g["status"].items():
             share = count / g["count"]
-            out.append(OpDecision(overload, count, status, g["core"], sorted(g["modules"])[:8], "; ".join(sorted(g["repl"]))[:300] or None, int(g["flops"] * share)))
+            out.append(
+                OpDecision(
+                    overload,
+                    count,
+                    status,
+                    g["core"],
+                    sorted(g["modules"])[:8],
+                    "; ".join(sorted(g["repl"]))[:300] or None,
+                    int(g["flops"] * share),
+                )
+            )
     return out, to_generate

@@ -28,7 +28,11 @@ class _LogitsOnly(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, use_cache=False) if _takes_use_cache(self.model) else self.model(input_ids=input_ids)
+        out = (
+            self.model(input_ids=input_ids, use_cache=False)
+            if _takes_use_cache(self.model)
+            else self.model(input_ids=input_ids)
+        )
         if isinstance(out, torch.Tensor):
             return out
         if isinstance(out, (tuple, list)):
@@ -60,7 +64,9 @@ def export_onnx(model: nn.Module, input_ids: torch.Tensor, out_path: str | Path 
         root = err
         while root.__cause__ is not None:
             root = root.__cause__
-        return OnnxReport(exported=False, error=f"{type(root).__name__}: {(str(root).strip().splitlines() or [''])[0][:300]}")
+        return OnnxReport(
+            exported=False, error=f"{type(root).__name__}: {(str(root).strip().splitlines() or [''])[0][:300]}"
+        )
     opset = next((imp.version for imp in proto.opset_import if imp.domain in ("", "ai.onnx")), None)
     op_types: Counter = Counter()
     _count_nodes(proto.graph, op_types)

@@ -26,11 +26,10 @@ from torch import nn
 
 from operators.generated import GeneratedKernel, compile_module
 from operators.mapping import KernelChoice, KernelPlan
-from operators.providers import torch_native
+from operators.providers import providers, torch_native
 from operators.providers.triton_head import head_owner
 from operators.providers.triton_residual import FusionTarget
 from operators.recognition.component import Component
-from operators.providers import providers
 from operators.registry import Target
 
 _MISSING = object()
@@ -39,7 +38,9 @@ _MISSING = object()
 @dataclass
 class PatchHandle:
     model: nn.Module
-    forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, previous instance forward or _MISSING)
+    forwards: list[tuple[nn.Module, Any]] = field(
+        default_factory=list
+    )  # (module, previous instance forward or _MISSING)
     configs: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (attention module, its shared config)
     attention_modules: list[nn.Module] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)  # "module: provider/kernel"
@@ -72,10 +73,14 @@ class PatchHandle:
     def residual_fusion(self) -> dict[str, int]:
         """Fused residual-add + norm pairs; norm calls they served; times they ran unfused; pairs never used."""
         targets = self.fusion_targets
-        return {"pairs": len(targets), "fused": sum(t.fused for t in targets), "missed": sum(t.missed for t in targets),
-                "idle": sum(t.fused == 0 for t in targets)}
+        return {
+            "pairs": len(targets),
+            "fused": sum(t.fused for t in targets),
+            "missed": sum(t.missed for t in targets),
+            "idle": sum(t.fused == 0 for t in targets),
+        }
 
-    def __enter__(self) -> "PatchHandle":
+    def __enter__(self) -> PatchHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -100,7 +105,9 @@ def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> PatchHandle:
             elif choice.kind == "attention":
                 _install_attention(handle, module, choice)
             elif choice.kind == "residual_add_norm":
-                pair = _factory(options, choice, target)(model.get_submodule(choice.variant["add_in"]), _component(choice))
+                pair = _factory(options, choice, target)(
+                    model.get_submodule(choice.variant["add_in"]), _component(choice)
+                )
                 _install(handle, pair.norm, pair.forward)
                 handle.releases.append(pair.release)
                 handle.fusion_targets.append(pair.target)

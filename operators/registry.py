@@ -9,8 +9,9 @@ patcher installs; ``None`` means the model already runs this kernel and nothing 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -29,14 +30,20 @@ class Target:
     prefer: list[str] = field(default_factory=list)  # provider names to rank first (tests, user choice)
 
     @classmethod
-    def here(cls, dtype: str = "float32", training: bool = True) -> "Target":
+    def here(cls, dtype: str = "float32", training: bool = True) -> Target:
         """The machine this process runs on."""
         if torch.cuda.is_available():
             return cls("cuda", dtype, training, torch.cuda.get_device_capability())
         return cls("cpu", dtype, training, None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "dtype": self.dtype, "training": self.training, "compute_capability": self.compute_capability, "prefer": self.prefer}
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "training": self.training,
+            "compute_capability": self.compute_capability,
+            "prefer": self.prefer,
+        }
 
 
 ForwardFactory = Callable[[nn.Module, Component], Callable[..., Any]]

@@ -39,7 +39,12 @@ def _version(package: str) -> str | None:
 
 @functools.cache
 def library_versions() -> dict[str, str | None]:
-    return {"torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"), "adapt": _version("adapt")}
+    return {
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "adapt": _version("adapt"),
+    }
 
 
 def device_label(device: str) -> str:

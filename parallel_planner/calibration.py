@@ -60,7 +60,6 @@ class Calibration:
         """``eff`` with the measured GEMM rate and host costs in place of the assumed ones."""
         import dataclasses
 
-
         changes: dict = {}
         if self.gemm_efficiency and cluster is not None:
             changes["gemm_scale"] = self.gemm_efficiency / cluster.gpu.gemm_ceiling
@@ -88,25 +87,44 @@ def calibration_from_dict(data: dict, source: str = "") -> Calibration:
             BlockTiming(float(b["forward_s"]), float(b["backward_s"]), b.get("index"), b.get("signature"))
             for b in data.get("blocks") or ()
         )
-        dispatch = {k: float(v) for k, v in (data.get("dispatch") or {}).items()
-                    if k in ("eager_s", "dtensor_s", "compiled_s")}
-        runs = tuple(dict(r, gpus=int(r["gpus"]), seq_len=int(r["seq_len"]), global_batch=int(r["global_batch"]),
-                          tokens_per_s=float(r["tokens_per_s"])) for r in data.get("runs") or ())
+        dispatch = {
+            k: float(v) for k, v in (data.get("dispatch") or {}).items() if k in ("eager_s", "dtensor_s", "compiled_s")
+        }
+        runs = tuple(
+            dict(
+                r,
+                gpus=int(r["gpus"]),
+                seq_len=int(r["seq_len"]),
+                global_batch=int(r["global_batch"]),
+                tokens_per_s=float(r["tokens_per_s"]),
+            )
+            for r in data.get("runs") or ()
+        )
         cal = Calibration(
-            device=str(data["device"]), dtype=str(data.get("dtype", "bf16")), seq_len=int(data.get("seq_len") or 0),
-            micro_batch=int(data.get("micro_batch", 1)), blocks=blocks, hidden_size=data.get("hidden_size"),
-            tokens=data.get("tokens"), source=source,
+            device=str(data["device"]),
+            dtype=str(data.get("dtype", "bf16")),
+            seq_len=int(data.get("seq_len") or 0),
+            micro_batch=int(data.get("micro_batch", 1)),
+            blocks=blocks,
+            hidden_size=data.get("hidden_size"),
+            tokens=data.get("tokens"),
+            source=source,
             gemm_efficiency=float(data["gemm_efficiency"]) if data.get("gemm_efficiency") else None,
-            dispatch=dispatch or None, runs=runs,
+            dispatch=dispatch or None,
+            runs=runs,
         )
     except (KeyError, TypeError, ValueError) as err:
         raise BadInput(f"{where}: missing or malformed field ({err})") from None
     if not (blocks or runs or cal.gemm_efficiency or cal.dispatch):
         raise BadInput(f"{where}: no blocks, runs, gemm_efficiency or dispatch to calibrate with")
-    if blocks and (not cal.seq_len or any(
-            b.forward_s <= 0 or b.backward_s <= 0 or (b.index is None and not b.signature) for b in blocks)):
-        raise BadInput(f"{where}: every block needs positive forward_s/backward_s and an index or signature, "
-                       "and the file a seq_len")
+    if blocks and (
+        not cal.seq_len
+        or any(b.forward_s <= 0 or b.backward_s <= 0 or (b.index is None and not b.signature) for b in blocks)
+    ):
+        raise BadInput(
+            f"{where}: every block needs positive forward_s/backward_s and an index or signature, "
+            "and the file a seq_len"
+        )
     if any(r["tokens_per_s"] <= 0 or r["gpus"] < 1 for r in runs) or any(v <= 0 for v in dispatch.values()):
         raise BadInput(f"{where}: runs need gpus >= 1 and positive tokens_per_s; dispatch costs must be positive")
     if cal.gemm_efficiency is not None and not 0 < cal.gemm_efficiency <= 1:
@@ -114,8 +132,9 @@ def calibration_from_dict(data: dict, source: str = "") -> Calibration:
     return cal
 
 
-def calibration_from_measurements(device: str, gemm_tflops: float | None, peak_tflops: float,
-                                  dispatch: dict | None, runs: list[dict]) -> dict:
+def calibration_from_measurements(
+    device: str, gemm_tflops: float | None, peak_tflops: float, dispatch: dict | None, runs: list[dict]
+) -> dict:
     """The calibration JSON the throughput stage writes from what it measured (see the module docstring)."""
     data: dict = {"device": device, "dtype": "bf16", "runs": list(runs)}
     if gemm_tflops:
@@ -125,9 +144,7 @@ def calibration_from_measurements(device: str, gemm_tflops: float | None, peak_t
     return data
 
 
-def compute_scale(
-    cal: Calibration, profile: ModelProfile, cluster: Cluster, workload: Workload, eff
-) -> np.ndarray:
+def compute_scale(cal: Calibration, profile: ModelProfile, cluster: Cluster, workload: Workload, eff) -> np.ndarray:
     """Measured / modelled compute time per block type; 1 where the calibration says nothing."""
     from parallel_planner.timing import block_forward_seconds
 
@@ -160,16 +177,30 @@ def compute_scale(
     return scale
 
 
-RUN_DEFAULTS = dict(tp=1, pp=1, cp=1, ep=1, zero=1, recompute="none", mbs=1, vpp=1, schedule="1f1b", offload=0,
-                    split="balanced", replicate=1, tp_overlap=0, grad_overlap=1)
+RUN_DEFAULTS = dict(
+    tp=1,
+    pp=1,
+    cp=1,
+    ep=1,
+    zero=1,
+    recompute="none",
+    mbs=1,
+    vpp=1,
+    schedule="1f1b",
+    offload=0,
+    split="balanced",
+    replicate=1,
+    tp_overlap=0,
+    grad_overlap=1,
+)
 
 
 def _run_scale(run: dict, profile: ModelProfile, cluster: Cluster, workload: Workload, eff, scale: np.ndarray) -> float:
     """The compute scale at which the model's step for a measured run equals the measured step."""
     import dataclasses
 
-    from parallel_planner.layout import FIELDS, SPLITS, Candidates, stage_layout
     from parallel_planner.knobs import parse_fixed
+    from parallel_planner.layout import FIELDS, SPLITS, Candidates, stage_layout
     from parallel_planner.timing import step_time
 
     knobs = parse_fixed({**RUN_DEFAULTS, **(run.get("layout") or {})})

@@ -107,15 +107,24 @@ def measure_dispatch_costs(device: str = "cpu", repeats: int = 20, compiled: boo
     finally:
         if created:
             dist.destroy_process_group()
-    return DispatchCosts(eager, dtensor, compiled_s, source=f"measure_dispatch_costs({device!r}), torch {torch.__version__}")
+    return DispatchCosts(
+        eager, dtensor, compiled_s, source=f"measure_dispatch_costs({device!r}), torch {torch.__version__}"
+    )
 
 
 def _tiny_llama(torch, device: str):
     """A 4-layer Llama small enough that every kernel's device time is far below its issue time."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=4, vocab_size=128, attn_implementation="sdpa")
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        vocab_size=128,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).to(device), torch.randint(0, 128, (1, 16), device=device)
 
 
@@ -130,19 +139,33 @@ def _tensor_parallel(model, mesh) -> None:
         parallelize_module,
     )
 
-    to_replicated = dict(input_kwarg_layouts={"hidden_states": Shard(1)},
-                         desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    to_replicated = dict(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+    )
     for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(**to_replicated),
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
-    parallelize_module(model.model, mesh, {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel()})
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(**to_replicated),
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    parallelize_module(
+        model.model,
+        mesh,
+        {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+        },
+    )
     parallelize_module(model, mesh, {"lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})

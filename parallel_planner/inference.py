@@ -45,7 +45,9 @@ class ServingWorkload:
 
     def __post_init__(self) -> None:
         if self.context_len < 1 or self.concurrency < 1:
-            raise BadInput(f"context length and concurrency must be positive (got {self.context_len}, {self.concurrency})")
+            raise BadInput(
+                f"context length and concurrency must be positive (got {self.context_len}, {self.concurrency})"
+            )
         if self.precision not in WEIGHT_BYTES:
             raise BadInput(f"--precision must be one of {', '.join(WEIGHT_BYTES)}, got {self.precision!r}")
         if not 0.1 <= self.gpu_memory_utilization <= 1.0:
@@ -176,10 +178,14 @@ def plan_inference(spec: ModelSpec, cluster: Cluster, workload: ServingWorkload,
     for rank, plan in enumerate(plans, 1):
         plan.rank = rank
     notes = [
-        (f"time per output token is one decode step with every sequence at the full {workload.context_len}-token context "
-         "(an upper bound: shorter sequences read less cache)"),
-        ("pipeline stages run one after another for a batch: vLLM overlaps batches across stages, which raises "
-         "throughput but not the time per token"),
+        (
+            f"time per output token is one decode step with every sequence at the full {workload.context_len}-token context "
+            "(an upper bound: shorter sequences read less cache)"
+        ),
+        (
+            "pipeline stages run one after another for a batch: vLLM overlaps batches across stages, which raises "
+            "throughput but not the time per token"
+        ),
     ]
     if not any(layer.kv_width for layer in layers):
         notes.append("no attention KV cache found in the spec: recurrent state, if any, is not counted")
@@ -191,7 +197,9 @@ def plan_inference(spec: ModelSpec, cluster: Cluster, workload: ServingWorkload,
     )  # fmt: skip
 
 
-def _score(spec, layers: list[_Layer], cluster: Cluster, work: ServingWorkload, eff: Efficiency, tp: int, pp: int, ep: int) -> ServingPlan:
+def _score(
+    spec, layers: list[_Layer], cluster: Cluster, work: ServingWorkload, eff: Efficiency, tp: int, pp: int, ep: int
+) -> ServingPlan:
     gpu = cluster.gpu
     wbytes, replicas = WEIGHT_BYTES[work.precision], cluster.num_gpus // (tp * pp)
     per_replica = math.ceil(work.concurrency / replicas)
@@ -217,7 +225,11 @@ def _score(spec, layers: list[_Layer], cluster: Cluster, work: ServingWorkload, 
         mem_s = (read + kv_read) / (gpu.hbm_gbps * 1e9 * eff.memory_bw)
         peak = gpu.peak_flops(work.precision)
         flops = per_replica * 2 * (sum(m.active_params for m in members) + (head if index == pp - 1 else 0)) / tp
-        attention = per_replica * sum(m.attention_flops_per_ctx * min(work.context_len, m.window or work.context_len) for m in members) / tp
+        attention = (
+            per_replica
+            * sum(m.attention_flops_per_ctx * min(work.context_len, m.window or work.context_len) for m in members)
+            / tp
+        )
         attention_fraction = ATTENTION_FRACTION[eff.attention].get(gpu.name, 0.3)  # the training model's rates
         compute_s = flops / (peak * gpu.gemm_ceiling * eff.gemm_scale) + attention / (peak * attention_fraction)
         allreduce = collectives.time("all_reduce", np.array([per_replica * spec.hidden_size * 2.0]), tp * one, one)[0]
@@ -234,10 +246,17 @@ def _score(spec, layers: list[_Layer], cluster: Cluster, work: ServingWorkload, 
         per_replica_max = min(int(b // kv) if kv else 10**9 for b, (_, _, kv) in zip(budgets, memory))
     max_sequences = per_replica_max * replicas
     fits = max_sequences >= work.concurrency
-    handoff = collectives.time("send_recv", np.array([per_replica * spec.hidden_size * 2.0]), 2 * one, tp * one)[0] if pp > 1 else 0.0
+    handoff = (
+        collectives.time("send_recv", np.array([per_replica * spec.hidden_size * 2.0]), 2 * one, tp * one)[0]
+        if pp > 1
+        else 0.0
+    )
     breakdown = {k: sum(t[k] for t in times) for k in ("memory_s", "compute_s", "tp_comm_s", "launch_s")}
     breakdown["pp_handoff_s"] = (pp - 1) * handoff
-    tpot = sum(max(t["memory_s"], t["compute_s"]) + t["tp_comm_s"] + t["launch_s"] for t in times) + breakdown["pp_handoff_s"]
+    tpot = (
+        sum(max(t["memory_s"], t["compute_s"]) + t["tp_comm_s"] + t["launch_s"] for t in times)
+        + breakdown["pp_handoff_s"]
+    )
     why_not = ""
     if not fits:
         why_not = (f"tp={tp} pp={pp}: weights {weights / GIB:.1f} GiB + reserve {(activation / GIB + RESERVED_GIB):.1f} GiB leave "
@@ -264,7 +283,9 @@ def _weights_read(layer: _Layer, batch: int) -> float:
 
 def _activation_bytes(spec: ModelSpec, tp: int, sequences: int) -> float:
     """Peak working memory of the largest prefill chunk: a few hidden-wide tensors, the widest MLP slice, logits."""
-    widest = max((b.mlp.intermediate_size * max(1, b.mlp.top_k) + b.mlp.shared_intermediate_size for b in spec.blocks), default=0)
+    widest = max(
+        (b.mlp.intermediate_size * max(1, b.mlp.top_k) + b.mlp.shared_intermediate_size for b in spec.blocks), default=0
+    )
     per_token = 4 * spec.hidden_size + 3 * widest / tp
     logits = min(sequences, BATCHED_TOKENS) * spec.vocab_size / tp * 4  # fp32 logits of the last position per sequence
     return BATCHED_TOKENS * per_token * 2 + logits

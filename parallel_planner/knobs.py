@@ -6,9 +6,16 @@ from __future__ import annotations
 from adapt.core.errors import BadInput
 from parallel_planner.layout import FIELDS, RECOMPUTE, SCHEDULES, SPLITS
 
-ALIASES = {"micro_batch": "mbs", "pp_schedule": "schedule", "offload_optimizer": "offload", "dp_replicate": "replicate",
-           "sequence_parallel": "sp", "tp_comm_overlap": "tp_overlap", "overlap_grad_reduce": "grad_overlap",
-           "virtual_stages": "vpp"}
+ALIASES = {
+    "micro_batch": "mbs",
+    "pp_schedule": "schedule",
+    "offload_optimizer": "offload",
+    "dp_replicate": "replicate",
+    "sequence_parallel": "sp",
+    "tp_comm_overlap": "tp_overlap",
+    "overlap_grad_reduce": "grad_overlap",
+    "virtual_stages": "vpp",
+}
 SWITCHES = ("offload", "sp", "tp_overlap", "grad_overlap", "distributed_optimizer")
 # The network is the cluster's, but a run pins it like a knob: NVLink-domain size and GB/s per GPU per level.
 NETWORK_KEYS = {"nvlink_domain": "gpus_per_node", "nvlink_gbps": "intra_node_gbps", "inter_gbps": "inter_node_gbps"}

@@ -13,12 +13,8 @@ from parallel_planner.plan import ParallelPlan
 @dataclass
 class LaunchConfig:
     nnodes: int = 1
-    nproc_per_node: int | None = (
-        None  # default: the plan's world size spread evenly over the nodes
-    )
-    rdzv_endpoint: str | None = (
-        None  # host:port of the c10d rendezvous, required when nnodes > 1
-    )
+    nproc_per_node: int | None = None  # default: the plan's world size spread evenly over the nodes
+    rdzv_endpoint: str | None = None  # host:port of the c10d rendezvous, required when nnodes > 1
     rdzv_id: str = "adapt"
     max_restarts: int = 0
 
@@ -34,9 +30,7 @@ def procs_per_node(plan: ParallelPlan, launch: LaunchConfig) -> int:
     return per_node
 
 
-def torchrun_command(
-    plan: ParallelPlan, launch: LaunchConfig, train_args: list[str]
-) -> list[str]:
+def torchrun_command(plan: ParallelPlan, launch: LaunchConfig, train_args: list[str]) -> list[str]:
     """``python -m torch.distributed.run ... -m adapt train ...``: the same command on every node."""
     per_node = procs_per_node(plan, launch)
     cmd = [
@@ -50,13 +44,9 @@ def torchrun_command(
         cmd.append("--standalone")
     else:
         if not launch.rdzv_endpoint:
-            raise BadInput(
-                "multi-node launch needs --rdzv-endpoint HOST:PORT (a host every node can reach)"
-            )
+            raise BadInput("multi-node launch needs --rdzv-endpoint HOST:PORT (a host every node can reach)")
         if ":" not in launch.rdzv_endpoint:
-            raise BadInput(
-                f"--rdzv-endpoint {launch.rdzv_endpoint!r} must be HOST:PORT"
-            )
+            raise BadInput(f"--rdzv-endpoint {launch.rdzv_endpoint!r} must be HOST:PORT")
         cmd += [
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={launch.rdzv_endpoint}",

@@ -17,8 +17,24 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
 # light_ends: the first and the last chunk hold one layer fewer, for the embedding and the head; with as
 # many chunks as layers + 2 they hold the embedding or the head alone (Llama 3 405B's pipeline).
 SPLITS = ("balanced", "light_ends")
-FIELDS = ("tp", "pp", "dp", "cp", "ep", "zero", "recompute", "mbs", "vpp", "schedule", "offload", "split", "replicate",
-          "sp", "tp_overlap", "grad_overlap")
+FIELDS = (
+    "tp",
+    "pp",
+    "dp",
+    "cp",
+    "ep",
+    "zero",
+    "recompute",
+    "mbs",
+    "vpp",
+    "schedule",
+    "offload",
+    "split",
+    "replicate",
+    "sp",
+    "tp_overlap",
+    "grad_overlap",
+)
 
 
 @dataclass
@@ -43,7 +59,7 @@ class Candidates:
     grad_overlap: np.ndarray  # gradient reduction overlapped with backward (1) or issued after the flush (0)
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[int, ...]]) -> "Candidates":
+    def from_rows(cls, rows: list[tuple[int, ...]]) -> Candidates:
         table = np.asarray(rows, dtype=np.int64).reshape(-1, len(FIELDS))
         return cls(*(table[:, i].copy() for i in range(len(FIELDS))))
 
@@ -55,7 +71,7 @@ class Candidates:
         """Ranks that shard the model states (ZeRO/FSDP): dp_shard x cp."""
         return self.dp // self.replicate * self.cp
 
-    def take(self, index: np.ndarray) -> "Candidates":
+    def take(self, index: np.ndarray) -> Candidates:
         return Candidates(*(getattr(self, f)[index] for f in FIELDS))
 
     def row(self, i: int) -> dict[str, int]:
@@ -90,13 +106,20 @@ class StageLayout:
     multiplicity: np.ndarray  # stages each column stands for
     pp: int
 
-    def compressed(self) -> "StageLayout":
+    def compressed(self) -> StageLayout:
         contents = np.concatenate([self.type_counts, self.has_embedding[:, None], self.has_head[:, None]], axis=1)
         _, first, counts = np.unique(contents, axis=0, return_index=True, return_counts=True)
         keep = np.sort(first)
         weight = counts[np.argsort(first)]
-        return StageLayout(self.chunk_layers, self.type_counts[keep], self.has_embedding[keep], self.has_head[keep],
-                           self.stage_ids[keep], weight.astype(np.float64), self.pp)
+        return StageLayout(
+            self.chunk_layers,
+            self.type_counts[keep],
+            self.has_embedding[keep],
+            self.has_head[keep],
+            self.stage_ids[keep],
+            weight.astype(np.float64),
+            self.pp,
+        )
 
 
 def split_layers(num_layers: int, chunks: int, split: str) -> list[int] | None:
@@ -133,4 +156,3 @@ def stage_layout(profile: ModelProfile, pp: int, vpp: int, split: str) -> StageL
     embed[0] = 1.0
     head[(pp * vpp - 1) % pp] = 1.0
     return StageLayout(tuple(chunks), counts, embed, head, np.arange(pp), np.ones(pp), pp)
-

@@ -88,14 +88,20 @@ def model_state_floor(profile: ModelProfile, workload: Workload, c: Candidates, 
     sharded_bytes = np.where(on_host, 0.0, mm.master_bytes + mm.grad_bytes + workload.optimizer_state_bytes)
     per_dense = np.select(
         [c.zero == 0, c.zero == 1, c.zero == 2],
-        [2 * mm.weight_bytes + sharded_bytes, 2 * mm.weight_bytes + sharded_bytes / shard,
-         mm.weight_bytes + sharded_bytes / shard],
+        [
+            2 * mm.weight_bytes + sharded_bytes,
+            2 * mm.weight_bytes + sharded_bytes / shard,
+            mm.weight_bytes + sharded_bytes / shard,
+        ],
         sharded_bytes / shard,
     )
     per_expert = np.select(
         [c.zero == 0, c.zero == 1, c.zero == 2],
-        [2 * mm.weight_bytes + sharded_bytes, 2 * mm.weight_bytes + sharded_bytes * c.ep / shard,
-         mm.weight_bytes + sharded_bytes * c.ep / shard],
+        [
+            2 * mm.weight_bytes + sharded_bytes,
+            2 * mm.weight_bytes + sharded_bytes * c.ep / shard,
+            mm.weight_bytes + sharded_bytes * c.ep / shard,
+        ],
         sharded_bytes * c.ep / shard,
     )
     return dense_gpu * per_dense + expert_gpu * per_expert
@@ -111,9 +117,12 @@ def activation_bytes_per_block(
     saved = np.array([b.saved_width + unfused * b.unfused_width for b in profile.blocks], dtype=np.float64)[None, :]
     recomputable = np.array([b.recomputable_width for b in profile.blocks], dtype=np.float64)[None, :]
     busiest = np.where(c.ep > 1, workload.moe_imbalance, 1.0)[:, None]  # the busiest EP rank's routed share
-    routed = busiest * np.array(
-        [b.top_k * (b.routed_width + unfused * b.unfused_routed_width) for b in profile.blocks], dtype=np.float64
-    )[None, :]
+    routed = (
+        busiest
+        * np.array(
+            [b.top_k * (b.routed_width + unfused * b.unfused_routed_width) for b in profile.blocks], dtype=np.float64
+        )[None, :]
+    )
     rec = c.recompute[:, None]
     width = np.where(rec == SELECTIVE, saved - recomputable, saved) + routed
     width = np.where(rec == FULL, profile.hidden, width)  # full recompute keeps the block input only
@@ -150,7 +159,8 @@ def memory_breakdown(
     if workload.training:
         compute_copy = mm.weight_bytes * (dense_gpu + expert_gpu)
         out["parameters"] = np.where(zero == 3, 0.0, compute_copy) + np.where(
-            c.offload[:, None] > 0, 0.0, sharded(mm.master_bytes, 1))
+            c.offload[:, None] > 0, 0.0, sharded(mm.master_bytes, 1)
+        )
         unsharded_grads = np.where(zero <= 1, mm.weight_bytes * (dense_gpu + expert_gpu), 0.0)
         out["gradients"] = unsharded_grads + np.where(c.offload[:, None] > 0, 0.0, sharded(mm.grad_bytes, 1))
         out["optimizer_states"] = np.where(c.offload[:, None] > 0, 0.0, sharded(workload.optimizer_state_bytes, 1))
@@ -162,7 +172,9 @@ def memory_breakdown(
         out["activations"] = np.broadcast_to(row_max(full_width)[:, None], (len(c), pp)).copy()
         per_gpu_width = np.stack([_kv_cache_width_per_gpu(b, c.tp) for b in profile.blocks], axis=1)
         sequences = (workload.global_batch / c.dp)[:, None]
-        out["kv_cache"] = (ACT_BYTES * sequences * workload.seq_len / c.cp[:, None]) * (per_gpu_width @ layout.type_counts.T)
+        out["kv_cache"] = (ACT_BYTES * sequences * workload.seq_len / c.cp[:, None]) * (
+            per_gpu_width @ layout.type_counts.T
+        )
     logits = tokens * profile.vocab / tp * (2 + 4)  # bf16 logits and fp32 softmax for the loss
     out["activations"] = out["activations"] + layout.has_head[None, :] * logits
 

@@ -94,12 +94,12 @@ class ParallelPlan:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ParallelPlan":
+    def from_dict(cls, data: dict[str, Any]) -> ParallelPlan:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
     @classmethod
-    def load(cls, path: str) -> "ParallelPlan":
+    def load(cls, path: str) -> ParallelPlan:
         with open(path) as fh:
             data = json.load(fh)
         # Accept a bare plan, or a planner answer whose first ranked entry carries "plan".

@@ -67,7 +67,10 @@ def _attention_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, in
     a, g, dq, dv = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.v_head_dim
     if attn.kind == "mla":
         rope, nope = attn.qk_rope_head_dim, attn.qk_nope_head_dim or dq - attn.qk_rope_head_dim
-        gemms = [GemmShape(h, attn.kv_lora_rank + rope, tp_sharded=False), GemmShape(attn.kv_lora_rank, a * (nope + dv))]
+        gemms = [
+            GemmShape(h, attn.kv_lora_rank + rope, tp_sharded=False),
+            GemmShape(attn.kv_lora_rank, a * (nope + dv)),
+        ]
         if attn.q_lora_rank:
             gemms += [GemmShape(h, attn.q_lora_rank, tp_sharded=False), GemmShape(attn.q_lora_rank, a * dq)]
         else:
@@ -191,8 +194,11 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
         gemms = [GemmShape(h, max(1, block.linear_flops_per_token // (2 * h)))]
         own_flops = 2 * h * gemms[0].out_features
     attn = block.attention
-    intermediate = (block.mlp.top_k * block.mlp.intermediate_size + block.mlp.shared_intermediate_size
-                    if block.mlp.kind == "moe" else block.mlp.intermediate_size)
+    intermediate = (
+        block.mlp.top_k * block.mlp.intermediate_size + block.mlp.shared_intermediate_size
+        if block.mlp.kind == "moe"
+        else block.mlp.intermediate_size
+    )
     norms, norm_elements = _norm_inventory(block, h)
     # transformers runs K and V, and gate and up, as separate linears where the profile joins them
     linears = len(gemms) + bool(attn is not None and attn.kind in ("mha", "gqa")) + (block.mlp.kind == "dense_gated")
@@ -200,8 +206,11 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
     # Eager RMSNorm upcasts to fp32 and makes ~6 passes over it (anchors: 7-8 % of copy bandwidth counting its
     # one read and write, ~12x a fused kernel's traffic); eager SiLU*up writes and rereads the activation;
     # eager rotary builds rotate_half with a cat and four elementwise ops over q and k.
-    rotary_width = ((attn.num_heads + attn.num_kv_heads) * attn.head_dim
-                    if attn is not None and attn.kind != "none" and block.positional == "rope" else 0)
+    rotary_width = (
+        (attn.num_heads + attn.num_kv_heads) * attn.head_dim
+        if attn is not None and attn.kind != "none" and block.positional == "rope"
+        else 0
+    )
     glu_width = 2 * intermediate if block.mlp.kind in ("dense_gated", "moe") else 0
     eager_width = (11 * 2 * norm_elements if block.norm.kind == "rmsnorm" else 0) + glu_width + 6 * rotary_width
     return BlockProfile(

@@ -102,9 +102,19 @@ class PublishedRun:
     @property
     def layout(self) -> dict[str, Any]:
         """The published layout and knobs; every source ran Megatron's interleaved 1F1B schedule when pipelining."""
-        layout = dict(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, zero=self.zero, recompute=self.recompute,
-                      replicate=1, sp=self.sp if self.tp > 1 else 0, tp_overlap=self.tp_overlap if self.tp > 1 else 0,
-                      grad_overlap=self.grad_overlap)
+        layout = dict(
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            cp=self.cp,
+            ep=self.ep,
+            zero=self.zero,
+            recompute=self.recompute,
+            replicate=1,
+            sp=self.sp if self.tp > 1 else 0,
+            tp_overlap=self.tp_overlap if self.tp > 1 else 0,
+            grad_overlap=self.grad_overlap,
+        )
         if self.pp > 1:  # a published vpp of 1 is plain 1F1B (DeepSpeed's pipeline engine)
             layout["schedule"] = "1f1b" if self.vpp == 1 else "interleaved_1f1b"
         for key in ("mbs", "vpp", "split"):
@@ -116,8 +126,9 @@ class PublishedRun:
 
     def efficiency(self, base: Efficiency | None = None) -> Efficiency:
         """The time model with this run's software: its framework, attention kernel, fused kernels."""
-        return dataclasses.replace(base or Efficiency(), runtime=self.framework, attention=self.attention,
-                                   fused_kernels=True)
+        return dataclasses.replace(
+            base or Efficiency(), runtime=self.framework, attention=self.attention, fused_kernels=True
+        )
 
     def workload(self) -> Workload:
         return Workload(self.seq, self.global_batch_seqs)
@@ -133,8 +144,11 @@ class PublishedRun:
 
 
 def load_published_runs(path: str | Path | None = None) -> list[PublishedRun]:
-    text = Path(path).read_text() if path else resources.files("parallel_planner.data").joinpath(
-        "published_runs.csv").read_text()
+    text = (
+        Path(path).read_text()
+        if path
+        else resources.files("parallel_planner.data").joinpath("published_runs.csv").read_text()
+    )
     rows = csv.DictReader(io.StringIO("\n".join(l for l in text.splitlines() if not l.startswith("#"))))
     runs = []
     for row in rows:
@@ -162,12 +176,19 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     linear = 2 * (attn_params - (a * d + 2 * g * d + h) * bias) + 2 * (3 if gated else 2) * h * f
     blocks = [
         BlockSpec(
-            index=i, module=f"layers.{i}", class_name="DecoderLayer", mixer="full_attention",
-            attention=AttentionSpec(kind="mha" if g == a else "gqa", num_heads=a, num_kv_heads=g, head_dim=d,
-                                    v_head_dim=d, qkv_bias=bias),
+            index=i,
+            module=f"layers.{i}",
+            class_name="DecoderLayer",
+            mixer="full_attention",
+            attention=AttentionSpec(
+                kind="mha" if g == a else "gqa", num_heads=a, num_kv_heads=g, head_dim=d, v_head_dim=d, qkv_bias=bias
+            ),
             mlp=MLPSpec(kind=arch["mlp"], intermediate_size=f, activation=arch["activation"], bias=bias),
-            norm=NormSpec(kind=arch["norm"], placement="pre"), positional=arch["positional"],
-            params=block_params, params_active=block_params, linear_flops_per_token=linear,
+            norm=NormSpec(kind=arch["norm"], placement="pre"),
+            positional=arch["positional"],
+            params=block_params,
+            params_active=block_params,
+            linear_flops_per_token=linear,
             attention_flops_per_token_per_ctx=2 * a * d + 2 * a * d,
         )
         for i in range(run.layers)
@@ -178,16 +199,35 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     ctx = (s + 1) / 2
     forward = run.layers * (linear + 4 * a * d * ctx) + 2 * h * v
     cost = CostSpec(
-        seq_len=s, forward_flops_per_token=int(forward), train_flops_per_token=int(3 * forward),
-        linear_flops_per_token=run.layers * linear, attention_flops_per_token=int(run.layers * 4 * a * d * ctx),
-        lm_head_flops_per_token=2 * h * v, kv_cache_bytes_per_token=run.layers * 2 * g * d * 2, kv_cache_dtype_bytes=2,
+        seq_len=s,
+        forward_flops_per_token=int(forward),
+        train_flops_per_token=int(3 * forward),
+        linear_flops_per_token=run.layers * linear,
+        attention_flops_per_token=int(run.layers * 4 * a * d * ctx),
+        lm_head_flops_per_token=2 * h * v,
+        kv_cache_bytes_per_token=run.layers * 2 * g * d * 2,
+        kv_cache_dtype_bytes=2,
     )
     return ModelSpec(
-        schema_version=SCHEMA_VERSION, model_type=run.source, architectures=[], source=f"published:{run.model}",
-        revision=None, dtype="bfloat16", model_class="", is_causal=True, hidden_size=h, vocab_size=v,
-        num_layers=run.layers, max_position_embeddings=s, tie_word_embeddings=arch["tied"], rope=None, blocks=blocks,
+        schema_version=SCHEMA_VERSION,
+        model_type=run.source,
+        architectures=[],
+        source=f"published:{run.model}",
+        revision=None,
+        dtype="bfloat16",
+        model_class="",
+        is_causal=True,
+        hidden_size=h,
+        vocab_size=v,
+        num_layers=run.layers,
+        max_position_embeddings=s,
+        tie_word_embeddings=arch["tied"],
+        rope=None,
+        blocks=blocks,
         params=ParamCounts(embeddings=embeddings, lm_head=lm_head, total=total, active_per_token=total),
-        cost=cost, unrecognized=[], novelties=[],
+        cost=cost,
+        unrecognized=[],
+        novelties=[],
     )
 
 
@@ -202,22 +242,43 @@ def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bo
         fixed = plan_parallel(spec, cluster, run.workload(), fixed=run.layout, top_k=1, efficiency=run_eff).best
         published = run.published_tokens_per_s_per_gpu(spec)
         row = {
-            "source": run.source, "run": run.name, "layout": run.layout,
+            "source": run.source,
+            "run": run.name,
+            "layout": run.layout,
             "published_tflops_per_gpu": run.reported_tflops_per_gpu,
             "published_tokens_per_s_per_gpu": published,
             "predicted_tokens_per_s_per_gpu": fixed.tokens_per_s_per_gpu,
             "error": fixed.tokens_per_s_per_gpu / published - 1,
-            "fits": fixed.fits, "memory_gib_per_gpu": fixed.memory_gib_per_gpu,
+            "fits": fixed.fits,
+            "memory_gib_per_gpu": fixed.memory_gib_per_gpu,
             "chosen": {k: getattr(fixed.plan, k) for k in ("micro_batch", "vpp", "pp_schedule")},
-            "predicted_mfu": fixed.mfu, "published_pct_peak": run.reported_pct_peak,
+            "predicted_mfu": fixed.mfu,
+            "published_pct_peak": run.reported_pct_peak,
         }
         if search:
             started = time.perf_counter()
             best = plan_parallel(spec, cluster, run.workload(), top_k=1, efficiency=run_eff).best
             row["search_s"] = time.perf_counter() - started
-            row["searched"] = {k: v for k, v in best.to_dict().items() if k in (
-                "tp", "pp", "dp", "cp", "ep", "zero", "recompute", "micro_batch", "vpp", "pp_schedule",
-                "memory_gib_per_gpu", "fits", "tokens_per_s_per_gpu")}
+            row["searched"] = {
+                k: v
+                for k, v in best.to_dict().items()
+                if k
+                in (
+                    "tp",
+                    "pp",
+                    "dp",
+                    "cp",
+                    "ep",
+                    "zero",
+                    "recompute",
+                    "micro_batch",
+                    "vpp",
+                    "pp_schedule",
+                    "memory_gib_per_gpu",
+                    "fits",
+                    "tokens_per_s_per_gpu",
+                )
+            }
             row["searched_speedup"] = best.tokens_per_s_per_gpu / fixed.tokens_per_s_per_gpu
         out.append(row)
     return out
@@ -241,7 +302,9 @@ def knob_range(run: PublishedRun, eff: Efficiency | None = None) -> tuple[float,
             if run.pp > 1 and vpp == 1:
                 layout["schedule"] = "1f1b"
             try:
-                best = plan_parallel(spec, cluster, run.workload(), fixed=layout, top_k=1, efficiency=run.efficiency(eff)).best
+                best = plan_parallel(
+                    spec, cluster, run.workload(), fixed=layout, top_k=1, efficiency=run.efficiency(eff)
+                ).best
             except BadInput:
                 continue  # the batch does not split into these micro-batches, or the layers into these chunks
             predictions.append(best.tokens_per_s_per_gpu)
@@ -267,8 +330,14 @@ def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
 
     giants = [
         ("DeepSeek-V3 (671B MoE, MLA), 2048 x H800", DeepseekV3Config(), "h800", 2048, 4096, 15360),
-        ("3T MoE (DeepSeek-V3 shape, 1024 experts, 70 layers), 16384 x H100",
-         DeepseekV3Config(n_routed_experts=1024, num_hidden_layers=70), "h100", 16384, 4096, 16384),
+        (
+            "3T MoE (DeepSeek-V3 shape, 1024 experts, 70 layers), 16384 x H100",
+            DeepseekV3Config(n_routed_experts=1024, num_hidden_layers=70),
+            "h100",
+            16384,
+            4096,
+            16384,
+        ),
     ]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -282,8 +351,23 @@ def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
             started = time.perf_counter()
             result = plan_parallel(spec, make_cluster(gpu, gpus), Workload(seq, batch))
             plan_s = time.perf_counter() - started
-            command = [sys.executable, "-m", "adapt.app.cli", "plan", path, "--config-only", "--gpu", gpu, "--gpus",
-                       str(gpus), "--seq", str(seq), "--global-batch", str(batch), "--json"]
+            command = [
+                sys.executable,
+                "-m",
+                "adapt.app.cli",
+                "plan",
+                path,
+                "--config-only",
+                "--gpu",
+                gpu,
+                "--gpus",
+                str(gpus),
+                "--seq",
+                str(seq),
+                "--global-batch",
+                str(batch),
+                "--json",
+            ]
             cold = []
             for _ in range(cold_runs):
                 started = time.perf_counter()
@@ -293,15 +377,40 @@ def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
             subprocess.run(command, env=env, check=True, capture_output=True)
             cli_s = time.perf_counter() - started
             best = result.best
-            out.append({
-                "load_average": round(os.getloadavg()[0], 1),
-                "case": name, "params_total": spec.params_total, "layouts_scored": result.searched,
-                "intake_s": intake_s, "plan_s": plan_s, "cli_cached_s": cli_s,
-                "cli_cold_s": statistics.median(cold), "cli_cold_min_s": min(cold), "cold_runs": cold_runs,
-                "best": {k: v for k, v in best.to_dict().items() if k in (
-                    "tp", "pp", "dp", "cp", "ep", "zero", "recompute", "micro_batch", "vpp", "pp_schedule",
-                    "memory_gib_per_gpu", "tokens_per_s", "mfu")},
-            })
+            out.append(
+                {
+                    "load_average": round(os.getloadavg()[0], 1),
+                    "case": name,
+                    "params_total": spec.params_total,
+                    "layouts_scored": result.searched,
+                    "intake_s": intake_s,
+                    "plan_s": plan_s,
+                    "cli_cached_s": cli_s,
+                    "cli_cold_s": statistics.median(cold),
+                    "cli_cold_min_s": min(cold),
+                    "cold_runs": cold_runs,
+                    "best": {
+                        k: v
+                        for k, v in best.to_dict().items()
+                        if k
+                        in (
+                            "tp",
+                            "pp",
+                            "dp",
+                            "cp",
+                            "ep",
+                            "zero",
+                            "recompute",
+                            "micro_batch",
+                            "vpp",
+                            "pp_schedule",
+                            "memory_gib_per_gpu",
+                            "tokens_per_s",
+                            "mfu",
+                        )
+                    },
+                }
+            )
     return out
 
 
@@ -309,9 +418,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args(argv)
     rows = evaluate(load_published_runs(), search=False)
-    print(json.dumps({"all": error_summary(rows), "rows": [
-        {k: r[k] for k in ("run", "error", "predicted_tokens_per_s_per_gpu", "published_tokens_per_s_per_gpu")}
-        for r in rows]}, indent=2))
+    print(
+        json.dumps(
+            {
+                "all": error_summary(rows),
+                "rows": [
+                    {
+                        k: r[k]
+                        for k in ("run", "error", "predicted_tokens_per_s_per_gpu", "published_tokens_per_s_per_gpu")
+                    }
+                    for r in rows
+                ],
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -69,7 +69,9 @@ class RankedPlan:
         """Inverse of ``to_dict``: the flattened layout fields are read back from ``plan``."""
         names = {f.name for f in fields(cls)} - {"plan", "knobs"}
         knobs = {k: data[k] for k in KNOB_KEYS if k in data}  # flattened by to_dict
-        return cls(plan=ParallelPlan.from_dict(data["plan"]), knobs=knobs, **{k: v for k, v in data.items() if k in names})
+        return cls(
+            plan=ParallelPlan.from_dict(data["plan"]), knobs=knobs, **{k: v for k, v in data.items() if k in names}
+        )
 
 
 @dataclass

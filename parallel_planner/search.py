@@ -27,6 +27,7 @@ from adapt.core.spec import ModelSpec
 from parallel_planner.calibration import Calibration, compute_scale
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
+from parallel_planner.knobs import NETWORK_KEYS, parse_fixed
 from parallel_planner.layout import (
     FIELDS,
     RECOMPUTE,
@@ -37,7 +38,6 @@ from parallel_planner.layout import (
     stage_layout,
 )
 from parallel_planner.memory import MemoryModel, memory_breakdown, model_state_floor
-from parallel_planner.knobs import NETWORK_KEYS, parse_fixed
 from parallel_planner.plan import ParallelPlan
 from parallel_planner.profile import ModelProfile, profile_model
 from parallel_planner.result import KNOB_KEYS, PlannerResult, RankedPlan
@@ -94,8 +94,9 @@ def enumerate_candidates(
             rejected["tensor parallel kept inside a node"] += 1
             continue
         for cp in choices("cp", _divisors(n // tp)):
-            if cp > 1 and (workload.seq_len % (2 * cp) or cp > space.max_cp
-                           or workload.seq_len // cp < space.min_cp_chunk):
+            if cp > 1 and (
+                workload.seq_len % (2 * cp) or cp > space.max_cp or workload.seq_len // cp < space.min_cp_chunk
+            ):
                 rejected[f"context parallel needs 2*cp equal chunks of at least {space.min_cp_chunk // 2} tokens"] += 1
                 continue
             for pp in choices("pp", _divisors(n // (tp * cp))):
@@ -148,12 +149,18 @@ def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rej
         for mbs in (b for b in MICRO_BATCHES if per_rank % b == 0):
             if "mbs" in fixed and fixed["mbs"] != mbs:
                 continue
-            pairs = [(v, sch) for v, sch in _schedules(pp, per_rank // mbs, profile.num_layers, workload.training,
-                                                       "schedule" in fixed)
-                     if fixed.get("vpp", v) == v and fixed.get("schedule", sch) == sch]
+            pairs = [
+                (v, sch)
+                for v, sch in _schedules(
+                    pp, per_rank // mbs, profile.num_layers, workload.training, "schedule" in fixed
+                )
+                if fixed.get("vpp", v) == v and fixed.get("schedule", sch) == sch
+            ]
             if not pairs and ("vpp" in fixed or "schedule" in fixed):
-                rejected[f"vpp/schedule: interleaving needs at most layers + 2 chunks and the micro-batches per step "
-                         f"({per_rank // mbs} at mbs={mbs}, dp={dp}) to be a multiple of pp={pp}"] += 1
+                rejected[
+                    f"vpp/schedule: interleaving needs at most layers + 2 chunks and the micro-batches per step "
+                    f"({per_rank // mbs} at mbs={mbs}, dp={dp}) to be a multiple of pp={pp}"
+                ] += 1
             for vpp, schedule in pairs:
                 yield from ((tp, pp, dp, cp, ep, mbs, vpp, schedule, r) for r in replicas)
 
@@ -175,7 +182,8 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
     inner = [
         (zero, rec, off, sp, tpo, go)
         for zero, rec, off, sp, tpo, go in itertools.product(
-            zeros if training else (0,), range(3) if training else (0,), offload, *switches.values())
+            zeros if training else (0,), range(3) if training else (0,), offload, *switches.values()
+        )
         if not (off and zero == 0)
         and all(fixed.get(k, v) == v for k, v in (("zero", zero), ("recompute", rec), ("offload", off)))
     ]
@@ -194,10 +202,24 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
         for split in range(len(SPLITS)) if pp > 1 else (0,):
             if fixed.get("split", split) != split:
                 continue
-            cols = dict(tp=b[:, 0], pp=b[:, 1], dp=b[:, 2], cp=b[:, 3], ep=b[:, 4], mbs=b[:, 5], vpp=b[:, 6],
-                        schedule=b[:, 7], zero=z[:, 0], recompute=z[:, 1], offload=z[:, 2],
-                        split=np.full(len(b), split, dtype=np.int64), replicate=b[:, 8],
-                        sp=z[:, 3], tp_overlap=z[:, 4], grad_overlap=z[:, 5])
+            cols = dict(
+                tp=b[:, 0],
+                pp=b[:, 1],
+                dp=b[:, 2],
+                cp=b[:, 3],
+                ep=b[:, 4],
+                mbs=b[:, 5],
+                vpp=b[:, 6],
+                schedule=b[:, 7],
+                zero=z[:, 0],
+                recompute=z[:, 1],
+                offload=z[:, 2],
+                split=np.full(len(b), split, dtype=np.int64),
+                replicate=b[:, 8],
+                sp=z[:, 3],
+                tp_overlap=z[:, 4],
+                grad_overlap=z[:, 5],
+            )
             yield (pp, vpp, split), Candidates(**cols)
 
 
@@ -225,8 +247,15 @@ class Scored:
 
 
 def score(
-    profile: ModelProfile, cluster: Cluster, workload: Workload, groups: dict[tuple[int, int, int], Candidates],
-    eff: Efficiency, mm: MemoryModel, scale: np.ndarray | None, prune: bool = True, dedupe: bool = True,
+    profile: ModelProfile,
+    cluster: Cluster,
+    workload: Workload,
+    groups: dict[tuple[int, int, int], Candidates],
+    eff: Efficiency,
+    mm: MemoryModel,
+    scale: np.ndarray | None,
+    prune: bool = True,
+    dedupe: bool = True,
 ) -> Scored:
     """Fullest-stage memory and step time of every candidate, one (pp, vpp, split) group at a time.
 
@@ -237,8 +266,11 @@ def score(
     smallest_pruned = np.inf
     for (pp, vpp, split), cands in groups.items():
         layout = stage_layout(profile, pp, vpp, SPLITS[split])
-        if layout is None or (dedupe and split and layout.chunk_layers == getattr(
-                stage_layout(profile, pp, vpp, SPLITS[0]), "chunk_layers", None)):
+        if layout is None or (
+            dedupe
+            and split
+            and layout.chunk_layers == getattr(stage_layout(profile, pp, vpp, SPLITS[0]), "chunk_layers", None)
+        ):
             continue  # no layer split, or (searching) the same split under another name
         layout = layout.compressed()
         floor = model_state_floor(profile, workload, cands, mm)
@@ -277,7 +309,9 @@ def plan_parallel(
         eff = calibration.apply(eff, cluster)
     mm = memory_model or MemoryModel(fused_kernels=eff.fused_kernels)
     product = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "dp", "cp"))
-    if cluster.num_gpus % product or (all(k in pinned for k in ("tp", "pp", "dp", "cp")) and product != cluster.num_gpus):
+    if cluster.num_gpus % product or (
+        all(k in pinned for k in ("tp", "pp", "dp", "cp")) and product != cluster.num_gpus
+    ):
         raise BadInput(f"--fixed: tp*pp*dp*cp = {product} does not lay out {cluster.num_gpus} GPUs")
     profile = profile_model(spec)
     scale = compute_scale(calibration, profile, cluster, workload, eff) if calibration else None
@@ -285,28 +319,38 @@ def plan_parallel(
     usable = mm.usable_bytes(cluster)
     rejected, notes = Counter(), []
     overlap = eff.runtime == "megatron" or space_overlap
-    spaces = (SearchSpace(tp_overlap=overlap), SearchSpace(offload=True, tp_overlap=overlap),
-              SearchSpace(cross_node=True, offload=True, tp_overlap=overlap))
+    spaces = (
+        SearchSpace(tp_overlap=overlap),
+        SearchSpace(offload=True, tp_overlap=overlap),
+        SearchSpace(cross_node=True, offload=True, tp_overlap=overlap),
+    )
     for space in spaces:
         groups, rejected_here = enumerate_candidates(profile, cluster, workload, pinned, space)
         rejected += rejected_here
-        scored = score(profile, cluster, workload, groups, eff, mm, scale, prune=not pinned,
-                       dedupe="split" not in pinned)
+        scored = score(
+            profile, cluster, workload, groups, eff, mm, scale, prune=not pinned, dedupe="split" not in pinned
+        )
         c = scored.candidates
         allowed = (c.ep * c.tp <= cluster.gpus_per_node) | space.cross_node | ("ep" in pinned)
         if ((scored.memory_total <= usable) & allowed).any():
             break
     if space is not spaces[0] and not pinned and (scored.memory_total <= usable).any():
-        notes.append("nothing fitted with TP/EP inside a node and optimizer states on the GPU; the search widened"
-                     if space.cross_node else "nothing fitted with optimizer states on the GPU; offload joined the search")
+        notes.append(
+            "nothing fitted with TP/EP inside a node and optimizer states on the GPU; the search widened"
+            if space.cross_node
+            else "nothing fitted with optimizer states on the GPU; offload joined the search"
+        )
     if not len(scored.candidates):
         if np.isfinite(scored.smallest_pruned):
             raise BadInput(
                 f"no layout fits in {usable / GIB:.1f} GiB per {cluster.gpu.name}: parameters, gradients and "
                 f"optimizer states alone need at least {scored.smallest_pruned / GIB:.1f} GiB; use more GPUs"
             )
-        raise BadInput(_no_layout_message(cluster, workload, rejected, pinned, _blocking_knobs(
-            profile, cluster, workload, pinned, spaces[-1])))
+        raise BadInput(
+            _no_layout_message(
+                cluster, workload, rejected, pinned, _blocking_knobs(profile, cluster, workload, pinned, spaces[-1])
+            )
+        )
     fits_anywhere = scored.memory_total <= usable
     fits = fits_anywhere & allowed
     if not fits.any() and not pinned:
@@ -383,8 +427,9 @@ def _blocking_knobs(profile, cluster: Cluster, workload: Workload, pinned: dict,
     return blocking
 
 
-def _no_layout_message(cluster: Cluster, workload: Workload, rejected: Counter, pinned: dict,
-                       blocking: list[str] | None = None) -> str:
+def _no_layout_message(
+    cluster: Cluster, workload: Workload, rejected: Counter, pinned: dict, blocking: list[str] | None = None
+) -> str:
     if pinned:  # what the open enumeration skipped for knobs nobody pinned is noise here
         about_pinned = Counter({r: c for r, c in rejected.items() if any(k in r for k in pinned)})
         rejected = about_pinned or rejected
@@ -393,11 +438,13 @@ def _no_layout_message(cluster: Cluster, workload: Workload, rejected: Counter, 
         reasons = (reasons + "; " if reasons else "") + f"releasing {' or '.join(blocking)} would admit one"
     what = f"the fixed layout {_short(pinned)}" if pinned else f"{cluster.num_gpus} x {cluster.gpu.name}"
     return f"no valid layout for {what} with global batch {workload.global_batch}: " + (
-        reasons or "the fixed knobs admit no layout")
+        reasons or "the fixed knobs admit no layout"
+    )
 
 
-def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Workload, eff, mm, scale,
-            profile_source: str) -> RankedPlan:
+def _ranked(
+    rank, row: dict[str, int], profile, cluster: Cluster, workload: Workload, eff, mm, scale, profile_source: str
+) -> RankedPlan:
     """Re-evaluate one layout with every breakdown kept."""
     one = Candidates.from_rows([tuple(row[f] for f in FIELDS)])
     layout = stage_layout(profile, row["pp"], row["vpp"], SPLITS[row["split"]])
@@ -406,14 +453,26 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
     fullest = int(memory["total"][0].argmax())
     m = workload.global_batch // (row["mbs"] * row["dp"])
     plan = ParallelPlan(
-        tp=row["tp"], pp=row["pp"], cp=row["cp"], ep=row["ep"], zero=row["zero"],
+        tp=row["tp"],
+        pp=row["pp"],
+        cp=row["cp"],
+        ep=row["ep"],
+        zero=row["zero"],
         dp_replicate=row["dp"] if row["zero"] == 0 else row["replicate"],
         dp_shard=1 if row["zero"] == 0 else row["dp"] // row["replicate"],
-        sequence_parallel=row["tp"] > 1 and bool(row["sp"]), recompute=RECOMPUTE[row["recompute"]], micro_batch=row["mbs"],
-        grad_accum=m, pp_schedule=SCHEDULES[row["schedule"]], vpp=row["vpp"],
-        stage_layers=list(layout.chunk_layers) if row["pp"] > 1 else [], offload_optimizer=bool(row["offload"]),
-        vocab_parallel=row["tp"] > 1, seq_len=workload.seq_len, global_batch=workload.global_batch,
-        precision=workload.precision, gpus_per_node=cluster.gpus_per_node,
+        sequence_parallel=row["tp"] > 1 and bool(row["sp"]),
+        recompute=RECOMPUTE[row["recompute"]],
+        micro_batch=row["mbs"],
+        grad_accum=m,
+        pp_schedule=SCHEDULES[row["schedule"]],
+        vpp=row["vpp"],
+        stage_layers=list(layout.chunk_layers) if row["pp"] > 1 else [],
+        offload_optimizer=bool(row["offload"]),
+        vocab_parallel=row["tp"] > 1,
+        seq_len=workload.seq_len,
+        global_batch=workload.global_batch,
+        precision=workload.precision,
+        gpus_per_node=cluster.gpus_per_node,
     )
     step = float(times["step"][0])
     tokens_per_s = workload.tokens_per_step / step
@@ -429,8 +488,9 @@ def _ranked(rank, row: dict[str, int], profile, cluster: Cluster, workload: Work
         memory_per_stage_gib=[round(float(x / GIB), 3) for x in memory["total"][0]],
         usable_memory_gib=mm.usable_bytes(cluster) / GIB,
         step_time_s=step,
-        time_breakdown={k: float(v[0]) for k, v in times.items()
-                        if k not in ("step", "hardware_flops_per_token", "host_bound")},
+        time_breakdown={
+            k: float(v[0]) for k, v in times.items() if k not in ("step", "hardware_flops_per_token", "host_bound")
+        },
         host_bound=bool(times["host_bound"][0]),
         knobs={k: _knob_name(k, row[k]) for k in KNOB_KEYS},
         tokens_per_s=tokens_per_s,
@@ -454,13 +514,26 @@ def launch_command(plan: ParallelPlan, cluster: Cluster, source: str) -> str:
     return render(torchrun_command(plan, launch, [source, "--plan", "plan.json"]))
 
 
-def replan_with_measurements(spec: ModelSpec, cluster: Cluster, workload: Workload, measurements: dict,
-                             fixed: dict | str | None = None, top_k: int = 5,
-                             efficiency: Efficiency | None = None) -> PlannerResult:
+def replan_with_measurements(
+    spec: ModelSpec,
+    cluster: Cluster,
+    workload: Workload,
+    measurements: dict,
+    fixed: dict | str | None = None,
+    top_k: int = 5,
+    efficiency: Efficiency | None = None,
+) -> PlannerResult:
     """The plan again once the throughput stage has measured this machine (``measurements`` in the
     calibration JSON format, e.g. from ``calibration.calibration_from_measurements``): what ``adapt run``
     shows beside the plan made before any measurement."""
     from parallel_planner.calibration import calibration_from_dict
 
-    return plan_parallel(spec, cluster, workload, fixed=fixed, top_k=top_k, efficiency=efficiency,
-                         calibration=calibration_from_dict(measurements, "throughput stage"))
+    return plan_parallel(
+        spec,
+        cluster,
+        workload,
+        fixed=fixed,
+        top_k=top_k,
+        efficiency=efficiency,
+        calibration=calibration_from_dict(measurements, "throughput stage"),
+    )

@@ -54,8 +54,9 @@ class WorkerSpec:
     """``describe`` running in a fresh interpreter: start it, do other work, then ``result()``."""
 
     def __init__(self, src: ModelSource, seq_len: int | None):
-        self._process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         with self._process.stdin:  # type: ignore[union-attr]
             self._process.stdin.write(json.dumps({"source": asdict(src), "seq_len": seq_len}))  # type: ignore[union-attr]
 
@@ -90,8 +91,10 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(err), "exit_code": err.exit_code}
     except Exception as err:  # noqa: BLE001 - reported to the parent, which turns it into one line
         if is_config_validation_error(err):  # transformers rejected a value of the user's config: bad input
-            return {"error": f"config.json: transformers rejects it: {config_error_line(err)}",
-                    "exit_code": BadInput.exit_code}
+            return {
+                "error": f"config.json: transformers rejects it: {config_error_line(err)}",
+                "exit_code": BadInput.exit_code,
+            }
         if os.environ.get("ADAPT_DEBUG"):
             traceback.print_exc()
         return {"error": f"{type(err).__name__}: {err}", "exit_code": None}

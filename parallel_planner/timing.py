@@ -122,12 +122,22 @@ def attention_seconds(block: BlockProfile, tokens, tp, context: float, seq_len: 
     square = tokens * seq_len * block.attention_flops_per_ctx / tp
     scores = 4 * ACT_BYTES * tokens * seq_len * block.num_heads / tp
     return square / (bf16_peak * cluster.gpu.gemm_ceiling * eff.gemm_scale) + scores / (
-        cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+        cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+    )
 
 
 def block_forward_seconds(
-    block: BlockProfile, tokens, tp, ep, context: float, cluster: Cluster, precision: str, eff: Efficiency,
-    moe_imbalance: float = 1.0, sp=None, seq_len: int | None = None,
+    block: BlockProfile,
+    tokens,
+    tp,
+    ep,
+    context: float,
+    cluster: Cluster,
+    precision: str,
+    eff: Efficiency,
+    moe_imbalance: float = 1.0,
+    sp=None,
+    seq_len: int | None = None,
 ):
     """(GEMM, attention, elementwise) forward seconds of one block for ``tokens`` local tokens; the experts
     run at the pace of the busiest EP rank (``moe_imbalance`` times the mean routed tokens; one rank holding
@@ -140,7 +150,9 @@ def block_forward_seconds(
         if g.routed:
             local_experts = block.num_experts / ep
             per_expert = tokens * block.top_k * ep / block.num_experts * np.where(ep > 1, moe_imbalance, 1.0)
-            gemm = gemm + gemm_seconds(per_expert, g.in_features, g.out_features / shard, cluster, peak, eff, local_experts)
+            gemm = gemm + gemm_seconds(
+                per_expert, g.in_features, g.out_features / shard, cluster, peak, eff, local_experts
+            )
         else:
             gemm = gemm + gemm_seconds(tokens, g.in_features, g.out_features / shard, cluster, peak, eff)
     gemm = gemm * block.flops_scale
@@ -189,7 +201,16 @@ def step_time(
     for j, block in enumerate(profile.blocks):
         ctx = profile.attention_context(block, workload.seq_len)
         gemm, attention, elementwise = block_forward_seconds(
-            block, tokens, tp, ep, ctx, cluster, workload.precision, eff, workload.moe_imbalance, c.sp,
+            block,
+            tokens,
+            tp,
+            ep,
+            ctx,
+            cluster,
+            workload.precision,
+            eff,
+            workload.moe_imbalance,
+            c.sp,
             workload.seq_len,
         )
         f = scale[j] * (gemm + attention + elementwise)
@@ -201,8 +222,12 @@ def step_time(
         tp_comm = tp_pairs * 2 * comm.all_gather(activation, tp, np.ones_like(tp))
         # --tp-comm-overlap pipelines each collective with the GEMM beside it: only what the GEMMs cannot
         # cover stays exposed, and the GEMMs lose the SMs the collective takes.
-        tp_fwd = np.where(c.tp_overlap > 0, np.maximum(0.0, tp_comm - eff.overlap * scale[j] * gemm)
-                          + (1 - eff.overlap) * np.minimum(tp_comm, scale[j] * gemm), tp_comm)
+        tp_fwd = np.where(
+            c.tp_overlap > 0,
+            np.maximum(0.0, tp_comm - eff.overlap * scale[j] * gemm)
+            + (1 - eff.overlap) * np.minimum(tp_comm, scale[j] * gemm),
+            tp_comm,
+        )
         ep_fwd = 0.0
         if block.is_moe:
             ep_fwd = 2 * comm.all_to_all(activation * block.top_k * workload.moe_imbalance / tp, ep, tp)
@@ -219,7 +244,9 @@ def step_time(
     head_fwd = gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops(workload.precision), eff)
     head_fwd = head_fwd + 3 * 4 * tokens * profile.vocab / tp / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
     stage_fwd = (fwd + exposed_comm) @ counts + layout.has_head[None, :] * head_fwd[:, None]
-    stage_bwd = bwd @ counts + layout.has_head[None, :] * (2 * head_fwd)[:, None] if workload.training else 0 * stage_fwd
+    stage_bwd = (
+        bwd @ counts + layout.has_head[None, :] * (2 * head_fwd)[:, None] if workload.training else 0 * stage_fwd
+    )
 
     pp = c.pp
     passes = 2 if workload.training else 1
@@ -248,7 +275,9 @@ def step_time(
         "host_bound": (row_max(host_stage - gpu_stage) > 0).astype(np.float64),
     }
     if workload.training:
-        dp_exposed, optimizer = _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, stage_bwd, m)
+        dp_exposed, optimizer = _data_parallel(
+            profile, cluster, workload, c, layout, comm, eff, stage_fwd, stage_bwd, m
+        )
         out["data_parallel_exposed"] = dp_exposed
         out["optimizer"] = optimizer
         out["step"] = pipeline + dp_exposed + optimizer
@@ -276,12 +305,16 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
         a_d, b_d = comm.affine(kind, *dense_group)
         a_e, b_e = comm.affine(kind, *expert_group)
         return lambda bytes_per_param, dense_div=1, expert_div=1: (
-            a_d + b_d * bytes_per_param / (tp * dense_div) * dense[None, :]
-            + has_experts * a_e + b_e * bytes_per_param / (tp * ep * expert_div) * experts[None, :])
+            a_d
+            + b_d * bytes_per_param / (tp * dense_div) * dense[None, :]
+            + has_experts * a_e
+            + b_e * bytes_per_param / (tp * ep * expert_div) * experts[None, :]
+        )
 
     within = per_gpu_params("reduce_scatter", (shard, stride), (expert_shard, stride * c.ep[:, None]))
-    across = per_gpu_params("all_reduce", (c.replicate[:, None], stride * shard),
-                            (c.replicate[:, None], stride * shard))
+    across = per_gpu_params(
+        "all_reduce", (c.replicate[:, None], stride * shard), (c.replicate[:, None], stride * shard)
+    )
     gather = per_gpu_params("all_gather", (shard, stride), (expert_shard, stride * c.ep[:, None]))
     # One gradient sync: reduce-scatter inside the shard group, then (HSDP) all-reduce of the shard across
     # the replicas, the way FSDP2 reduces over a (dp_replicate, dp_shard) mesh.
@@ -301,7 +334,8 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     # left beside them.
     edge = 1.0 / (layout.type_counts.sum(axis=1)[None, :] + 1)
     exposed = (
-        _exposed(step_grad, hide_bwd, eff, edge) + _exposed(step_param, hide_fwd, eff, edge)
+        _exposed(step_grad, hide_bwd, eff, edge)
+        + _exposed(step_param, hide_fwd, eff, edge)
         + m[:, None] * _exposed(per_mb, eff.overlap * (stage_fwd + stage_bwd), eff, edge)
     )
     if eff.runtime == "torch":

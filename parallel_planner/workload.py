@@ -36,7 +36,7 @@ class Workload:
             raise BadInput(f"optimizer {self.optimizer!r} unknown (known: {', '.join(OPTIMIZER_STATE_BYTES)})")
 
     @classmethod
-    def from_tokens(cls, seq_len: int, global_batch_tokens: int, **kwargs: Any) -> "Workload":
+    def from_tokens(cls, seq_len: int, global_batch_tokens: int, **kwargs: Any) -> Workload:
         """A global batch given in tokens must be a whole number of sequences."""
         if global_batch_tokens % seq_len:
             raise BadInput(f"global batch of {global_batch_tokens} tokens is not a multiple of seq {seq_len}")

@@ -146,7 +146,9 @@ def _section(
     if name == "alignment":
         out += [f"<p>{_e(line)}</p>" for line in tables.alignment_extras(report)]
     if name == "plan" and tables.launch_command(report):
-        out.append(f"<p>Launch (the plan is saved beside this report):</p><pre><code>{_e(tables.launch_command(report))}</code></pre>")
+        out.append(
+            f"<p>Launch (the plan is saved beside this report):</p><pre><code>{_e(tables.launch_command(report))}</code></pre>"
+        )
     if name == "throughput":
         out += [f'<p class="caveat">{_e(line)}</p>' for line in tables.throughput_caveats(report)]
     if name in plots.FIGURES:

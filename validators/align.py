@@ -24,13 +24,6 @@ import torch
 from torch import nn
 
 from adapt.model.blocks import residual_width
-from validators.compare import (
-    LayerResult,
-    Thresholds,
-    judge,
-    parse_dtype,
-    thresholds_for,
-)
 from validators.alignment import (
     PARITY_TOLERANCE,
     AlignmentReport,
@@ -40,6 +33,13 @@ from validators.alignment import (
     finish_report,
     peak_rss_bytes,
     reference_dtype,
+)
+from validators.compare import (
+    LayerResult,
+    Thresholds,
+    judge,
+    parse_dtype,
+    thresholds_for,
 )
 from validators.modules import (
     NonFiniteOutput,
@@ -59,7 +59,6 @@ from validators.training import (
 )
 
 CandidateTransform = Callable[[nn.Module], Any]
-
 
 
 def kernel_plan_transform(kernel_plan: Any, notes: list[str] | None = None) -> CandidateTransform | None:
@@ -110,14 +109,20 @@ def align(
         while options.seed is None and _undecidable_share(report, options) > MAX_UNDECIDABLE_SHARE and redraws < 3:
             redraws += 1
             discarded = report.seed
-            report = _full_align(src, dtype, device, limits, transform, options, int.from_bytes(os.urandom(4), "little"))
-            report.notes.append(f"inputs redrawn {redraws}x: under seed {discarded} more than "
-                                f"{MAX_UNDECIDABLE_SHARE:.0%} of the tokens had an undecidable expert choice")
+            report = _full_align(
+                src, dtype, device, limits, transform, options, int.from_bytes(os.urandom(4), "little")
+            )
+            report.notes.append(
+                f"inputs redrawn {redraws}x: under seed {discarded} more than "
+                f"{MAX_UNDECIDABLE_SHARE:.0%} of the tokens had an undecidable expert choice"
+            )
         share = _undecidable_share(report, options)
         if share > MAX_INCONCLUSIVE_SHARE:  # too few tokens judged: a pass would mean nothing
             report.passed = False
-            report.notes.append(f"inconclusive, so not passed: {share:.0%} of the tokens had an expert choice undecidable in "
-                                f"{dtype} (more than {MAX_INCONCLUSIVE_SHARE:.0%}); align in a wider dtype to judge this routing")
+            report.notes.append(
+                f"inconclusive, so not passed: {share:.0%} of the tokens had an expert choice undecidable in "
+                f"{dtype} (more than {MAX_INCONCLUSIVE_SHARE:.0%}); align in a wider dtype to judge this routing"
+            )
     report.notes[:0] = notes
     return report
 
@@ -193,7 +198,9 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
         if key not in cand_rec.outputs or key not in base_rec.outputs:
             report.notes.append(f"{key}: not produced by the candidate; the kernel plan changed the module tree")
             continue
-        report.layers.append(routed_judge(key, where.block, where.component, ref, cand_rec.outputs[key], base_rec.outputs[key]))
+        report.layers.append(
+            routed_judge(key, where.block, where.component, ref, cand_rec.outputs[key], base_rec.outputs[key])
+        )
     report.layers.append(routed_judge("logits", None, None, ref_out, cand_out, base_out))
     if options.backward:
         undecided = flips.excluded_from(None)
@@ -201,23 +208,31 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
             # Gradients again without the loss terms that can see an undecidable token: its own, and those of the
             # later positions of its sequence, which attend to its state in every block after the flip.
             seq = ids.shape[-1]
-            skipped = {row * seq + pos for row, first in _first_positions(undecided, seq).items() for pos in range(first, seq)}
+            skipped = {
+                row * seq + pos for row, first in _first_positions(undecided, seq).items() for pos in range(first, seq)
+            }
             if len(skipped) == ids.numel():
-                report.notes.append("inconclusive, so not passed: every loss term sees a token whose expert choice is "
-                                    f"undecidable in {dtype_name}; gradients were not compared")
+                report.notes.append(
+                    "inconclusive, so not passed: every loss term sees a token whose expert choice is "
+                    f"undecidable in {dtype_name}; gradients were not compared"
+                )
                 finish_report(report, started)
                 report.passed = False
                 return report
             for model, inputs in ((reference, ids), (baseline, ids.to(device)), (candidate, ids.to(device))):
                 _forward(model, inputs, True, vocab, skip_tokens=skipped)
-            report.notes.append(f"gradients compared without the loss terms of the {len(undecided)} undecidable token(s) "
-                                f"and of the later positions that attend to them ({len(skipped)} of {ids.numel()} terms left out)")
+            report.notes.append(
+                f"gradients compared without the loss terms of the {len(undecided)} undecidable token(s) "
+                f"and of the later positions that attend to them ({len(skipped)} of {ids.numel()} terms left out)"
+            )
         report.gradients = _compare_gradients(reference, baseline, candidate, limits)
         if options.parity_steps > 0:
             report.parity = _loss_parity(baseline, candidate, options, seed, vocab, device, dtype_name)
             if report.parity.training_randomness_off:
-                report.notes.append("loss parity ran in eval mode: the training forward is random (dropout, router "
-                                    "jitter), and the two paths would compare different draws")
+                report.notes.append(
+                    "loss parity ran in eval mode: the training forward is random (dropout, router "
+                    "jitter), and the two paths would compare different draws"
+                )
     finish_report(report, started)
     return report
 
@@ -250,8 +265,12 @@ def _compare_gradients(reference, baseline, candidate, limits: Thresholds) -> li
     compounded errors spreads wider than a forward tensor's (bf16 router-weight gradients of a correct
     MoE plan measured 2.2-3.3 on some fresh draws).  Gradients that vanish in exact arithmetic are
     measured against 1e-3 of the global gradient norm."""
-    grad_limits = dataclasses.replace(limits, max_rel_err=min(1.0, 4 * limits.max_rel_err), min_cosine=1 - 4 * (1 - limits.min_cosine),
-                                      max_err_ratio=2 * limits.max_err_ratio)
+    grad_limits = dataclasses.replace(
+        limits,
+        max_rel_err=min(1.0, 4 * limits.max_rel_err),
+        min_cosine=1 - 4 * (1 - limits.min_cosine),
+        max_err_ratio=2 * limits.max_err_ratio,
+    )
     blocks = find_blocks(reference)
     block_of = {id(p): i for i, b in enumerate(blocks.blocks) for p in b.parameters()}
     base_params = dict(baseline.named_parameters())
@@ -321,5 +340,3 @@ def _training_forward_is_random(model: nn.Module, ids: torch.Tensor) -> bool:
     finally:
         model.eval()
     return not torch.equal(outputs[0], outputs[1])
-
-

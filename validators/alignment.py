@@ -71,7 +71,9 @@ class AlignmentReport:
         return data
 
 
-def reference_dtype(hidden_size: int, requested: str | None = None, candidate: torch.dtype = torch.bfloat16) -> torch.dtype:
+def reference_dtype(
+    hidden_size: int, requested: str | None = None, candidate: torch.dtype = torch.bfloat16
+) -> torch.dtype:
     """float64 unless asked otherwise; float32 for wide 16-bit candidates (half the memory, still 2^16 finer)."""
     if requested is not None:
         if requested not in ("fp64", "fp32"):
@@ -126,8 +128,10 @@ def finish_report(report: AlignmentReport, started: float) -> None:
     parity_ok = report.parity is None or report.parity.passed
     precise = _reference_more_precise(report)
     if not precise:
-        report.notes.append(f"inconclusive, so not passed: the reference ran in {report.reference_dtype}, no more precise than "
-                            f"the {report.dtype} candidate; its agreement proves nothing")
+        report.notes.append(
+            f"inconclusive, so not passed: the reference ran in {report.reference_dtype}, no more precise than "
+            f"the {report.dtype} candidate; its agreement proves nothing"
+        )
     report.passed = first is None and parity_ok and precise and report.nonfinite_module is None and bool(report.layers)
     report.seconds = time.perf_counter() - started
     report.peak_rss_bytes = peak_rss_bytes()

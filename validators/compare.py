@@ -17,7 +17,6 @@ import torch
 
 from adapt.core.verdicts import DEFAULT_THRESHOLDS, Thresholds, verdict
 
-
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -60,7 +60,9 @@ def make_static_cache(model: nn.Module, batch: int, max_len: int) -> Any:
     try:
         return StaticCache(config=model.config, max_cache_len=max_len)
     except TypeError:  # releases that size the cache up front
-        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, device=param.device, dtype=param.dtype)
+        return StaticCache(
+            config=model.config, max_batch_size=batch, max_cache_len=max_len, device=param.device, dtype=param.dtype
+        )
 
 
 class StaticDecoder:
@@ -70,7 +72,9 @@ class StaticDecoder:
     gain that tests do not need); ``mode`` is handed to ``torch.compile``.
     """
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int, compile: bool | None = None, mode: str = "reduce-overhead"):
+    def __init__(
+        self, model: nn.Module, batch: int, max_len: int, compile: bool | None = None, mode: str = "reduce-overhead"
+    ):
         self.model = model
         self.device = next(model.parameters()).device
         self.batch, self.max_len = batch, max_len
@@ -79,7 +83,11 @@ class StaticDecoder:
         self.trim_logits = accepts(model, "logits_to_keep")
         self.compiled = self.device.type == "cuda" if compile is None else compile
         self.mode = mode
-        self._step = torch.compile(self._decode_step, mode=mode, fullgraph=False, dynamic=False) if self.compiled else self._decode_step
+        self._step = (
+            torch.compile(self._decode_step, mode=mode, fullgraph=False, dynamic=False)
+            if self.compiled
+            else self._decode_step
+        )
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         kwargs = {self.cache_kw: self.cache, "cache_position": positions, "use_cache": True}
@@ -94,7 +102,9 @@ class StaticDecoder:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Reset the cache, run the prompt through it, return the first greedy token ``[batch, 1]``."""
         if ids.shape[0] != self.batch or ids.shape[1] >= self.max_len:
-            raise ValueError(f"prompt {tuple(ids.shape)} does not fit a decoder for batch {self.batch}, length {self.max_len}")
+            raise ValueError(
+                f"prompt {tuple(ids.shape)} does not fit a decoder for batch {self.batch}, length {self.max_len}"
+            )
         self.cache.reset()
         with quiet_transformers():
             logits = self._forward(ids, torch.arange(ids.shape[1], device=self.device))
@@ -145,7 +155,15 @@ def _timed(fn, device: torch.device) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def _timing(variant: str, ids: torch.Tensor, new_tokens: int, prefill_s: float, decode_s: float, tokens: torch.Tensor, notes: list[str]) -> DecodeTiming:
+def _timing(
+    variant: str,
+    ids: torch.Tensor,
+    new_tokens: int,
+    prefill_s: float,
+    decode_s: float,
+    tokens: torch.Tensor,
+    notes: list[str],
+) -> DecodeTiming:
     batch, prompt_len = ids.shape
     decoded = batch * (new_tokens - 1)
     return DecodeTiming(
@@ -166,14 +184,18 @@ def time_static_decoder(
     prefills, decodes, tokens = [], [], None
     for _ in range(repeats):
         prefill_s, first = _timed(lambda: decoder.prefill(ids), decoder.device)
-        decode_s, tokens = _timed(functools.partial(decoder.decode, first, ids.shape[1], new_tokens - 1), decoder.device)
+        decode_s, tokens = _timed(
+            functools.partial(decoder.decode, first, ids.shape[1], new_tokens - 1), decoder.device
+        )
         prefills.append(prefill_s)
         decodes.append(decode_s)
     notes = [f"static cache, decode step {'compiled, mode=' + decoder.mode if decoder.compiled else 'eager'}"]
     return _timing(variant, ids, new_tokens, statistics.median(prefills), statistics.median(decodes), tokens, notes)
 
 
-def time_hf_generate(variant: str, model: nn.Module, ids: torch.Tensor, new_tokens: int, static: bool, repeats: int = 3) -> DecodeTiming:
+def time_hf_generate(
+    variant: str, model: nn.Module, ids: torch.Tensor, new_tokens: int, static: bool, repeats: int = 3
+) -> DecodeTiming:
     """transformers' own greedy ``generate``: prefill = a 1-token generate, decode = the rest of an N-token one.
 
     ``static=True`` asks for ``cache_implementation="static"``, which ``generate`` compiles on a GPU
@@ -183,7 +205,11 @@ def time_hf_generate(variant: str, model: nn.Module, ids: torch.Tensor, new_toke
         raise ValueError("timing decode needs at least 2 new tokens")
     device = ids.device
     pad = getattr(model.generation_config, "pad_token_id", None)
-    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0 if pad is None else pad, "attention_mask": torch.ones_like(ids)}
+    kwargs: dict[str, Any] = {
+        "do_sample": False,
+        "pad_token_id": 0 if pad is None else pad,
+        "attention_mask": torch.ones_like(ids),
+    }
     if static:
         kwargs["cache_implementation"] = "static"
 
@@ -201,7 +227,7 @@ def time_hf_generate(variant: str, model: nn.Module, ids: torch.Tensor, new_toke
     decode_s = max(statistics.median(totals) - prefill_s, 1e-9)
     notes = ["generate(), static cache" + (" (compiled by generate on this device)" if device.type == "cuda" else "") if static
              else "generate(), dynamic cache, eager"]  # fmt: skip
-    return _timing(variant, ids, new_tokens, prefill_s, decode_s, out[:, ids.shape[1]:], notes)
+    return _timing(variant, ids, new_tokens, prefill_s, decode_s, out[:, ids.shape[1] :], notes)
 
 
 def decode_comparison(
@@ -226,10 +252,16 @@ def decode_comparison(
             model = transform(model) or model
         vocab = model.get_input_embeddings().num_embeddings
         for batch in batches:
-            ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed + batch)).to(device)
+            ids = torch.randint(
+                0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed + batch)
+            ).to(device)
             if variant == "adapted":
                 timings.append(time_static_decoder(variant, model, ids, new_tokens, repeats=repeats))
             else:
-                timings.append(time_hf_generate(variant, model, ids, new_tokens, static=variant == "hf-static-compile", repeats=repeats))
+                timings.append(
+                    time_hf_generate(
+                        variant, model, ids, new_tokens, static=variant == "hf-static-compile", repeats=repeats
+                    )
+                )
         del model
     return timings

@@ -184,7 +184,10 @@ class StepJudge:
                 if not any(t.prompt == prompt and t.step == step for t in ties):
                     ties.append(Tie(prompt, step, ref_tok, cand_tok, gap, margin))
                 continue
-            return step, f"token {cand_tok} instead of {ref_tok} (reference gap {gap:.3g} nats, dtype margin {margin:.3g})"
+            return (
+                step,
+                f"token {cand_tok} instead of {ref_tok} (reference gap {gap:.3g} nats, dtype margin {margin:.3g})",
+            )
         return None
 
 
@@ -368,16 +371,37 @@ def _run_checks(report, models, prompts, traced, limits, options, device) -> Non
             step = worst["batch"].add(errors, judge.allowed())
             mismatch = judge.token_mismatch(batch[i], i, report.ties)
             if step is not None:
-                failures.append(_divergence("batch", i, step, lengths[i], f"left-padded row differs from the prompt alone: error {float(errors[step]):.3g}"))
+                failures.append(
+                    _divergence(
+                        "batch",
+                        i,
+                        step,
+                        lengths[i],
+                        f"left-padded row differs from the prompt alone: error {float(errors[step]):.3g}",
+                    )
+                )
             if mismatch is not None:
                 failures.append(_divergence("batch", i, mismatch[0], lengths[i], f"left-padded row: {mismatch[1]}"))
     checked = {"tokens": True, "logprobs": True, "cache": cache_note is None,
                "batch": options.batch_check and len(prompts) > 1 and cache_note is None}  # fmt: skip
     failed = {d.check for d in failures}
-    notes = {"cache": cache_note or "", "batch": batch_note or ("needs 2+ prompts and a cache" if not checked["batch"] else "")}
+    notes = {
+        "cache": cache_note or "",
+        "batch": batch_note or ("needs 2+ prompts and a cache" if not checked["batch"] else ""),
+    }
     for name in CHECKS:
         w = worst[name]
-        report.checks.append(CheckResult(name, checked[name], checked[name] and name not in failed, w.steps, w.err, w.allowed, notes.get(name, "")))
+        report.checks.append(
+            CheckResult(
+                name,
+                checked[name],
+                checked[name] and name not in failed,
+                w.steps,
+                w.err,
+                w.allowed,
+                notes.get(name, ""),
+            )
+        )
     if failures:
         first = min(failures, key=lambda d: (d.step, ROOT_CAUSE_ORDER.index(d.check), d.prompt))
         from validators.generation_diagnose import name_layer
@@ -385,7 +409,9 @@ def _run_checks(report, models, prompts, traced, limits, options, device) -> Non
         name_layer(first, models, traced, lengths, limits, device)
         report.first_divergence = first
     total = len(prompts) * n_steps
-    report.inconclusive = not failures and len({(t.prompt, t.step) for t in report.ties}) > MAX_UNDECIDABLE_SHARE * total
+    report.inconclusive = (
+        not failures and len({(t.prompt, t.step) for t in report.ties}) > MAX_UNDECIDABLE_SHARE * total
+    )
     report.passed = not failures and not report.inconclusive and all(c.passed for c in report.checks if c.checked)
 
 

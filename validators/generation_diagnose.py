@@ -35,7 +35,9 @@ def _record_uncached(model: nn.Module, ids: torch.Tensor, device: str) -> dict[s
     return _extract(rec, 1, 0)
 
 
-def _record_cached(model: nn.Module, seqs: list[torch.Tensor], lens: list[int], step: int, row: int, device: str) -> dict[str, Any] | None:
+def _record_cached(
+    model: nn.Module, seqs: list[torch.Tensor], lens: list[int], step: int, row: int, device: str
+) -> dict[str, Any] | None:
     holder: list[Recording] = []
 
     @contextlib.contextmanager

@@ -55,7 +55,9 @@ def greedy_reference(model: nn.Module, prompt: torch.Tensor, new_tokens: int) ->
     return seq[0], torch.stack(steps)
 
 
-def uncached_steps(model: nn.Module, full_ids: torch.Tensor, prompt_len: int, new_tokens: int, device: str) -> torch.Tensor:
+def uncached_steps(
+    model: nn.Module, full_ids: torch.Tensor, prompt_len: int, new_tokens: int, device: str
+) -> torch.Tensor:
     """Step logits from one forward over the teacher sequence without a cache (causal: one prefix per step)."""
     ids = full_ids[: prompt_len + new_tokens - 1].view(1, -1).to(device)
     logits, _ = logits_of(model, input_ids=ids, use_cache=False)
@@ -102,7 +104,11 @@ def cached_steps(
         if past is None:
             return None, "the model returns no cache: decode recomputes the prefix, no cache to check"
         steps.append(logits[:, -1].double().cpu())
-    note = None if positions or not padded else "the model takes no position_ids: left-padded rows are positioned by the cache"
+    note = (
+        None
+        if positions or not padded
+        else "the model takes no position_ids: left-padded rows are positioned by the cache"
+    )
     return torch.stack(steps, dim=1), note
 
 

@@ -120,12 +120,16 @@ class RoutingFlips:
     def notes(self) -> list[str]:
         out = []
         for block, tokens in sorted(self.excused.items()):
-            out.append(f"block {block}: {len(tokens)} token(s) on a near-tied router score (margin within the unadapted "
-                       "model's rounding: their expert choice is undecidable in this dtype); left out of that block's and later tensors' errors")
+            out.append(
+                f"block {block}: {len(tokens)} token(s) on a near-tied router score (margin within the unadapted "
+                "model's rounding: their expert choice is undecidable in this dtype); left out of that block's and later tensors' errors"
+            )
         for block, count in sorted(self.clear.items()):
             margin, rounding = self.clear_margin[block]
-            out.append(f"block {block}: {count} token(s) routed differently on a clear router margin "
-                       f"(smallest {margin:.3g} > rounding {rounding:.3g}; judged, not excused)")
+            out.append(
+                f"block {block}: {count} token(s) routed differently on a clear router margin "
+                f"(smallest {margin:.3g} > rounding {rounding:.3g}; judged, not excused)"
+            )
         return out
 
 
@@ -138,7 +142,12 @@ def routing_flips(
     for key in sorted(reference.calls, key=lambda k: (reference.block_of.get(k[0]) or 0, k[1])):
         ref, base, cand = reference.calls[key], baseline.calls.get(key), candidate.calls.get(key)
         k = ref.chosen.shape[1]
-        if base is None or ref.scores.shape != base.scores.shape or ref.scores.shape[0] % tokens or k >= ref.scores.shape[1]:
+        if (
+            base is None
+            or ref.scores.shape != base.scores.shape
+            or ref.scores.shape[0] % tokens
+            or k >= ref.scores.shape[1]
+        ):
             continue
         per_token = ref.scores.shape[0] // tokens
         block = reference.block_of.get(key[0])

@@ -30,17 +30,32 @@ def ensure_single_process_group() -> None:
 
 def one_rank_plan(seq_len: int, batch: int, precision: str) -> ParallelPlan:
     return ParallelPlan(
-        zero=0, seq_len=seq_len, global_batch=batch, micro_batch=batch, precision="fp32" if precision == "fp32" else "bf16"
+        zero=0,
+        seq_len=seq_len,
+        global_batch=batch,
+        micro_batch=batch,
+        precision="fp32" if precision == "fp32" else "bf16",
     )
 
 
-def prepare_run(model: nn.Module, seq_len: int, batch: int, precision: str, steps: int, seed: int, deterministic: bool, lr: float = 3e-4):
+def prepare_run(
+    model: nn.Module,
+    seq_len: int,
+    batch: int,
+    precision: str,
+    steps: int,
+    seed: int,
+    deterministic: bool,
+    lr: float = 3e-4,
+):
     """A ``TrainingRun`` (trainer + parallelised model) for ``model`` on this one device."""
     from adapt.runtime.runner import prepare
     from adapt.runtime.trainer import TrainConfig
 
     ensure_single_process_group()
-    config = TrainConfig(steps=steps, lr=lr, warmup_steps=min(10, max(1, steps // 10)), seed=seed, deterministic=deterministic)
+    config = TrainConfig(
+        steps=steps, lr=lr, warmup_steps=min(10, max(1, steps // 10)), seed=seed, deterministic=deterministic
+    )
     return prepare(model, one_rank_plan(seq_len, batch, precision), config)
 
 

@@ -81,7 +81,9 @@ class ShardReader:
                 target, pattern = rename_source_key(key, [], [], prefix, meta_state)
             if target in meta_state:
                 self.targets.setdefault(target, []).append((key, pattern))
-        self.converted = sorted(t for t, entries in self.targets.items() if len(entries) > 1 or entries[0][1] is not None)
+        self.converted = sorted(
+            t for t, entries in self.targets.items() if len(entries) > 1 or entries[0][1] is not None
+        )
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """On-disk tensors by key.  Each shard is opened only while it is read: a shard kept mapped

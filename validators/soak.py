@@ -248,8 +248,8 @@ def soak(
     A ``ckpt_dir`` that already holds a checkpoint is resumed from; the step count must match the
     original run (it shapes the learning-rate schedule).
     """
-    from validators.session import prepare_run
     from adapt.model.skeleton import load_model
+    from validators.session import prepare_run
 
     options = SoakOptions(steps, minutes, ckpt_every, ckpt_dir, dtype, seq_len, batch_size, seed, deterministic)
     check_device(device)
@@ -264,7 +264,16 @@ def soak(
     model = load_model(src, torch_dtype, device, notes)
     if transform is not None:
         model = transform(model) or model
-    run = prepare_run(model, options.seq_len, options.batch, options.dtype, options.steps, options.seed, options.deterministic, options.lr)
+    run = prepare_run(
+        model,
+        options.seq_len,
+        options.batch,
+        options.dtype,
+        options.steps,
+        options.seed,
+        options.deterministic,
+        options.lr,
+    )
     store = CheckpointStore(options.ckpt_dir) if options.ckpt_dir else None
     resumed_from, history = None, []
     if store is not None and store.latest() is not None:

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from adapt.model.blocks import residual_width
 from adapt.core.errors import BadInput
+from adapt.model.blocks import residual_width
 from adapt.model.skeleton import build_skeleton, loop_experts
 from validators.alignment import AlignmentReport, finish_report, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
@@ -70,10 +70,14 @@ class Materialiser:
         for owners, meta_param in entries:
             name = next((full for _, _, full in owners if full in tensors), None)
             if name is None:
-                raise BadInput(f"streamed loading: the checkpoint holds no tensor for {owners[0][2]}, stored or converted")
+                raise BadInput(
+                    f"streamed loading: the checkpoint holds no tensor for {owners[0][2]}, stored or converted"
+                )
             tensor = tensors[name]
             if tuple(tensor.shape) != tuple(meta_param.shape):
-                raise BadInput(f"streamed loading: {name} has shape {tuple(tensor.shape)}, model expects {tuple(meta_param.shape)}")
+                raise BadInput(
+                    f"streamed loading: {name} has shape {tuple(tensor.shape)}, model expects {tuple(meta_param.shape)}"
+                )
             real = nn.Parameter(tensor.to(self.device, self.dtype), requires_grad=False)
             for module, leaf, full in owners:
                 self.meta.setdefault(full, meta_param)
@@ -142,7 +146,9 @@ class _Twin:
         return first_tensor(out), captured
 
 
-def streamed_align(src, dtype_name: str, device: str, limits: Thresholds, transform, options, seed: int) -> AlignmentReport:
+def streamed_align(
+    src, dtype_name: str, device: str, limits: Thresholds, transform, options, seed: int
+) -> AlignmentReport:
     started = time.perf_counter()
     dtype = parse_dtype(dtype_name)
     skeleton = build_skeleton(src)
@@ -154,7 +160,9 @@ def streamed_align(src, dtype_name: str, device: str, limits: Thresholds, transf
         if ref_dtype != torch.float64 or isinstance(err, NonFiniteOutput):
             raise
         notes.append(f"float64 reference failed ({str(err).splitlines()[0]}); reference runs in float32")
-        report = _run(src, build_skeleton(src), torch.float32, dtype, dtype_name, device, limits, transform, options, seed)
+        report = _run(
+            src, build_skeleton(src), torch.float32, dtype, dtype_name, device, limits, transform, options, seed
+        )
     report.notes[:0] = notes
     finish_report(report, started)
     return report
@@ -167,7 +175,10 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
     if transform is not None:
         candidate_model = transform(candidate_model) or candidate_model
     reference = _Twin(skeleton, reader, ref_dtype, "cpu")
-    twins = {"baseline": _Twin(baseline_model, reader, dtype, device), "candidate": _Twin(candidate_model, reader, dtype, device)}
+    twins = {
+        "baseline": _Twin(baseline_model, reader, dtype, device),
+        "candidate": _Twin(candidate_model, reader, dtype, device),
+    }
     report = AlignmentReport(
         source=src.text,
         dtype=dtype_name,
@@ -288,4 +299,3 @@ def _keep_output(store: dict[str, torch.Tensor], name: str):
         store.setdefault(name, first_tensor(output).detach())
 
     return hook
-

@@ -109,7 +109,9 @@ class ThroughputReport:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["speedup_train"] = self.speedup("train_tokens_per_s")
-        data["speedup_vs_best_baseline"] = {part: ratio for part, (_, ratio) in best_baseline_ratios(self.variants).items()}
+        data["speedup_vs_best_baseline"] = {
+            part: ratio for part, (_, ratio) in best_baseline_ratios(self.variants).items()
+        }
         return data
 
     def speedup(self, metric: str) -> float | None:
@@ -174,7 +176,9 @@ def load_for_bench(src, dtype: torch.dtype, device: str, max_layers: int | None,
     return model
 
 
-def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptions | None = None, transform=None) -> ThroughputReport:
+def bench(
+    src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptions | None = None, transform=None
+) -> ThroughputReport:
     from adapt.model.intake import build_spec
 
     options = dataclasses.replace(options or BenchOptions())
@@ -188,7 +192,9 @@ def bench(src, kernel_plan: Any = None, device: str = "cpu", options: BenchOptio
     layers = options.max_layers or spec.num_layers
     basis = _choose_shapes(options, spec, dtype, device, on_cuda)
     if options.max_layers:
-        notes.append(f"depth-truncated: first {layers} of {spec.num_layers} blocks at full width; rates are for that depth")
+        notes.append(
+            f"depth-truncated: first {layers} of {spec.num_layers} blocks at full width; rates are for that depth"
+        )
     peak, peak_basis = peak_flops_for(device, options.dtype, options.peak_flops)
     flops = train_flops_per_token(spec, layers, options.seq_len)
     with_compiled = on_cuda if options.compile is None else options.compile
@@ -278,8 +284,10 @@ def cuda_shapes(spec, free_bytes: int, elem_bytes: int, fraction: float) -> tupl
     per_token = spec.num_layers * 34 * spec.hidden_size * elem_bytes / 2 + 3 * 4 * spec.vocab_size
     budget = fraction * free_bytes - static
     batch = max(1, min(64, int(budget // (per_token * seq)))) if budget > 0 else 1
-    how = (f"seq min(max positions {max_positions}, {CUDA_SEQ_CAP}) = {seq}; batch {batch}: the training step sized to "
-           f"{fraction:.0%} of {free_bytes / 2**30:.0f} GiB free")
+    how = (
+        f"seq min(max positions {max_positions}, {CUDA_SEQ_CAP}) = {seq}; batch {batch}: the training step sized to "
+        f"{fraction:.0%} of {free_bytes / 2**30:.0f} GiB free"
+    )
     return seq, batch, how
 
 
@@ -288,7 +296,11 @@ def best_baseline_ratios(variants: list[VariantResult]) -> dict[str, tuple[str, 
     by_name = {v.name: v for v in variants}
     adapted = by_name.get("adapted")
     out = {}
-    for part, metric in (("train", "train_tokens_per_s"), ("prefill", "prefill_tokens_per_s"), ("decode", "decode_tokens_per_s")):
+    for part, metric in (
+        ("train", "train_tokens_per_s"),
+        ("prefill", "prefill_tokens_per_s"),
+        ("decode", "decode_tokens_per_s"),
+    ):
         base = [(getattr(by_name[b], metric), b) for b in BASELINES if b in by_name and getattr(by_name[b], metric) > 0]
         if adapted is None or not base:
             continue
@@ -302,7 +314,9 @@ def decode_ratios(rows: list[dict[str, Any]]) -> dict[str, tuple[str, float]]:
     + compile, the adapted static-cache decoder): the decode a user would serve with, not the training loop's."""
     out = {}
     for batch in sorted({r["batch"] for r in rows}):
-        at = {r["variant"]: r["decode_tokens_per_s"] for r in rows if r["batch"] == batch and r["decode_tokens_per_s"] > 0}
+        at = {
+            r["variant"]: r["decode_tokens_per_s"] for r in rows if r["batch"] == batch and r["decode_tokens_per_s"] > 0
+        }
         others = [(rate, name) for name, rate in at.items() if name != "adapted"]
         if "adapted" in at and others:
             rate, name = max(others)
@@ -310,8 +324,9 @@ def decode_ratios(rows: list[dict[str, Any]]) -> dict[str, tuple[str, float]]:
     return out
 
 
-def judge(variants: list[VariantResult], device: str, options: BenchOptions,
-          decode: list[dict[str, Any]] | None = None) -> tuple[str, list[str]]:
+def judge(
+    variants: list[VariantResult], device: str, options: BenchOptions, decode: list[dict[str, Any]] | None = None
+) -> tuple[str, list[str]]:
     """Passed, failed or inconclusive, with the reasons: a part slower than the best baseline fails.  A host-bound
     baseline is said, but only the adapted model's own host-bound or noisy timing makes the verdict inconclusive."""
     reasons, doubts = [], []
@@ -319,7 +334,9 @@ def judge(variants: list[VariantResult], device: str, options: BenchOptions,
     if decode and decode_ratios(decode):
         ratios.pop("decode", None)  # the serving comparison judges decode
         ratios.update(decode_ratios(decode))
-    slower = [f"{part} x{ratio:.2f} of {name}" for part, (name, ratio) in ratios.items() if ratio < 1 - SLOWER_TOLERANCE]
+    slower = [
+        f"{part} x{ratio:.2f} of {name}" for part, (name, ratio) in ratios.items() if ratio < 1 - SLOWER_TOLERANCE
+    ]
     for v in variants:
         if v.host_bound:
             line = f"{v.name} is host-bound: the GPU sat idle {v.gpu_idle_share:.0%} of its training step"
@@ -327,8 +344,12 @@ def judge(variants: list[VariantResult], device: str, options: BenchOptions,
         if v.step_time_cv is not None and v.step_time_cv > SPREAD_TARGET:
             doubts.append(f"{v.name}'s step time varies by {v.step_time_cv:.1%} (more than {SPREAD_TARGET:.0%})")
     if not device.startswith("cuda"):
-        return "inconclusive", [f"on a CPU at batch {options.batch} x {options.seq_len} the rates time the host, not the kernels",
-                                *([f"slower than the best baseline: {', '.join(slower)}"] if slower else []), *doubts, *reasons]
+        return "inconclusive", [
+            f"on a CPU at batch {options.batch} x {options.seq_len} the rates time the host, not the kernels",
+            *([f"slower than the best baseline: {', '.join(slower)}"] if slower else []),
+            *doubts,
+            *reasons,
+        ]
     if slower:
         return "failed", [f"adapted is slower than the best baseline: {', '.join(slower)}", *doubts, *reasons]
     if doubts:
@@ -356,9 +377,13 @@ def _peak_bytes(device: str) -> int:
     return peak_rss_bytes()
 
 
-def _measure(name: str, model: nn.Module, options: BenchOptions, device: str, flops: float, peak: float | None) -> VariantResult:
+def _measure(
+    name: str, model: nn.Module, options: BenchOptions, device: str, flops: float, peak: float | None
+) -> VariantResult:
     _reset_peak(device)
-    run = prepare_run(model, options.seq_len, options.batch, options.dtype, options.warmup + options.steps, options.seed, False)
+    run = prepare_run(
+        model, options.seq_len, options.batch, options.dtype, options.warmup + options.steps, options.seed, False
+    )
     steps = run.trainer.fit(options.warmup + options.steps).steps
     timed = steps[options.warmup :]
     step_s = statistics.median(s.step_time_s for s in timed)
@@ -402,7 +427,11 @@ def gpu_idle_share(model: nn.Module, options: BenchOptions, device: str) -> floa
         synchronize(device)
     wall_us = (time.perf_counter() - start) * 1e6
     model.zero_grad(set_to_none=True)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if "cuda" in str(getattr(e, "device_type", "")).lower())
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if "cuda" in str(getattr(e, "device_type", "")).lower()
+    )
     busy, end = 0.0, float("-inf")
     for lo, hi in spans:  # union of kernel intervals: overlapping streams count once
         if hi > end:
@@ -471,7 +500,9 @@ def block_calibration(model: nn.Module, options: BenchOptions, device: str, spec
     blocks = find_blocks(model)
     inputs: dict[int, tuple] = {}
     handles = [
-        block.register_forward_pre_hook(lambda _m, args, kwargs, i=i: inputs.setdefault(i, (args, kwargs)), with_kwargs=True)
+        block.register_forward_pre_hook(
+            lambda _m, args, kwargs, i=i: inputs.setdefault(i, (args, kwargs)), with_kwargs=True
+        )
         for i, block in enumerate(blocks.blocks)
     ]
     ids = batch_for_step(options.seed, 20_000, options.batch, options.seq_len, vocab_size(model), device)

@@ -17,7 +17,9 @@ def vocab_size(model: nn.Module) -> int:
     return model.get_input_embeddings().num_embeddings
 
 
-def batch_for_step(seed: int, step: int, batch: int, seq_len: int, vocab: int, device: str | torch.device) -> torch.Tensor:
+def batch_for_step(
+    seed: int, step: int, batch: int, seq_len: int, vocab: int, device: str | torch.device
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     return torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
 
@@ -56,7 +58,9 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """AdamW as a user would run it: the fused kernel on CUDA, the multi-tensor (foreach) one elsewhere."""
     params = [p for p in model.parameters() if p.requires_grad]
     on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=on_cuda or None, foreach=None if on_cuda else True)
+    return torch.optim.AdamW(
+        params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=on_cuda or None, foreach=None if on_cuda else True
+    )
 
 
 def train_step(

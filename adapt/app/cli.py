@@ -45,7 +45,10 @@ def _fail(message: str, code: int) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; given the subcommand about to run, only its module is imported when it registers it
     (subcommands live in modules of their name), so one command never pays for another's imports."""
-    parser = _Parser(prog="adapt", description="Day-0 model adaptation: inspect, validate, plan and train a new model correctly and fast.")
+    parser = _Parser(
+        prog="adapt",
+        description="Day-0 model adaptation: inspect, validate, plan and train a new model correctly and fast.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     likely = [name for name in SUBCOMMAND_MODULES if name.rsplit(".", 1)[-1] == command]
     for name in likely:
@@ -72,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return _fail(_one_line(str(err)), err.exit_code)
     except KeyboardInterrupt as err:
-        return _fail("terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted", exit_code_of_interrupt(err))
+        return _fail(
+            "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted", exit_code_of_interrupt(err)
+        )
     except BrokenPipeError:  # output piped into head & co.
         return 0
     except Exception as err:  # a bug in adapt, not the user's fault: one line, traceback on request

@@ -62,8 +62,8 @@ class AdaptAlignment(pytest.Collector):
         return items
 
     def _run(self) -> dict[str, Any]:
-        from adapt.core.errors import AdaptError
         from adapt.app.pipeline import RunOptions, run_pipeline
+        from adapt.core.errors import AdaptError
 
         opt = self.config.getoption
         out_dir = opt("--adapt-out") or tempfile.mkdtemp(prefix="adapt-pytest-")

@@ -12,8 +12,8 @@ import json
 import math
 import os
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -39,7 +39,9 @@ def read_safetensors_header(path: str | os.PathLike) -> list[TensorInfo]:
             raise BadInput(f"{path}: truncated safetensors file ({size} bytes, no header)")
         header_len = int.from_bytes(head, "little")
         if header_len > _MAX_HEADER or 8 + header_len > size:
-            raise BadInput(f"{path}: corrupt or truncated safetensors file (header claims {header_len} bytes, file has {size})")
+            raise BadInput(
+                f"{path}: corrupt or truncated safetensors file (header claims {header_len} bytes, file has {size})"
+            )
         raw = fh.read(header_len)
     try:
         header = json.loads(raw)
@@ -60,7 +62,9 @@ def read_safetensors_header(path: str | os.PathLike) -> list[TensorInfo]:
             raise BadInput(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
         if end - begin != nbytes or begin < 0:
-            raise BadInput(f"{path}: tensor {name!r} has offsets [{begin}, {end}] inconsistent with shape {shape} {dtype}")
+            raise BadInput(
+                f"{path}: tensor {name!r} has offsets [{begin}, {end}] inconsistent with shape {shape} {dtype}"
+            )
         if end > data_size:
             raise BadInput(
                 f"{path}: truncated safetensors file: tensor {name!r} ends at byte {end} but only {data_size} data bytes exist"

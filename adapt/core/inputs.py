@@ -67,9 +67,7 @@ def _check_level(config: dict[str, Any], where: str) -> None:
             "allowed: a head count that divides the width, or an explicit head_dim"
         )
     if heads and kv and heads % kv:
-        raise BadInput(
-            f"{where}: num_key_value_heads is {kv}; allowed: a divisor of num_attention_heads ({heads})"
-        )
+        raise BadInput(f"{where}: num_key_value_heads is {kv}; allowed: a divisor of num_attention_heads ({heads})")
 
 
 def check_with_transformers(config: dict[str, Any], where: str) -> None:

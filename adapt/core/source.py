@@ -187,9 +187,7 @@ def _resolve_hub(hub_id: str, revision: str | None, config_only: bool) -> Path:
     offline = bool(constants.HF_HUB_OFFLINE)
     patterns = ["config.json", "*.py"] + ([] if config_only else ["*.safetensors", "*.safetensors.index.json"])
     try:
-        return Path(
-            snapshot_download(hub_id, revision=revision, allow_patterns=patterns, local_files_only=offline)
-        )
+        return Path(snapshot_download(hub_id, revision=revision, allow_patterns=patterns, local_files_only=offline))
     except LocalEntryNotFoundError:
         where = f"{hub_id}@{revision}" if revision else hub_id
         if offline:

@@ -14,7 +14,9 @@ from typing import Any, Literal, TypeVar
 
 SCHEMA_VERSION = 1
 
-MixerKind = Literal["full_attention", "sliding_attention", "linear_attention", "ssm", "convolution", "recurrent", "unknown"]
+MixerKind = Literal[
+    "full_attention", "sliding_attention", "linear_attention", "ssm", "convolution", "recurrent", "unknown"
+]
 AttentionKind = Literal["mha", "gqa", "mqa", "mla", "none"]
 MLPKind = Literal["dense_gated", "dense_plain", "moe", "none"]
 NormKind = Literal["rmsnorm", "layernorm", "unknown", "none"]
@@ -202,7 +204,7 @@ class ModelSpec:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         return from_dict(cls, data)
 
 

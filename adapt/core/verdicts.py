@@ -37,7 +37,10 @@ DEFAULT_THRESHOLDS: dict[str, Thresholds] = {
     "bf16": Thresholds(min_cosine=0.98, max_rel_err=0.25, max_err_ratio=2.0, rel_err_floor=1e-2),
 }
 
-def verdict(cosine: float, rel_err: float, baseline_rel_err: float, limits: Thresholds, negligible: bool = False) -> bool:
+
+def verdict(
+    cosine: float, rel_err: float, baseline_rel_err: float, limits: Thresholds, negligible: bool = False
+) -> bool:
     """The one pass rule, shared by the alignment stage and ``adapt gate``.
 
     A tensor the unadapted model gets just as wrong in this dtype (an MoE routing flip on a near-tie,
@@ -47,4 +50,6 @@ def verdict(cosine: float, rel_err: float, baseline_rel_err: float, limits: Thre
         return False
     within_limits = (negligible or cosine >= limits.min_cosine) and rel_err <= limits.max_rel_err
     no_worse_than_dtype = limits.allow_dtype_cost and rel_err <= baseline_rel_err
-    return (within_limits or no_worse_than_dtype) and rel_err <= limits.max_err_ratio * baseline_rel_err + limits.rel_err_floor
+    return (
+        within_limits or no_worse_than_dtype
+    ) and rel_err <= limits.max_err_ratio * baseline_rel_err + limits.rel_err_floor

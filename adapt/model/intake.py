@@ -12,11 +12,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.core.checkpoint import cross_check, read_checkpoint
 from adapt.core.errors import BadInput
-from adapt.model.measure import ChildFacts, block_signature, measure_blocks
-from adapt.model.skeleton import build_meta_model, load_config, load_model, quiet_transformers
 from adapt.core.source import ModelSource, resolve_source
 from adapt.core.spec import (
     SCHEMA_VERSION,
@@ -29,6 +26,9 @@ from adapt.core.spec import (
     NormSpec,
     ParamCounts,
 )
+from adapt.model.blocks import NoBlockList, find_blocks, residual_width
+from adapt.model.measure import ChildFacts, block_signature, measure_blocks
+from adapt.model.skeleton import build_meta_model, load_config, load_model, quiet_transformers
 from adapt.model.structure import (
     attention_window,
     interpret_attention,
@@ -217,7 +217,9 @@ def _describe_block(
         activation = seen.most_common(1)[0][0] if seen else activation
     if activation == "unknown":
         act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-        activation = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "swish": "silu"}.get(act, act) or "unknown"
+        activation = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "swish": "silu"}.get(
+            act, act
+        ) or "unknown"
 
     attn_modules = [module_of[o] for o in attn_owners]
     attention: AttentionSpec | None = None
@@ -225,7 +227,9 @@ def _describe_block(
     if attn_owners:
         group = [p for o in attn_owners for p in parts.projections[o]]
         measured_dim = next((facts[o].head_dim for o in attn_owners if o in facts and facts[o].head_dim), None)
-        attention = interpret_attention(group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim)
+        attention = interpret_attention(
+            group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim
+        )
         attention.window = attention_window(attn_modules, config, index)
         attention.causal = bool(getattr(attn_modules[0], "is_causal", True))
         softcap = getattr(config, "attn_logit_softcapping", None)
@@ -284,9 +288,17 @@ def _describe_block(
         mixer = "recurrent" if any(facts[o].recurrence for o in mixer_owners if o in facts) else "convolution"
     return (
         BlockSpec(
-            index=index, module=path, class_name=type(block).__name__, mixer=mixer, attention=attention, mlp=mlp,
-            norm=norm, positional="rope" if has_rope else "none", params=total,
-            params_active=total - (bank_params - int(active_bank)), linear_flops_per_token=linear_flops,
+            index=index,
+            module=path,
+            class_name=type(block).__name__,
+            mixer=mixer,
+            attention=attention,
+            mlp=mlp,
+            norm=norm,
+            positional="rope" if has_rope else "none",
+            params=total,
+            params_active=total - (bank_params - int(active_bank)),
+            linear_flops_per_token=linear_flops,
             attention_flops_per_token_per_ctx=attn_coeff,
         ),  # fmt: skip
         block_counts,
@@ -377,7 +389,10 @@ def _avg_context(seq: int, window: int | None, causal: bool) -> float:
 def _cost(model, blocks: list[BlockSpec], counts: ParamCounts, seq, hidden, vocab, is_causal, config) -> CostSpec:
     linear = sum(b.linear_flops_per_token for b in blocks)
     attention = sum(
-        int(b.attention_flops_per_token_per_ctx * _avg_context(seq, b.attention.window if b.attention else None, is_causal))
+        int(
+            b.attention_flops_per_token_per_ctx
+            * _avg_context(seq, b.attention.window if b.attention else None, is_causal)
+        )
         for b in blocks
     )
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -391,7 +406,9 @@ def _cost(model, blocks: list[BlockSpec], counts: ParamCounts, seq, hidden, voca
             a = b.attention
             if a is None:
                 continue
-            per_layer = a.kv_lora_rank + a.qk_rope_head_dim if a.kind == "mla" else a.num_kv_heads * (a.head_dim + a.v_head_dim)
+            per_layer = (
+                a.kv_lora_rank + a.qk_rope_head_dim if a.kind == "mla" else a.num_kv_heads * (a.head_dim + a.v_head_dim)
+            )
             kv += per_layer * nbytes
     return CostSpec(
         seq_len=seq, forward_flops_per_token=forward, train_flops_per_token=3 * forward, linear_flops_per_token=linear,
@@ -404,7 +421,9 @@ def _novelties(blocks: list[BlockSpec], unrecognized: list[str]) -> list[str]:
     """What is new relative to the kinds adapt knows: token mixers it cannot name, components it cannot identify."""
     n = len(blocks)
     mixers = Counter(b.mixer for b in blocks if b.mixer in ("unknown", "convolution", "recurrent"))
-    notes = [f"{'unidentified' if m == 'unknown' else m} token mixer in {count}/{n} blocks" for m, count in mixers.items()]
+    notes = [
+        f"{'unidentified' if m == 'unknown' else m} token mixer in {count}/{n} blocks" for m, count in mixers.items()
+    ]
     return notes + [f"unrecognised component: {u}" for u in unrecognized]
 
 
@@ -431,7 +450,9 @@ def _features(blocks: list[BlockSpec], is_causal: bool, tied: bool, config) -> l
         m = moe[0]
         shared = f", {m.num_shared_experts} shared" if m.num_shared_experts else ""
         groups = f", grouped routing {m.topk_group}/{m.n_group}" if m.n_group > 1 else ""
-        notes.append(f"MoE in {len(moe)}/{n} blocks: {m.num_experts} experts, top-{m.top_k} {m.router_scoring}{shared}{groups}")
+        notes.append(
+            f"MoE in {len(moe)}/{n} blocks: {m.num_experts} experts, top-{m.top_k} {m.router_scoring}{shared}{groups}"
+        )
     if any(b.norm.offset for b in blocks):
         notes.append("(1 + w) offset norm scaling")
     for placement in Counter(b.norm.placement for b in blocks):

@@ -41,7 +41,9 @@ class ChildFacts:
     top_k: int | None = None
     scoring: str | None = None
     convolution: bool = False
-    recurrence: bool = False  # exponentials, running sums or a loop over positions: a state (SSM, linear attention, RNN)
+    recurrence: bool = (
+        False  # exponentials, running sums or a loop over positions: a state (SSM, linear attention, RNN)
+    )
     steps: int = 0  # select/slice ops seen: a python loop over the positions runs one per position
     last_op: str = ""
 
@@ -76,12 +78,19 @@ class _Recorder(TorchDispatchMode):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if "scaled_dot_product" in name and len(tensors) >= 3 and facts.head_dim is None:
             q, k, v = tensors[:3]
-            facts.head_dim, facts.query_heads, facts.key_heads, facts.value_dim = q.shape[-1], q.shape[1], k.shape[1], v.shape[-1]
+            facts.head_dim, facts.query_heads, facts.key_heads, facts.value_dim = (
+                q.shape[-1],
+                q.shape[1],
+                k.shape[1],
+                v.shape[-1],
+            )
         elif name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is None:
             a, b = tensors
             if a.dim() == 3 and a.shape[1] == SEQ and b.shape[-1] == SEQ and a.shape[-1] == b.shape[1]:
                 facts.head_dim, facts.query_heads = int(a.shape[-1]), int(a.shape[0])
-        elif name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is not None and facts.value_dim is None:
+        elif (
+            name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is not None and facts.value_dim is None
+        ):
             a, b = tensors
             if a.dim() == 3 and a.shape[-1] == SEQ and b.dim() == 3 and b.shape[1] == SEQ:
                 facts.value_dim = int(b.shape[-1])
@@ -153,7 +162,9 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
             ids = torch.randint(0, vocab, (1, SEQ), device=device)
             # Caches as the model sets them up by default (without one, masks may read positions with .item(),
             # which meta tensors refuse); then without, for layers whose caches only their own generate() builds.
-            attempts = [{}, {"use_cache": False}] if "use_cache" in inspect.signature(model.forward).parameters else [{}]
+            attempts = (
+                [{}, {"use_cache": False}] if "use_cache" in inspect.signature(model.forward).parameters else [{}]
+            )
             for index in representative:
                 handles.append(blocks.blocks[index].register_forward_hook(
                     lambda m, a, o, i=index: _harvest(recorder, by_block, representative[i])))  # fmt: skip

@@ -162,7 +162,9 @@ def build_skeleton(src: ModelSource) -> nn.Module:
     config = load_config(src)
     cls = model_class(src, config)
     _, largest = parameter_bytes(src, torch.float32)
-    check_fits(src, largest, "cpu", "building the skeleton (its largest parameter)", "this model is too large to align here")
+    check_fits(
+        src, largest, "cpu", "building the skeleton (its largest parameter)", "this model is too large to align here"
+    )
     try:
         with quiet_transformers(), parameters_on_meta():
             model = cls.from_config(config, trust_remote_code=src.trust_remote_code, dtype=torch.float32)
@@ -247,7 +249,10 @@ def load_model(
     cls = model_class(src, config)
     total, _ = parameter_bytes(src, dtype)
     check_fits(
-        src, total, device, f"loading the weights in {str(dtype).removeprefix('torch.')}",
+        src,
+        total,
+        device,
+        f"loading the weights in {str(dtype).removeprefix('torch.')}",
         "align it with --streamed, or bench a depth-truncated copy with --max-layers",
     )
     try:

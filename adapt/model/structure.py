@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from adapt.model.blocks import is_expert_list
 from adapt.core.spec import AttentionSpec, MLPSpec, NormSpec
+from adapt.model.blocks import is_expert_list
 
 # ---------------------------------------------------------------- leaf classification
 
@@ -229,8 +229,14 @@ def is_mlp_group(projs: list[Projection], hidden: int) -> bool:
 
 
 def interpret_attention(
-    group: list[Projection], latent_norms: list[int], attn_modules: list[nn.Module], config, hidden: int, layer: int,
-    head_dim_hint: int | None, measured_head_dim: int | None = None,
+    group: list[Projection],
+    latent_norms: list[int],
+    attn_modules: list[nn.Module],
+    config,
+    hidden: int,
+    layer: int,
+    head_dim_hint: int | None,
+    measured_head_dim: int | None = None,
 ) -> AttentionSpec:
     """Attention kind and geometry from projection shapes; the head size measured on the attention core's
     operands, else from module attributes or the config, else the rotary size."""
@@ -239,7 +245,11 @@ def interpret_attention(
     # Output projection: the last one mapping back to the width (HF registers o_proj last).
     out_proj = width_in[-1]
     inputs = [p for p in width_in[:-1]]
-    head_dim = measured_head_dim or _int_attr(attn_modules, ("head_dim", "head_size", "attention_head_size", "span")) or head_dim_hint
+    head_dim = (
+        measured_head_dim
+        or _int_attr(attn_modules, ("head_dim", "head_size", "attention_head_size", "span"))
+        or head_dim_hint
+    )
     num_heads = _int_attr(attn_modules, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
     num_heads = num_heads or _cfg(config, "num_attention_heads")
     if low_rank:  # multi-head latent attention: low-rank q and kv with their own norms
@@ -249,7 +259,9 @@ def interpret_attention(
         nope_dim = _cfg(config, "qk_nope_head_dim", default=0)
         v_dim = _cfg(config, "v_head_dim", default=0)
         # heads unnamed: the output projection reads heads * v_dim
-        heads = int(num_heads) if num_heads else max(1, (out_proj.other_dim(hidden) or hidden) // max(int(v_dim or 1), 1))
+        heads = (
+            int(num_heads) if num_heads else max(1, (out_proj.other_dim(hidden) or hidden) // max(int(v_dim or 1), 1))
+        )
         return AttentionSpec(
             kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=rope_dim + nope_dim, v_head_dim=v_dim,
             q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope_dim,
@@ -280,7 +292,7 @@ def interpret_attention(
 def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int | None:
     for module in attn_modules:
         if hasattr(module, "sliding_window"):
-            value = getattr(module, "sliding_window")
+            value = module.sliding_window
             return int(value) if value else None
     layer_types = _cfg(config, "layer_types")
     window = _cfg(config, "sliding_window")
@@ -292,8 +304,12 @@ def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int |
 
 
 def interpret_mlp(
-    projs: list[Projection], banks: list[tuple[str, tuple[int, ...]]], block_modules: list[nn.Module], config,
-    hidden: int, activation: str,
+    projs: list[Projection],
+    banks: list[tuple[str, tuple[int, ...]]],
+    block_modules: list[nn.Module],
+    config,
+    hidden: int,
+    activation: str,
 ) -> tuple[MLPSpec, int, int]:
     """MLP kind and sizes; returns (spec, routed-expert params, router params)."""
     if banks:
@@ -305,7 +321,9 @@ def interpret_mlp(
         router = [p for p in projs if experts in p.shape and hidden in p.shape]
         shared = [p for p in projs if p not in router and 1 not in p.shape]
         shared_inner = min((p.other_dim(hidden) or hidden for p in shared), default=0)
-        top_k = _int_attr(block_modules, ("top_k", "num_experts_per_tok")) or _cfg(config, "num_experts_per_tok", default=1)
+        top_k = _int_attr(block_modules, ("top_k", "num_experts_per_tok")) or _cfg(
+            config, "num_experts_per_tok", default=1
+        )
         has_bias_correction = False
         spec = MLPSpec(
             kind="moe", intermediate_size=inner, activation=activation, num_experts=experts, top_k=int(top_k),

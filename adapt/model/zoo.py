@@ -20,9 +20,7 @@ import torch
 _COMMON: dict[str, Any] = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, max_position_embeddings=256)
 
 ZOO_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        _COMMON, model_type="llama", intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
-    ),
+    "llama": dict(_COMMON, model_type="llama", intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     "mistral": dict(
         _COMMON,
         model_type="mistral",
@@ -40,9 +38,7 @@ ZOO_CONFIGS: dict[str, dict[str, Any]] = {
         num_local_experts=4,
         num_experts_per_tok=2,
     ),
-    "qwen2": dict(
-        _COMMON, model_type="qwen2", intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
-    ),
+    "qwen2": dict(_COMMON, model_type="qwen2", intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(
         _COMMON,
         model_type="qwen3",
@@ -97,7 +93,14 @@ ZOO_CONFIGS: dict[str, dict[str, Any]] = {
         v_head_dim=16,
     ),
     "gpt2": dict(
-        model_type="gpt2", vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0
+        model_type="gpt2",
+        vocab_size=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=0,
     ),
 }
 

@@ -33,20 +33,14 @@ _SAVE_OPS = {
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return (
-        CheckpointPolicy.MUST_SAVE
-        if op in _SAVE_OPS
-        else CheckpointPolicy.PREFER_RECOMPUTE
-    )
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def apply_activation_checkpointing(
-    blocks: nn.ModuleList | nn.ModuleDict, mode: str
-) -> None:
+def apply_activation_checkpointing(blocks: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     """Wrap every block of ``blocks`` in place; ``mode`` is ``none``, ``selective`` or ``full``."""
     if mode == "none":
         return

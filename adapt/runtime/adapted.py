@@ -143,9 +143,7 @@ def _layout_refusal(choice: Any, plan: Any, compiling: bool) -> str | None:
 
 
 def _holds_tp_submodules(module: nn.Module) -> bool:
-    return any(
-        isinstance(p, DTensor) for child in module.children() for p in child.parameters()
-    )
+    return any(isinstance(p, DTensor) for child in module.children() for p in child.parameters())
 
 
 def _own_dtensors(module: nn.Module) -> dict[str, DTensor]:
@@ -205,7 +203,9 @@ def kernels_traceable(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def apply_kernels(chunk: nn.Module, plan: Any, options: AdaptOptions, device: torch.device, report: AdaptedReport) -> None:
+def apply_kernels(
+    chunk: nn.Module, plan: Any, options: AdaptOptions, device: torch.device, report: AdaptedReport
+) -> None:
     """Install the chunk's share of the kernel plan and make every patched forward layout-safe."""
     from operators import apply_kernel_plan
 

@@ -39,11 +39,7 @@ def _expert_storages(pmodel: ParallelModel) -> set[int]:
 def _expert_names(pmodel: ParallelModel) -> set[str]:
     if pmodel.experts is None:
         return set()
-    return {
-        f"{shard.path}.{name}"
-        for shard in pmodel.experts.shards
-        for name in shard.param_names
-    }
+    return {f"{shard.path}.{name}" for shard in pmodel.experts.shards for name in shard.param_names}
 
 
 def _param_of(key: str) -> str:
@@ -53,29 +49,19 @@ def _param_of(key: str) -> str:
     return key
 
 
-def _wrap_experts(
-    state: dict[str, Any], pmodel: ParallelModel
-) -> tuple[dict[str, Any], set[str]]:
+def _wrap_experts(state: dict[str, Any], pmodel: ParallelModel) -> tuple[dict[str, Any], set[str]]:
     """Present local expert shards (weights and optimizer moments) as global DTensors sharing storage."""
     names = _expert_names(pmodel)
     wrapped, keys = {}, set()
     for key, value in state.items():
-        if (
-            _param_of(key) in names
-            and isinstance(value, torch.Tensor)
-            and value.ndim > 0
-        ):
-            value = DTensor.from_local(
-                value, pmodel.experts.ep_mesh, [Shard(0)], run_check=False
-            )
+        if _param_of(key) in names and isinstance(value, torch.Tensor) and value.ndim > 0:
+            value = DTensor.from_local(value, pmodel.experts.ep_mesh, [Shard(0)], run_check=False)
             keys.add(key)
         wrapped[key] = value
     return wrapped, keys
 
 
-def _chunk_states(
-    pmodel: ParallelModel, optimizers: list[torch.optim.Optimizer]
-) -> tuple[dict, dict, set[str]]:
+def _chunk_states(pmodel: ParallelModel, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict, set[str]]:
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     for chunk, optimizer in zip(pmodel.chunks, optimizers):
@@ -107,9 +93,7 @@ def load(
 ) -> int:
     """Load a DCP checkpoint written under any layout into this one; returns the saved step."""
     if not (Path(directory) / ".metadata").is_file():
-        raise BadInput(
-            f"{directory}: not a torch.distributed.checkpoint directory (no .metadata)"
-        )
+        raise BadInput(f"{directory}: not a torch.distributed.checkpoint directory (no .metadata)")
     model_state, optim_state, expert_keys = _chunk_states(pmodel, optimizers)
     state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
     dcp.load(state, checkpoint_id=str(directory))
@@ -139,18 +123,11 @@ def gather_full_state_dict(pmodel: ParallelModel) -> dict[str, torch.Tensor] | N
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             elif value.data_ptr() in storages:
-                parts = [
-                    torch.empty_like(value)
-                    for _ in range(pmodel.experts.ep_mesh.size())
-                ]
-                dist.all_gather(
-                    parts, value.contiguous(), group=pmodel.experts.ep_mesh.get_group()
-                )
+                parts = [torch.empty_like(value) for _ in range(pmodel.experts.ep_mesh.size())]
+                dist.all_gather(parts, value.contiguous(), group=pmodel.experts.ep_mesh.get_group())
                 value = torch.cat(parts)
             mine[key] = value.detach().cpu()
-    gathered: list[Any] = (
-        [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    )
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
@@ -170,9 +147,7 @@ def export_hf(directory: str | Path, pmodel: ParallelModel, config: Any) -> Path
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     if pmodel.parts.tied and pmodel.parts.head:
-        full.pop(
-            f"{pmodel.parts.head}.weight", None
-        )  # HF re-ties it from the embedding on load
+        full.pop(f"{pmodel.parts.head}.weight", None)  # HF re-ties it from the embedding on load
     save_file(
         {k: v.contiguous() for k, v in full.items()},
         str(out / "model.safetensors"),

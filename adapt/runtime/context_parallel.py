@@ -20,33 +20,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from adapt.core.errors import BadInput
 
 
-def check_context_parallel(
-    device: torch.device, attn_implementation: str | None
-) -> None:
+def check_context_parallel(device: torch.device, attn_implementation: str | None) -> None:
     if device.type != "cuda":
-        raise BadInput(
-            "context parallelism needs CUDA: PyTorch's ring attention runs on the CUDA SDPA kernels only"
-        )
+        raise BadInput("context parallelism needs CUDA: PyTorch's ring attention runs on the CUDA SDPA kernels only")
     if attn_implementation not in (None, "sdpa"):
-        raise BadInput(
-            f"context parallelism needs SDPA attention, the model uses {attn_implementation!r}"
-        )
+        raise BadInput(f"context parallelism needs SDPA attention, the model uses {attn_implementation!r}")
 
 
 def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     batch, seq = input_ids.shape
-    return (
-        torch.arange(seq, device=input_ids.device)
-        .unsqueeze(0)
-        .expand(batch, seq)
-        .contiguous()
-    )
+    return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq).contiguous()
 
 
 @contextlib.contextmanager
-def context_parallel_batch(
-    cp_mesh: DeviceMesh, buffers: list[torch.Tensor]
-) -> Iterator[list[torch.Tensor]]:
+def context_parallel_batch(cp_mesh: DeviceMesh, buffers: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     """Shard ``buffers`` (``[batch, seq, ...]``) along the sequence in place for the duration of the block."""
     from torch.distributed.tensor.experimental import context_parallel
 

@@ -34,41 +34,22 @@ class TokenFile:
         file = Path(path)
         if not file.is_file():
             raise BadInput(f"token file not found: {path}")
-        tokens = (
-            np.load(file, mmap_mode="r")
-            if file.suffix == ".npy"
-            else np.memmap(file, dtype=np.uint16, mode="r")
-        )
+        tokens = np.load(file, mmap_mode="r") if file.suffix == ".npy" else np.memmap(file, dtype=np.uint16, mode="r")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise BadInput(f"{path}: expected a flat array of integer token ids")
         if len(tokens) < seq_len + 2:
-            raise BadInput(
-                f"{path}: {len(tokens)} tokens is shorter than one sequence of {seq_len + 1}"
-            )
+            raise BadInput(f"{path}: {len(tokens)} tokens is shorter than one sequence of {seq_len + 1}")
         if int(tokens.max()) >= vocab_size:
-            raise BadInput(
-                f"{path}: token id {int(tokens.max())} is outside the model's vocabulary ({vocab_size})"
-            )
+            raise BadInput(f"{path}: token id {int(tokens.max())} is outside the model's vocabulary ({vocab_size})")
         self.tokens, self.seq_len = tokens, seq_len
 
     def global_batch(self, step: int, batch: int) -> torch.Tensor:
         windows = (len(self.tokens) - 1) // self.seq_len
         rows = [((step * batch + i) % windows) * self.seq_len for i in range(batch)]
         return torch.stack(
-            [
-                torch.from_numpy(
-                    np.asarray(self.tokens[r : r + self.seq_len + 1], dtype=np.int64)
-                )
-                for r in rows
-            ]
+            [torch.from_numpy(np.asarray(self.tokens[r : r + self.seq_len + 1], dtype=np.int64)) for r in rows]
         )
 
 
-def make_data(
-    path: str | None, vocab_size: int, seq_len: int, seed: int = 0
-) -> SyntheticTokens | TokenFile:
-    return (
-        TokenFile(path, vocab_size, seq_len)
-        if path
-        else SyntheticTokens(vocab_size, seq_len, seed)
-    )
+def make_data(path: str | None, vocab_size: int, seq_len: int, seed: int = 0) -> SyntheticTokens | TokenFile:
+    return TokenFile(path, vocab_size, seq_len) if path else SyntheticTokens(vocab_size, seq_len, seed)

@@ -36,9 +36,7 @@ from torch.distributed.fsdp import (
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     if precision == "bf16":
-        return MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
@@ -67,9 +65,7 @@ def apply_fully_shard(
     fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
-def set_micro_batch_sync(
-    modules: Iterable[nn.Module], zero: int, last_micro_batch: bool
-) -> None:
+def set_micro_batch_sync(modules: Iterable[nn.Module], zero: int, last_micro_batch: bool) -> None:
     """ZeRO-1/ZeRO-0 accumulation: skip reduce-scatter and keep parameters gathered until the last micro-batch."""
     if zero > 1:
         return

@@ -43,9 +43,7 @@ class ExpertParallelState:
     expert_dp_mesh: DeviceMesh | None
     dp_degree: int
     shards: list[ExpertShard] = field(default_factory=list)
-    params: list[nn.Parameter] = field(
-        default_factory=list
-    )  # this rank's expert weights
+    params: list[nn.Parameter] = field(default_factory=list)  # this rank's expert weights
 
     def reduce_expert_gradients(self) -> None:
         """Mean expert gradients over data parallelism, matching FSDP's reduction of dense ones."""
@@ -91,39 +89,27 @@ def _make_hooks(shard: ExpertShard, group: dist.ProcessGroup):
         token_of_pair = order // top_k
         local_expert = (flat_expert[order] % shard.count).to(top_k_index.dtype)
         recv_expert = local_expert.new_empty(sum(recv_counts))
-        dist.all_to_all_single(
-            recv_expert, local_expert, recv_counts, send_counts, group=group
-        )
-        recv_tokens = funcol.all_to_all_single_autograd(
-            tokens[token_of_pair], recv_counts, send_counts, group
-        )
+        dist.all_to_all_single(recv_expert, local_expert, recv_counts, send_counts, group=group)
+        recv_tokens = funcol.all_to_all_single_autograd(tokens[token_of_pair], recv_counts, send_counts, group)
         recv_tokens = funcol.wait_tensor(recv_tokens)
         pending.append(_Dispatch(order, send_counts, recv_counts, top_k_weights))
-        ones = torch.ones(
-            recv_expert.shape[0], 1, dtype=top_k_weights.dtype, device=tokens.device
-        )
+        ones = torch.ones(recv_expert.shape[0], 1, dtype=top_k_weights.dtype, device=tokens.device)
         return (recv_tokens, recv_expert[:, None], ones), {}
 
     def combine(module, args, output):
         state = pending.pop()
-        back = funcol.all_to_all_single_autograd(
-            output, state.send_counts, state.recv_counts, group
-        )
+        back = funcol.all_to_all_single_autograd(output, state.send_counts, state.recv_counts, group)
         back = funcol.wait_tensor(back)
         pairs = torch.empty_like(back)
         pairs = pairs.index_copy(0, state.order, back)
         num_tokens, top_k = state.weights.shape
-        weighted = pairs.view(num_tokens, top_k, -1) * state.weights[..., None].to(
-            pairs.dtype
-        )
+        weighted = pairs.view(num_tokens, top_k, -1) * state.weights[..., None].to(pairs.dtype)
         return weighted.sum(dim=1)
 
     return dispatch, combine
 
 
-def apply_expert_parallel(
-    model: nn.Module, parts: ModelParts, state: ExpertParallelState
-) -> list[nn.Parameter]:
+def apply_expert_parallel(model: nn.Module, parts: ModelParts, state: ExpertParallelState) -> list[nn.Parameter]:
     """Keep this rank's experts in every experts container and route tokens over ``state.ep_mesh``."""
     ep_mesh = state.ep_mesh
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
@@ -137,16 +123,12 @@ def apply_expert_parallel(
             names = [n for n, _ in experts.named_parameters(recurse=False)]
             total = getattr(experts, names[0]).shape[0]
             if total % ep:
-                raise BadInput(
-                    f"ep={ep} must divide the number of experts ({total}) in {path}"
-                )
+                raise BadInput(f"ep={ep} must divide the number of experts ({total}) in {path}")
             count = total // ep
             for name in names:
                 full = getattr(experts, name)
                 local = full.detach()[rank * count : (rank + 1) * count].clone()
-                setattr(
-                    experts, name, nn.Parameter(local, requires_grad=full.requires_grad)
-                )
+                setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
                 added.append(getattr(experts, name))
             # Expert kernels size their bookkeeping (bins, one-hot widths) from the container's own
             # integer attributes that state the expert count: they now describe the local experts.
@@ -165,8 +147,6 @@ def apply_expert_parallel(
             experts.register_forward_hook(combine)
             state.shards.append(shard)
     if not added and parts.blocks:
-        raise BadInput(
-            "ep > 1 but no experts container (module with [num_experts, ...] weights) was found"
-        )
+        raise BadInput("ep > 1 but no experts container (module with [num_experts, ...] weights) was found")
     state.params.extend(added)
     return added

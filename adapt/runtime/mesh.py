@@ -39,28 +39,19 @@ class ParallelDims:
         ``None`` when there is nothing to shard and no mixed precision to apply."""
         plan = self.plan
         shard_dims = ("dp_shard", "cp") if plan.cp > 1 else ("dp_shard",)
-        shard = (
-            self.world[shard_dims]._flatten("dp_shard_cp")
-            if plan.cp > 1
-            else self.world["dp_shard"]
-        )
+        shard = self.world[shard_dims]._flatten("dp_shard_cp") if plan.cp > 1 else self.world["dp_shard"]
         if plan.dp_replicate > 1:
             if plan.cp > 1:
-                raise BadInput(
-                    "dp_replicate > 1 together with cp > 1 is not realised; fold replication into dp_shard"
-                )
+                raise BadInput("dp_replicate > 1 together with cp > 1 is not realised; fold replication into dp_shard")
             return self.world["dp_replicate", "dp_shard"]
         # bf16 needs FSDP's mixed-precision policy even without data parallelism: a 1-wide mesh.
-        return (
-            shard if plan.dp_shard * plan.cp > 1 or plan.precision == "bf16" else None
-        )
+        return shard if plan.dp_shard * plan.cp > 1 or plan.precision == "bf16" else None
 
     @property
     def dp_rank(self) -> int:
         """Index of this rank's slice of the global batch (ranks in one tp/cp/pp group share it)."""
         return (
-            self.world["dp_replicate"].get_local_rank() * self.plan.dp_shard
-            + self.world["dp_shard"].get_local_rank()
+            self.world["dp_replicate"].get_local_rank() * self.plan.dp_shard + self.world["dp_shard"].get_local_rank()
         )
 
     @property
@@ -74,10 +65,7 @@ class ParallelDims:
     @cached_property
     def expert_dp_mesh(self) -> DeviceMesh | None:
         """Ranks that hold the same experts (expert data parallelism); ``None`` when there are none."""
-        if (
-            self.expert is None
-            or self.plan.dp_replicate * self.plan.dp_shard // self.plan.ep == 1
-        ):
+        if self.expert is None or self.plan.dp_replicate * self.plan.dp_shard // self.plan.ep == 1:
             return None
         if self.plan.dp_replicate == 1:
             return self.expert["efsdp"]
@@ -90,31 +78,23 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_parallel_dims(
-    plan: ParallelPlan, device: torch.device | None = None
-) -> ParallelDims:
+def build_parallel_dims(plan: ParallelPlan, device: torch.device | None = None) -> ParallelDims:
     """Create the meshes for ``plan`` on the already-initialised default process group."""
     problems = plan.validate()
     if problems:
         raise BadInput("plan is inconsistent: " + "; ".join(problems))
     if not dist.is_initialized():
-        raise BadInput(
-            "torch.distributed is not initialised: run under torchrun (see `adapt launch`)"
-        )
+        raise BadInput("torch.distributed is not initialised: run under torchrun (see `adapt launch`)")
     world_size = dist.get_world_size()
     if world_size != plan.world_size:
-        raise BadInput(
-            f"plan needs world size {plan.world_size} (pp*dp*cp*tp) but {world_size} processes were started"
-        )
+        raise BadInput(f"plan needs world size {plan.world_size} (pp*dp*cp*tp) but {world_size} processes were started")
     device = device or default_device()
     shape = tuple(plan.mesh_shape()[name] for name in DIM_NAMES)
     world = init_device_mesh(device.type, shape, mesh_dim_names=DIM_NAMES)
     expert = None
     if plan.ep > 1:
         if plan.dp_shard % plan.ep:
-            raise BadInput(
-                f"ep={plan.ep} must divide dp_shard={plan.dp_shard}: experts borrow dp_shard ranks"
-            )
+            raise BadInput(f"ep={plan.ep} must divide dp_shard={plan.dp_shard}: experts borrow dp_shard ranks")
         expert_shape = (
             plan.pp,
             plan.dp_replicate,

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from adapt.model.blocks import NoBlockList, find_blocks
 from adapt.core.errors import BadInput
+from adapt.model.blocks import NoBlockList, find_blocks
 
 
 @dataclass
@@ -33,9 +33,7 @@ class BranchParts:
     attention: bool
     colwise: list[str] = field(default_factory=list)  # relative to the block
     rowwise: list[str] = field(default_factory=list)
-    head_norms: list[str] = field(
-        default_factory=list
-    )  # per-head norms, heads on dim -2
+    head_norms: list[str] = field(default_factory=list)  # per-head norms, heads on dim -2
     experts: str | None = None  # experts container, relative to the block
     unplaced: list[str] = field(default_factory=list)  # linears TP cannot place
 
@@ -114,9 +112,7 @@ def _trace(model: nn.Module, input_ids: torch.Tensor) -> dict[str, _Call]:
         def hook(module, args, kwargs, output):
             call = calls.get(name)
             if call is not None and call.output is None:
-                outs = _tensors(
-                    output if not hasattr(output, "to_tuple") else output.to_tuple()
-                )
+                outs = _tensors(output if not hasattr(output, "to_tuple") else output.to_tuple())
                 call.output = outs[0] if outs else None
 
         return hook
@@ -144,29 +140,19 @@ def _own_params(module: nn.Module) -> list[nn.Parameter]:
 
 def _is_expert_container(module: nn.Module) -> bool:
     params = _own_params(module)
-    return (
-        bool(params)
-        and all(p.ndim >= 3 for p in params)
-        and len({p.shape[0] for p in params}) == 1
-    )
+    return bool(params) and all(p.ndim >= 3 for p in params) and len({p.shape[0] for p in params}) == 1
 
 
 def _is_norm(module: nn.Module, width: int | None = None) -> bool:
     params = list(module.parameters())
-    return (
-        bool(params)
-        and all(p.ndim == 1 for p in params)
-        and (width is None or params[0].numel() == width)
-    )
+    return bool(params) and all(p.ndim == 1 for p in params) and (width is None or params[0].numel() == width)
 
 
 def _reads_4d(call: _Call) -> bool:
     return bool(call.inputs) and call.inputs[0].ndim == 4
 
 
-def _branch_parts(
-    block: nn.Module, block_path: str, child: str, calls: dict[str, _Call], hidden: int
-) -> BranchParts:
+def _branch_parts(block: nn.Module, block_path: str, child: str, calls: dict[str, _Call], hidden: int) -> BranchParts:
     prefix = f"{block_path}.{child}"
     call = calls.get(prefix)
     branch = BranchParts(path=child, attention=bool(call and call.has_context))
@@ -178,53 +164,36 @@ def _branch_parts(
             branch.experts = rel
         elif isinstance(module, nn.Linear) and absolute in calls:
             linears.append((calls[absolute].order, rel, module, calls[absolute]))
-        elif (
-            rel != child
-            and _is_norm(module)
-            and absolute in calls
-            and _reads_4d(calls[absolute])
-        ):
+        elif rel != child and _is_norm(module) and absolute in calls and _reads_4d(calls[absolute]):
             branch.head_norms.append(rel)
     linears.sort(key=lambda item: item[0])
     back = [item for item in linears if item[2].out_features == hidden]
     fan_in = back[-1][1] if back else None
-    for _, rel, module, lin_call in linears:
+    for _, rel, _module, lin_call in linears:
         if rel == fan_in:
             branch.rowwise.append(rel)
-        elif (
-            branch_in is not None
-            and lin_call.inputs
-            and _same(lin_call.inputs[0], branch_in)
-        ):
+        elif branch_in is not None and lin_call.inputs and _same(lin_call.inputs[0], branch_in):
             branch.colwise.append(rel)
         else:
             branch.unplaced.append(rel)
     return branch
 
 
-def find_parts(
-    model: nn.Module, heads: HeadGeometry | None = None, seq_len: int = 8
-) -> ModelParts:
+def find_parts(model: nn.Module, heads: HeadGeometry | None = None, seq_len: int = 8) -> ModelParts:
     """Trace ``model`` once on random token ids and return the roles of its modules."""
     try:
         found = find_blocks(model)
     except NoBlockList as err:
         raise BadInput(str(err)) from None
     blocks_path, blocks = found.path, found.blocks
-    embeddings = [
-        (n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)
-    ]
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
         raise BadInput("no token embedding (nn.Embedding) found in the model")
     device = next(model.parameters()).device
     vocab = max(m.num_embeddings for _, m in embeddings)
     input_ids = torch.randint(0, vocab, (1, seq_len), device=device)
     calls = _trace(model, input_ids)
-    readers = [
-        n
-        for n, m in embeddings
-        if n in calls and calls[n].inputs and _same(calls[n].inputs[0], input_ids)
-    ]
+    readers = [n for n, m in embeddings if n in calls and calls[n].inputs and _same(calls[n].inputs[0], input_ids)]
     if not readers:
         raise BadInput("no embedding reads the token ids")
     embedding = readers[0]
@@ -232,43 +201,27 @@ def find_parts(
     block_names = [f"{blocks_path}.{i}" for i in range(len(blocks))]
     last_block = max(calls[n].order for n in block_names if n in calls)
     inside = tuple(n + "." for n in block_names)
-    after = [
-        c
-        for c in calls.values()
-        if c.order > last_block and not c.name.startswith(inside) and c.name != ""
-    ]
+    after = [c for c in calls.values() if c.order > last_block and not c.name.startswith(inside) and c.name != ""]
     head = None
     for c in sorted(after, key=lambda c: c.order):
         mod = model.get_submodule(c.name)
-        if (
-            isinstance(mod, nn.Linear)
-            and mod.out_features == vocab
-            and mod.in_features == hidden
-        ):
+        if isinstance(mod, nn.Linear) and mod.out_features == vocab and mod.in_features == hidden:
             head = c.name
     final_norm = None
     for c in sorted(after, key=lambda c: c.order):
         mod = model.get_submodule(c.name)
         if c.name != head and _own_params(mod) and _is_norm(mod, hidden):
             final_norm = c.name
-    tied = (
-        head is not None
-        and model.get_submodule(head).weight is model.get_submodule(embedding).weight
-    )
+    tied = head is not None and model.get_submodule(head).weight is model.get_submodule(embedding).weight
     parts_blocks = []
     for path, block in zip(block_names, blocks):
         norms, branches = [], []
         for child, module in block.named_children():
-            holds_linear = any(
-                isinstance(m, nn.Linear) or _is_expert_container(m)
-                for m in module.modules()
-            )
+            holds_linear = any(isinstance(m, nn.Linear) or _is_expert_container(m) for m in module.modules())
             if holds_linear:
                 branches.append(_branch_parts(block, path, child, calls, hidden))
             elif _is_norm(module, hidden):
-                norms.append(
-                    child
-                )  # per-token, per-channel: norms and other pointwise ops (SP-safe)
+                norms.append(child)  # per-token, per-channel: norms and other pointwise ops (SP-safe)
         parts_blocks.append(BlockParts(path=path, norms=norms, branches=branches))
     return ModelParts(
         blocks_path=blocks_path,

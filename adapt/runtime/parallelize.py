@@ -131,27 +131,21 @@ def parallelize(
     adapt = adapt or AdaptOptions()
     report = AdaptedReport()
     if plan.precision == "fp8":
-        raise BadInput(
-            "fp8 training is not realised by the torch.distributed backend; use bf16 or fp32"
-        )
+        raise BadInput("fp8 training is not realised by the torch.distributed backend; use bf16 or fp32")
     broadcast_model_state(model)
     parts = find_parts(model, heads=head_geometry(model, spec))
     if plan.tp > 1:
         check_tensor_parallel(parts, plan.tp, plan.vocab_parallel)
         parts.head_count_attrs = find_head_count_attributes(model, parts, plan.tp)
     if plan.offload_optimizer and dims.device.type != "cuda":
-        raise BadInput(
-            "offload_optimizer moves FSDP state from the GPU to host memory: it needs CUDA"
-        )
+        raise BadInput("offload_optimizer moves FSDP state from the GPU to host memory: it needs CUDA")
     if plan.cp > 1:
         check_context_parallel(
             dims.device,
             getattr(getattr(model, "config", None), "_attn_implementation", None),
         )
     if plan.pp > 1:
-        probe = torch.randint(
-            0, parts.vocab_size, micro_batch_shape, device=dims.device
-        )
+        probe = torch.randint(0, parts.vocab_size, micro_batch_shape, device=dims.device)
         context = capture_block_context(model, parts, probe)
         check_decomposition(model, parts, probe, context)
         stage_modules = split_stages(model, parts, plan, dims.pp_rank, context)
@@ -160,12 +154,8 @@ def parallelize(
     experts = None
     if plan.ep > 1:
         if plan.tp > 1 or plan.cp > 1:
-            raise BadInput(
-                "expert parallelism together with tp or cp is not realised; combine ep with FSDP or PP"
-            )
-        experts = ExpertParallelState(
-            dims.ep_mesh, dims.expert_dp_mesh, dp_degree=plan.dp * plan.cp
-        )
+            raise BadInput("expert parallelism together with tp or cp is not realised; combine ep with FSDP or PP")
+        experts = ExpertParallelState(dims.ep_mesh, dims.expert_dp_mesh, dp_degree=plan.dp * plan.cp)
     if plan.tp > 1:
         report.async_tp = enable_async_tp(dims.mesh("tp"), dims.device, adapt, plan.sequence_parallel)
     for _, chunk in stage_modules:
@@ -208,7 +198,5 @@ def parallelize(
     )
     if plan.pp > 1:
         result.tied = tie_across_stages(result.chunks, result.stage_indices, parts, dims)
-        result.schedule, _ = build_schedule(
-            stage_modules, plan, dims.mesh("pp"), dims.device, loss_fn
-        )
+        result.schedule, _ = build_schedule(stage_modules, plan, dims.mesh("pp"), dims.device, loss_fn)
     return result

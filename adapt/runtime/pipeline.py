@@ -51,9 +51,7 @@ def _detach(value: Any) -> Any:
     return value
 
 
-def capture_block_context(
-    model: nn.Module, parts: ModelParts, input_ids: torch.Tensor
-) -> BlockContext:
+def capture_block_context(model: nn.Module, parts: ModelParts, input_ids: torch.Tensor) -> BlockContext:
     blocks = model.get_submodule(parts.blocks_path)
     context = BlockContext()
     handles = []
@@ -111,9 +109,7 @@ def _stage_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def check_decomposition(
-    model: nn.Module, parts: ModelParts, input_ids: torch.Tensor, context: BlockContext
-) -> None:
+def check_decomposition(model: nn.Module, parts: ModelParts, input_ids: torch.Tensor, context: BlockContext) -> None:
     """Refuse to split a model whose forward is not embed -> blocks -> norm -> head.
 
     The head weight is scaled up for the check so that logits are large: a transform after the
@@ -121,9 +117,7 @@ def check_decomposition(
     otherwise pass unnoticed.
     """
     if parts.head is None:
-        raise BadInput(
-            "pipeline parallelism needs an output head on the last stage; none was found"
-        )
+        raise BadInput("pipeline parallelism needs an output head on the last stage; none was found")
     layout = StageLayout(
         parts.embedding,
         parts.blocks_path,
@@ -145,21 +139,15 @@ def check_decomposition(
             got = _stage_forward(probe, input_ids)  # type: ignore[arg-type]
         finally:
             head_weight.copy_(saved)
-    if got.shape != expected.shape or not torch.allclose(
-        got.float(), expected.float(), rtol=1e-4, atol=1e-3
-    ):
-        raise BadInput(
-            "pipeline split refused: the model's forward does more than embed -> blocks -> norm -> head"
-        )
+    if got.shape != expected.shape or not torch.allclose(got.float(), expected.float(), rtol=1e-4, atol=1e-3):
+        raise BadInput("pipeline split refused: the model's forward does more than embed -> blocks -> norm -> head")
 
 
 def stage_block_counts(plan: ParallelPlan, num_blocks: int) -> list[int]:
     stages = plan.pp * plan.vpp
     if plan.stage_layers:
         if sum(plan.stage_layers) != num_blocks:
-            raise BadInput(
-                f"plan.stage_layers sums to {sum(plan.stage_layers)} but the model has {num_blocks} blocks"
-            )
+            raise BadInput(f"plan.stage_layers sums to {sum(plan.stage_layers)} but the model has {num_blocks} blocks")
         return list(plan.stage_layers)
     if num_blocks < stages:
         raise BadInput(f"{num_blocks} blocks cannot fill pp*vpp={stages} stages")
@@ -189,9 +177,7 @@ def split_stages(
         module = copy.deepcopy(model) if len(mine) > 1 else model
         blocks = module.get_submodule(parts.blocks_path)
         keep = range(starts[s], starts[s] + counts[s])
-        _set_child(
-            module, parts.blocks_path, nn.ModuleDict({str(i): blocks[i] for i in keep})
-        )
+        _set_child(module, parts.blocks_path, nn.ModuleDict({str(i): blocks[i] for i in keep}))
         first, last = s == 0, s == num_stages - 1
         if not first:
             _set_child(module, parts.embedding, None)
@@ -220,10 +206,7 @@ def build_schedule(
     loss_fn,
 ) -> tuple[Any, list[PipelineStage]]:
     num_stages = plan.pp * plan.vpp
-    stages = [
-        PipelineStage(m, s, num_stages, device, group=pp_mesh.get_group())
-        for s, m in stage_modules
-    ]
+    stages = [PipelineStage(m, s, num_stages, device, group=pp_mesh.get_group()) for s, m in stage_modules]
     n_micro = plan.grad_accum
     if plan.vpp > 1:
         multi = {
@@ -234,16 +217,10 @@ def build_schedule(
             raise BadInput(
                 f"vpp={plan.vpp} needs an interleaved schedule (interleaved_1f1b, zero_bubble), not {plan.pp_schedule}"
             )
-        schedule: PipelineScheduleMulti = multi[plan.pp_schedule](
-            stages, n_microbatches=n_micro, loss_fn=loss_fn
-        )
+        schedule: PipelineScheduleMulti = multi[plan.pp_schedule](stages, n_microbatches=n_micro, loss_fn=loss_fn)
         return schedule, stages
     single = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
     if plan.pp_schedule not in single:
-        raise BadInput(
-            f"schedule {plan.pp_schedule} needs vpp > 1 (several stages per rank)"
-        )
-    one: PipelineScheduleSingle = single[plan.pp_schedule](
-        stages[0], n_microbatches=n_micro, loss_fn=loss_fn
-    )
+        raise BadInput(f"schedule {plan.pp_schedule} needs vpp > 1 (several stages per rank)")
+    one: PipelineScheduleSingle = single[plan.pp_schedule](stages[0], n_microbatches=n_micro, loss_fn=loss_fn)
     return one, stages

@@ -34,9 +34,7 @@ def init_distributed() -> torch.device:
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        dist.init_process_group(
-            "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
-        )
+        dist.init_process_group("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")
     return default_device()
 
 
@@ -74,14 +72,10 @@ def prepare(
     return TrainingRun(dims, pmodel, Trainer(pmodel, config, vocab), model.config)
 
 
-def load_for_training(
-    source: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
-) -> nn.Module:
+def load_for_training(source: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
     from adapt.model.intake import load_model, resolve_source
 
-    return load_model(
-        resolve_source(source, trust_remote_code=trust_remote_code), dtype=dtype
-    )
+    return load_model(resolve_source(source, trust_remote_code=trust_remote_code), dtype=dtype)
 
 
 def run_training(
@@ -98,14 +92,10 @@ def run_training(
     """Train ``source`` under ``plan``; resume from ``ckpt_dir`` when it holds a checkpoint, save there at the end.
     ``adapt`` trains the adapted model (kernel plan, compiled blocks)."""
     init_distributed()
-    set_determinism(
-        config.seed, config.deterministic
-    )  # before loading: config-only models init randomly
+    set_determinism(config.seed, config.deterministic)  # before loading: config-only models init randomly
     run = prepare(load_for_training(source, trust_remote_code), plan, config, adapt=adapt)
     if ckpt_dir and (Path(ckpt_dir) / ".metadata").is_file():
-        run.trainer.restore(
-            checkpoint.load(ckpt_dir, run.pmodel, run.trainer.optimizers)
-        )
+        run.trainer.restore(checkpoint.load(ckpt_dir, run.pmodel, run.trainer.optimizers))
     result = run.trainer.fit(on_step=on_step)
     if ckpt_dir:
         checkpoint.save(ckpt_dir, run.pmodel, run.trainer.optimizers, run.trainer.step)

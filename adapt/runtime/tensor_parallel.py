@@ -43,9 +43,7 @@ def _first_tensor_position(args: tuple, kwargs: dict) -> int | str | None:
     for index, value in enumerate(args):
         if isinstance(value, torch.Tensor):
             return index
-    return next(
-        (key for key, value in kwargs.items() if isinstance(value, torch.Tensor)), None
-    )
+    return next((key for key, value in kwargs.items() if isinstance(value, torch.Tensor)), None)
 
 
 def _replace_stream(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
@@ -105,9 +103,7 @@ def _attention_branch(parts: ModelParts) -> tuple[str, BranchParts] | None:
     return None
 
 
-def find_head_count_attributes(
-    model: nn.Module, parts: ModelParts, tp: int
-) -> list[str]:
+def find_head_count_attributes(model: nn.Module, parts: ModelParts, tp: int) -> list[str]:
     """Which integer attributes of the attention module count heads, found by probing on one block.
 
     Modelling code that reshapes with ``-1`` heads needs nothing; code that reshapes with a stored
@@ -122,11 +118,7 @@ def find_head_count_attributes(
     block_path, branch = found
     module = model.get_submodule(f"{block_path}.{branch.path}")
     heads = parts.heads
-    candidates = [
-        n
-        for n, v in vars(module).items()
-        if type(v) is int and v in (heads.num_heads, heads.num_kv_heads)
-    ]
+    candidates = [n for n, v in vars(module).items() if type(v) is int and v in (heads.num_heads, heads.num_kv_heads)]
     if not candidates:
         return []
     rel = len(branch.path) + 1
@@ -143,9 +135,7 @@ def find_head_count_attributes(
         module.register_forward_pre_hook(grab_call, with_kwargs=True),
         fan_in.register_forward_pre_hook(grab_fan_in),
     ]
-    probe = torch.randint(
-        0, parts.vocab_size, (1, 8), device=next(model.parameters()).device
-    )
+    probe = torch.randint(0, parts.vocab_size, (1, 8), device=next(model.parameters()).device)
     try:
         with torch.no_grad():
             model(input_ids=probe, use_cache=False)
@@ -156,16 +146,11 @@ def find_head_count_attributes(
             handle.remove()
 
 
-def _probe_subsets(
-    module: nn.Module, branch: BranchParts, candidates: list[str], seen: dict, tp: int
-) -> list[str]:
+def _probe_subsets(module: nn.Module, branch: BranchParts, candidates: list[str], seen: dict, tp: int) -> list[str]:
     """Smallest subset of ``candidates`` that, divided by ``tp``, reproduces rank 0's heads on rank 0's weights."""
     # Fresh random weights and hidden states: the probe must not depend on the model's values.
     args, kwargs = _replace_stream(*seen["call"], torch.randn_like)
-    full = {
-        name: torch.randn_like(param) / param.shape[-1] ** 0.5
-        for name, param in module.named_parameters()
-    }
+    full = {name: torch.randn_like(param) / param.shape[-1] ** 0.5 for name, param in module.named_parameters()}
     with torch.no_grad():
         torch.func.functional_call(module, full, args, kwargs)
     width = seen["fan_in"].shape[-1]
@@ -192,15 +177,9 @@ def _probe_subsets(
                 for n, v in original.items():
                     setattr(module, n, v)
             got = seen.get("fan_in")
-            if (
-                got is not None
-                and got.shape == expected.shape
-                and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
-            ):
+            if got is not None and got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
                 return list(subset)
-    raise BadInput(
-        "tensor parallelism: could not find how the attention module counts its heads (probe failed)"
-    )
+    raise BadInput("tensor parallelism: could not find how the attention module counts its heads (probe failed)")
 
 
 def _localise_head_counts(model: nn.Module, parts: ModelParts, tp: int) -> None:
@@ -225,22 +204,16 @@ def check_tensor_parallel(parts: ModelParts, tp: int, vocab_parallel: bool) -> N
                     f"tensor parallelism cannot place {block.path}.{branch.unplaced[0]} (not fed by the branch input)"
                 )
             if len(branch.rowwise) != 1:
-                raise BadInput(
-                    f"{block.path}.{branch.path}: no single fan-in projection found for tensor parallelism"
-                )
+                raise BadInput(f"{block.path}.{branch.path}: no single fan-in projection found for tensor parallelism")
     heads = parts.heads
     if heads is None:
-        raise BadInput(
-            "tensor parallelism needs the attention head geometry (num heads, kv heads, head dim)"
-        )
+        raise BadInput("tensor parallelism needs the attention head geometry (num heads, kv heads, head dim)")
     if heads.num_heads % tp or heads.num_kv_heads % tp:
         raise BadInput(
             f"tp={tp} must divide both query heads ({heads.num_heads}) and kv heads ({heads.num_kv_heads}) for GQA-aware splitting"
         )
     if vocab_parallel and parts.vocab_size % tp:
-        raise BadInput(
-            f"vocab-parallel embedding needs tp={tp} to divide the vocabulary ({parts.vocab_size})"
-        )
+        raise BadInput(f"vocab-parallel embedding needs tp={tp} to divide the vocabulary ({parts.vocab_size})")
 
 
 def block_plan(
@@ -287,9 +260,7 @@ def apply_tensor_parallel(
     _localise_head_counts(model, parts, tp_mesh.size())
     for index, block in enumerate(parts.blocks):
         module = model.get_submodule(block.path)
-        parallelize_module(
-            module, tp_mesh, block_plan(parts, index, sequence_parallel, local_rows)
-        )
+        parallelize_module(module, tp_mesh, block_plan(parts, index, sequence_parallel, local_rows))
         if sequence_parallel:
             for branch in block.branches:
                 module.get_submodule(branch.path).register_forward_pre_hook(
@@ -303,9 +274,7 @@ def apply_tensor_parallel(
             parallelize_module(
                 model.get_submodule(parts.final_norm),
                 tp_mesh,
-                LocalRowsParallel()
-                if parts.final_norm in local_rows
-                else SequenceParallel(use_local_output=True),
+                LocalRowsParallel() if parts.final_norm in local_rows else SequenceParallel(use_local_output=True),
             )
     if vocab_parallel and parts.embedding:  # a later pipeline stage holds no embedding
         # Row-sharded table: each rank looks up its vocabulary range, partial sums are all-reduced.

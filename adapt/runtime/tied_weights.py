@@ -43,8 +43,9 @@ def _pipeline_end_pairs(dims: ParallelDims) -> list[list[int]]:
     return [[int(line[0]), int(line[-1])] for line in lines]
 
 
-def tie_across_stages(chunks: list[nn.Module], stage_indices: tuple[int, ...], parts, dims: ParallelDims
-                      ) -> TiedAcrossStages | None:
+def tie_across_stages(
+    chunks: list[nn.Module], stage_indices: tuple[int, ...], parts, dims: ParallelDims
+) -> TiedAcrossStages | None:
     """Set up the gradient sum for a tied model split over ``pp > 1`` ranks; ``None`` when not needed.
 
     Every rank must call this (group creation is collective), whichever stages it holds.

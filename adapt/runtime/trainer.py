@@ -90,9 +90,7 @@ def lr_lambda(config: TrainConfig):
             return (step + 1) / config.warmup_steps
         span = max(1, config.steps - config.warmup_steps)
         progress = min(1.0, (step - config.warmup_steps) / span)
-        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (
-            1 + math.cos(math.pi * progress)
-        )
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
 
@@ -100,9 +98,7 @@ def lr_lambda(config: TrainConfig):
 def _peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return (
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    )  # ru_maxrss is KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> int:
@@ -159,9 +155,7 @@ def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
     for grads in [*groups.values(), *([scale_only] if scale_only else [])]:
         torch._foreach_mul_(
             grads,
-            scale.to(grads[0].device)
-            if not isinstance(grads[0], DTensor)
-            else scale.item(),
+            scale.to(grads[0].device) if not isinstance(grads[0], DTensor) else scale.item(),
         )
     return float(total)
 
@@ -172,10 +166,7 @@ class Trainer:
         plan = pmodel.dims.plan
         self.plan = plan
         self.data = make_data(config.data, vocab_size, plan.seq_len, config.seed)
-        if (
-            plan.global_batch % plan.dp
-            or (plan.global_batch // plan.dp) % plan.grad_accum
-        ):
+        if plan.global_batch % plan.dp or (plan.global_batch // plan.dp) % plan.grad_accum:
             from adapt.core.errors import BadInput
 
             raise BadInput(
@@ -192,10 +183,7 @@ class Trainer:
             )
             for chunk in pmodel.chunks
         ]
-        self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config))
-            for opt in self.optimizers
-        ]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config)) for opt in self.optimizers]
         self.step = 0
 
     def restore(self, step: int) -> None:
@@ -210,14 +198,10 @@ class Trainer:
         batch = self.data.global_batch(step, plan.global_batch)
         per_rank = plan.global_batch // plan.dp
         rank = self.pmodel.dims.dp_rank
-        local = batch[rank * per_rank : (rank + 1) * per_rank].to(
-            self.pmodel.dims.device
-        )
+        local = batch[rank * per_rank : (rank + 1) * per_rank].to(self.pmodel.dims.device)
         return local[:, :-1].contiguous(), local[:, 1:].contiguous()
 
-    def _forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor
-    ) -> torch.Tensor:
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         pm, plan = self.pmodel, self.plan
         if pm.schedule is not None:
             losses: list[torch.Tensor] = []
@@ -227,11 +211,7 @@ class Trainer:
                 target=labels if pm.has_last_stage else None,
                 losses=losses if pm.has_last_stage else None,
             )
-            return (
-                torch.stack(losses).mean().detach()
-                if losses
-                else torch.zeros((), device=inputs.device)
-            )
+            return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=inputs.device)
         model = pm.chunks[0]
         total = torch.zeros((), device=inputs.device)
         for index, (micro_in, micro_labels) in enumerate(
@@ -244,9 +224,7 @@ class Trainer:
             )
             if plan.cp > 1:
                 positions = position_ids_for(micro_in)
-                with context_parallel_batch(
-                    pm.dims.mesh("cp"), [micro_in, micro_labels, positions]
-                ):
+                with context_parallel_batch(pm.dims.mesh("cp"), [micro_in, micro_labels, positions]):
                     logits = logits_of(
                         model(
                             input_ids=micro_in,

@@ -30,9 +30,22 @@ def _softcapped(z, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _ce_chunk_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, V, ignore_index, label_smoothing, z_loss, softcap,
-                     HAS_SOFTCAP: tl.constexpr, PER_ROW_SCALE: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
-                     BLOCK_V: tl.constexpr):
+def _ce_chunk_kernel(
+    LOGITS,
+    stride_l,
+    LABELS,
+    LOSS,
+    SCALE,
+    V,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    PER_ROW_SCALE: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0)
     logits = LOGITS + row.to(tl.int64) * stride_l
     label = tl.load(LABELS + row)
@@ -41,8 +54,11 @@ def _ce_chunk_kernel(LOGITS, stride_l, LABELS, LOSS, SCALE, V, ignore_index, lab
         tl.store(LOSS + row, 0.0)
         if COMPUTE_GRAD:
             for start in range(0, V, BLOCK_V):
-                tl.store(logits + start + cols, tl.zeros([BLOCK_V], tl.float32).to(LOGITS.dtype.element_ty),
-                         mask=start + cols < V)
+                tl.store(
+                    logits + start + cols,
+                    tl.zeros([BLOCK_V], tl.float32).to(LOGITS.dtype.element_ty),
+                    mask=start + cols < V,
+                )
         return
     running_max = -float("inf")
     running_sum = 0.0
@@ -113,10 +129,21 @@ def run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh,
             torch.mm(h, weight_t, out=logits)
         chunk_scale = scale[start:stop] if opts["per_row_scale"] else scale
         _ce_chunk_kernel[(stop - start,)](
-            logits, logits.stride(0), labels[start:stop], losses[start:stop], chunk_scale, vocab,
-            opts["ignore_index"], opts["label_smoothing"], opts["z_loss"], opts["softcap"] or 1.0,
-            HAS_SOFTCAP=opts["softcap"] is not None, PER_ROW_SCALE=opts["per_row_scale"],
-            COMPUTE_GRAD=need_grad, BLOCK_V=block_v, num_warps=16 if block_v >= 8192 else 4,
+            logits,
+            logits.stride(0),
+            labels[start:stop],
+            losses[start:stop],
+            chunk_scale,
+            vocab,
+            opts["ignore_index"],
+            opts["label_smoothing"],
+            opts["z_loss"],
+            opts["softcap"] or 1.0,
+            HAS_SOFTCAP=opts["softcap"] is not None,
+            PER_ROW_SCALE=opts["per_row_scale"],
+            COMPUTE_GRAD=need_grad,
+            BLOCK_V=block_v,
+            num_warps=16 if block_v >= 8192 else 4,
         )
         if need_dh:
             torch.mm(logits, weight, out=dh[start:stop])

@@ -35,8 +35,9 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, cast: str | None = None) 
 def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
     """RMSNorm over the last dim: ``x / rms(x) * (offset + weight)`` with the model's casting order."""
     _check_norm(x, weight, cast)
-    y, _ = _adapt.rms_norm(x, weight, float(eps), float(offset), cast, norms.encode_config(config),
-                           _needs_grad(x, weight))
+    y, _ = _adapt.rms_norm(
+        x, weight, float(eps), float(offset), cast, norms.encode_config(config), _needs_grad(x, weight)
+    )
     return y
 
 
@@ -45,8 +46,16 @@ def add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, cast="llama", config
     _check_norm(x, weight, cast)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError("residual must match x in shape and dtype")
-    total, y, _ = _adapt.add_rms_norm(x, residual, weight, float(eps), float(offset), cast,
-                                      norms.encode_config(config), _needs_grad(x, residual, weight))
+    total, y, _ = _adapt.add_rms_norm(
+        x,
+        residual,
+        weight,
+        float(eps),
+        float(offset),
+        cast,
+        norms.encode_config(config),
+        _needs_grad(x, residual, weight),
+    )
     return total, y
 
 
@@ -101,8 +110,18 @@ def apply_rotary(q, k, cos, sin, interleaved: bool = False, rotary_dim: int | No
     return _adapt.apply_rotary(q, k, cos, sin, bool(interleaved), int(rotary_dim))
 
 
-def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0,
-                               z_loss=0.0, softcap=None, reduction="mean", chunk_size: int | None = None):
+def fused_linear_cross_entropy(
+    hidden,
+    weight,
+    labels,
+    bias=None,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+    reduction="mean",
+    chunk_size: int | None = None,
+):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without the full logits.
 
     ``hidden`` is ``[..., H]`` and ``labels`` the matching ``[...]``; ``softcap`` applies
@@ -115,21 +134,33 @@ def fused_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must match the token dims of hidden {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
-        raise ValueError(f"weight must be [vocab, {hidden.shape[-1]}] in {hidden.dtype}, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"weight must be [vocab, {hidden.shape[-1]}] in {hidden.dtype}, got {tuple(weight.shape)} {weight.dtype}"
+        )
     if not 0.0 <= label_smoothing <= 1.0 or z_loss < 0.0 or (softcap is not None and softcap <= 0.0):
         raise ValueError("need 0 <= label_smoothing <= 1, z_loss >= 0 and softcap > 0")
     grad = torch.is_grad_enabled()
     loss, *_ = _adapt.fused_linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).contiguous(), bias, int(ignore_index),
-        float(label_smoothing), float(z_loss), float(softcap) if softcap is not None else None, reduction, chunk_size,
-        grad and hidden.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad,
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1).contiguous(),
+        bias,
+        int(ignore_index),
+        float(label_smoothing),
+        float(z_loss),
+        float(softcap) if softcap is not None else None,
+        reduction,
+        chunk_size,
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
     )
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
-def moe_route(router_logits, top_k, scoring="softmax", n_group=1, topk_group=1, normalize=True,
-              correction_bias=None, scale=1.0):
+def moe_route(
+    router_logits, top_k, scoring="softmax", n_group=1, topk_group=1, normalize=True, correction_bias=None, scale=1.0
+):
     """Top-k expert choice per token: returns (fp32 weights ``[T, k]``, int64 expert ids ``[T, k]``).
 
     ``scoring`` is "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3); ``n_group``/``topk_group``
@@ -143,16 +174,18 @@ def moe_route(router_logits, top_k, scoring="softmax", n_group=1, topk_group=1, 
         logits = logits.contiguous()
     experts = logits.shape[1]
     if not 1 <= top_k <= experts or experts % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"invalid routing: top_k={top_k}, experts={experts}, n_group={n_group}, "
-                         f"topk_group={topk_group}")
+        raise ValueError(
+            f"invalid routing: top_k={top_k}, experts={experts}, n_group={n_group}, topk_group={topk_group}"
+        )
     if n_group > 1 and experts // n_group < 2:
         raise ValueError("grouped routing scores a group by its two best experts: need >= 2 experts per group")
     if n_group > 1 and top_k > topk_group * (experts // n_group):
         raise ValueError("top_k exceeds the experts left after group selection")
     if correction_bias is not None and correction_bias.shape != (experts,):
         raise ValueError(f"correction_bias must have shape ({experts},)")
-    return _adapt.moe_route(logits, int(top_k), scoring, int(n_group), int(topk_group), bool(normalize),
-                            correction_bias, float(scale))
+    return _adapt.moe_route(
+        logits, int(top_k), scoring, int(n_group), int(topk_group), bool(normalize), correction_bias, float(scale)
+    )
 
 
 def moe_permute(x, expert_ids, num_experts):
@@ -162,8 +195,9 @@ def moe_permute(x, expert_ids, num_experts):
         raise ValueError(f"need x [T, H] and expert_ids [T, k], got {tuple(x.shape)}, {tuple(expert_ids.shape)}")
     tokens, top_k = expert_ids.shape
     source, position, offsets = _adapt.moe_sort(expert_ids, int(num_experts))
-    state = PermutationState(source_token=source, sorted_position=position, group_offsets=offsets, num_tokens=tokens,
-                             top_k=top_k)
+    state = PermutationState(
+        source_token=source, sorted_position=position, group_offsets=offsets, num_tokens=tokens, top_k=top_k
+    )
     x_rows = x if x.stride(-1) == 1 else x.contiguous()
     return _adapt.moe_permute(x_rows, source, position), state
 
@@ -177,8 +211,9 @@ def moe_unpermute(y_sorted, weights, state: PermutationState):
     return _adapt.moe_unpermute(y_rows, weights.contiguous(), state.sorted_position)
 
 
-def grouped_gemm(x_sorted: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
-                 config: GemmConfig | None = None) -> torch.Tensor:
+def grouped_gemm(
+    x_sorted: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, config: GemmConfig | None = None
+) -> torch.Tensor:
     """Per-expert ``x_sorted[offsets[e]:offsets[e+1]] @ w[e]`` with ``w`` of shape ``[E, K, N]``.
 
     ``group_offsets`` has ``E + 1`` entries (as produced by ``moe_permute``). fp32 inputs use exact

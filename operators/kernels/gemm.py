@@ -45,10 +45,27 @@ def _dot(a, b, acc, FP32_IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _grouped_mm_kernel(A, B, C, OFFSETS, TILE_EXPERT, TILE_FIRST, N, K,
-                       stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm,
-                       FP32_IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_mm_kernel(
+    A,
+    B,
+    C,
+    OFFSETS,
+    TILE_EXPERT,
+    TILE_FIRST,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    FP32_IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     tile = tl.program_id(0)
     expert = tl.load(TILE_EXPERT + tile)
     if expert < 0:
@@ -60,8 +77,9 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, TILE_EXPERT, TILE_FIRST, N, K,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     a_ptrs = A + rows[:, None].to(tl.int64) * stride_am + tl.arange(0, BLOCK_K)[None, :] * stride_ak
-    b_ptrs = (B + expert.to(tl.int64) * stride_be + tl.arange(0, BLOCK_K)[:, None] * stride_bk
-              + cols[None, :] * stride_bn)
+    b_ptrs = (
+        B + expert.to(tl.int64) * stride_be + tl.arange(0, BLOCK_K)[:, None] * stride_bk + cols[None, :] * stride_bn
+    )
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = k0 + tl.arange(0, BLOCK_K) < K
@@ -75,9 +93,24 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, TILE_EXPERT, TILE_FIRST, N, K,
 
 
 @triton.jit
-def _grouped_weight_grad_kernel(X, DY, DW, OFFSETS, K, N, stride_xm, stride_dym, stride_we, stride_wk, stride_wn,
-                                FP32_IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_weight_grad_kernel(
+    X,
+    DY,
+    DW,
+    OFFSETS,
+    K,
+    N,
+    stride_xm,
+    stride_dym,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    FP32_IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     expert = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     ks = (tl.program_id(1) // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -90,10 +123,16 @@ def _grouped_weight_grad_kernel(X, DY, DW, OFFSETS, K, N, stride_xm, stride_dym,
     for m0 in range(row_start, row_end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
-        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        dy = tl.load(DY + rows[:, None].to(tl.int64) * stride_dym + cols[None, :],
-                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        x = tl.load(
+            X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        dy = tl.load(
+            DY + rows[:, None].to(tl.int64) * stride_dym + cols[None, :],
+            mask=row_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
         acc = _dot(tl.trans(x), dy, acc, FP32_IEEE, UPCAST)
     dw_ptrs = DW + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
@@ -127,11 +166,27 @@ def grouped_mm(x, w, group_offsets, transpose_w: bool, config: GemmConfig):
     tile_expert, tile_first, upper = _tile_map(group_offsets, rows, config.block_m)
     grid = (upper, cdiv(n, config.block_n))
     _grouped_mm_kernel[grid](
-        x, w, out, group_offsets, tile_expert, tile_first, n, k,
-        x.stride(0), x.stride(1), w.stride(0), stride_bk, stride_bn, out.stride(0),
-        FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_m,
+        x,
+        w,
+        out,
+        group_offsets,
+        tile_expert,
+        tile_first,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        stride_bk,
+        stride_bn,
+        out.stride(0),
+        FP32_IEEE=x.dtype == torch.float32,
+        UPCAST=_upcast(x.dtype),
+        BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
@@ -143,9 +198,24 @@ def grouped_weight_grad(x, dy, w, group_offsets, config: GemmConfig):
     block_k = max(config.block_k, 32)
     grid = (experts, cdiv(k, block_k) * cdiv(n, config.block_n))
     _grouped_weight_grad_kernel[grid](
-        x, dy, dw, group_offsets, k, n, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
-        FP32_IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), BLOCK_M=config.block_k, BLOCK_N=config.block_n,
-        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        x,
+        dy,
+        dw,
+        group_offsets,
+        k,
+        n,
+        x.stride(0),
+        dy.stride(0),
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+        FP32_IEEE=x.dtype == torch.float32,
+        UPCAST=_upcast(x.dtype),
+        BLOCK_M=config.block_k,
+        BLOCK_N=config.block_n,
+        BLOCK_K=block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return dw
 

@@ -111,8 +111,9 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block, warps = _block(width)
     if y.numel():
-        _glu_fwd[(rows * cdiv(width, block),)](g, u, y, width, sg, su, ACT=ACTIVATIONS[activation],
-                                                       BLOCK=block, num_warps=warps)
+        _glu_fwd[(rows * cdiv(width, block),)](
+            g, u, y, width, sg, su, ACT=ACTIVATIONS[activation], BLOCK=block, num_warps=warps
+        )
     return y
 
 
@@ -123,6 +124,7 @@ def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activat
     dup = torch.empty_like(dgate)
     block, warps = _block(width)
     if dgate.numel():
-        _glu_bwd[(rows * cdiv(width, block),)](d, g, u, dgate, dup, width, sd, sg, su, ACT=ACTIVATIONS[activation],
-                                               BLOCK=block, num_warps=warps)
+        _glu_bwd[(rows * cdiv(width, block),)](
+            d, g, u, dgate, dup, width, sd, sg, su, ACT=ACTIVATIONS[activation], BLOCK=block, num_warps=warps
+        )
     return dgate, dup

@@ -32,9 +32,24 @@ def _scores(z, mask, SCORING: tl.constexpr):
 
 
 @triton.jit
-def _route_fwd(LOGITS, BIAS, WEIGHTS, IDS, E, stride_l, scale, TOP_K: tl.constexpr, SCORING: tl.constexpr,
-               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+def _route_fwd(
+    LOGITS,
+    BIAS,
+    WEIGHTS,
+    IDS,
+    E,
+    stride_l,
+    scale,
+    TOP_K: tl.constexpr,
+    SCORING: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < E
@@ -73,8 +88,20 @@ def _route_fwd(LOGITS, BIAS, WEIGHTS, IDS, E, stride_l, scale, TOP_K: tl.constex
 
 
 @triton.jit
-def _route_bwd(LOGITS, IDS, DWEIGHTS, DLOGITS, E, stride_l, scale, TOP_K: tl.constexpr, SCORING: tl.constexpr,
-               NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _route_bwd(
+    LOGITS,
+    IDS,
+    DWEIGHTS,
+    DLOGITS,
+    E,
+    stride_l,
+    scale,
+    TOP_K: tl.constexpr,
+    SCORING: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < E
@@ -110,10 +137,22 @@ def route_forward(logits, top_k, scoring, n_group, topk_group, normalize, bias, 
     block_e = next_pow2(experts)
     if tokens:
         _route_fwd[(tokens,)](
-            logits, bias if bias is not None else logits, weights, ids, experts, logits.stride(0), scale,
-            TOP_K=top_k, SCORING=SCORINGS[scoring], N_GROUP=n_group, TOPK_GROUP=topk_group,
-            HAS_BIAS=bias is not None, NORMALIZE=normalize, BLOCK_E=block_e,
-            BLOCK_K=next_pow2(top_k), BLOCK_G=next_pow2(n_group),
+            logits,
+            bias if bias is not None else logits,
+            weights,
+            ids,
+            experts,
+            logits.stride(0),
+            scale,
+            TOP_K=top_k,
+            SCORING=SCORINGS[scoring],
+            N_GROUP=n_group,
+            TOPK_GROUP=topk_group,
+            HAS_BIAS=bias is not None,
+            NORMALIZE=normalize,
+            BLOCK_E=block_e,
+            BLOCK_K=next_pow2(top_k),
+            BLOCK_G=next_pow2(n_group),
             num_warps=4 if block_e <= 256 else 8,
         )
     return weights, ids
@@ -125,9 +164,19 @@ def route_backward(dweights, logits, ids, top_k, scoring, normalize, scale):
     if logits.shape[0]:
         block_e = next_pow2(logits.shape[1])
         _route_bwd[(logits.shape[0],)](
-            logits, ids, dweights.contiguous(), dlogits, logits.shape[1], logits.stride(0), scale,
-            TOP_K=top_k, SCORING=SCORINGS[scoring], NORMALIZE=normalize, BLOCK_E=block_e,
-            BLOCK_K=next_pow2(top_k), num_warps=4 if block_e <= 256 else 8,
+            logits,
+            ids,
+            dweights.contiguous(),
+            dlogits,
+            logits.shape[1],
+            logits.stride(0),
+            scale,
+            TOP_K=top_k,
+            SCORING=SCORINGS[scoring],
+            NORMALIZE=normalize,
+            BLOCK_E=block_e,
+            BLOCK_K=next_pow2(top_k),
+            num_warps=4 if block_e <= 256 else 8,
         )
     return dlogits
 
@@ -153,8 +202,18 @@ def _gather_rows(X, SOURCE, OUT, H, stride_x, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _combine_rows(Y, POSITION, WEIGHTS, OUT, H, stride_y, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_rows(
+    Y,
+    POSITION,
+    WEIGHTS,
+    OUT,
+    H,
+    stride_y,
+    TOP_K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """OUT[t] = sum_k w[t, k] * Y[position[t, k]] (w = 1 when absent): unpermute, and permute's backward."""
     token = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_K)
@@ -170,8 +229,9 @@ def _combine_rows(Y, POSITION, WEIGHTS, OUT, H, stride_y, TOP_K: tl.constexpr, H
 
 
 @triton.jit
-def _unpermute_bwd(DY, Y, POSITION, WEIGHTS, DYS, DW, H, stride_y, TOP_K: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _unpermute_bwd(
+    DY, Y, POSITION, WEIGHTS, DYS, DW, H, stride_y, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr
+):
     token = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_K)
     slot_mask = slots < TOP_K
@@ -184,8 +244,7 @@ def _unpermute_bwd(DY, Y, POSITION, WEIGHTS, DYS, DW, H, stride_y, TOP_K: tl.con
         dy = tl.load(DY + token * H + cols, mask=cols < H, other=0.0).to(tl.float32)
         y = tl.load(Y + pos[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dw += tl.sum(y * dy[None, :], axis=1)
-        tl.store(DYS + pos[:, None] * H + cols[None, :], (w[:, None] * dy[None, :]).to(DYS.dtype.element_ty),
-                 mask=mask)
+        tl.store(DYS + pos[:, None] * H + cols[None, :], (w[:, None] * dy[None, :]).to(DYS.dtype.element_ty), mask=mask)
     tl.store(DW + token * TOP_K + slots, dw.to(DW.dtype.element_ty), mask=slot_mask)
 
 
@@ -200,8 +259,16 @@ def combine(y, position, weights, tokens, top_k):
     if tokens:
         block_h = _block_h(width)
         _combine_rows[(tokens, cdiv(width, block_h))](
-            y, position, weights if weights is not None else y, out, width, y.stride(0), TOP_K=top_k,
-            HAS_WEIGHTS=weights is not None, BLOCK_K=next_pow2(top_k), BLOCK_H=block_h,
+            y,
+            position,
+            weights if weights is not None else y,
+            out,
+            width,
+            y.stride(0),
+            TOP_K=top_k,
+            HAS_WEIGHTS=weights is not None,
+            BLOCK_K=next_pow2(top_k),
+            BLOCK_H=block_h,
             num_warps=4,
         )
     return out
@@ -228,8 +295,9 @@ def gather(x, source_token):
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
         block_h = _block_h(width)
-        _gather_rows[(rows, cdiv(width, block_h))](x, source_token, out, width, x.stride(0), BLOCK_H=block_h,
-                                                   num_warps=4)
+        _gather_rows[(rows, cdiv(width, block_h))](
+            x, source_token, out, width, x.stride(0), BLOCK_H=block_h, num_warps=4
+        )
     return out
 
 
@@ -241,7 +309,17 @@ def unpermute_backward(dy, y_sorted, weights, sorted_position):
     dweights = torch.empty_like(weights)
     if tokens:
         _unpermute_bwd[(tokens,)](
-            dy.contiguous(), y_sorted, sorted_position, weights, dy_sorted, dweights, width, y_sorted.stride(0),
-            TOP_K=top_k, BLOCK_K=next_pow2(top_k), BLOCK_H=_block_h(width), num_warps=4,
+            dy.contiguous(),
+            y_sorted,
+            sorted_position,
+            weights,
+            dy_sorted,
+            dweights,
+            width,
+            y_sorted.stride(0),
+            TOP_K=top_k,
+            BLOCK_K=next_pow2(top_k),
+            BLOCK_H=_block_h(width),
+            num_warps=4,
         )
     return dy_sorted, dweights

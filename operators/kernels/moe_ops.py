@@ -15,8 +15,16 @@ from .ops import CALLS, no_gradient, none_if_empty
 
 
 @custom_op("adapt::moe_route", mutates_args=())
-def moe_route(logits: torch.Tensor, top_k: int, scoring: str, n_group: int, topk_group: int, normalize: bool,
-              correction_bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    correction_bias: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 weights ``[T, k]``, int64 expert ids ``[T, k]``) from row-major router logits ``[T, E]``."""
     CALLS["moe_route"] += 1
     return moe.route_forward(logits, top_k, scoring, n_group, topk_group, normalize, correction_bias, scale)
@@ -29,8 +37,15 @@ def _(logits, top_k, scoring, n_group, topk_group, normalize, correction_bias, s
 
 
 @custom_op("adapt::moe_route_backward", mutates_args=())
-def moe_route_backward(dweights: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, top_k: int, scoring: str,
-                       normalize: bool, scale: float) -> torch.Tensor:
+def moe_route_backward(
+    dweights: torch.Tensor,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    normalize: bool,
+    scale: float,
+) -> torch.Tensor:
     CALLS["moe_route_backward"] += 1
     return moe.route_backward(dweights, logits, ids, top_k, scoring, normalize, scale)
 
@@ -68,8 +83,11 @@ def moe_sort(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 @moe_sort.register_fake
 def _(expert_ids, num_experts):
-    return (expert_ids.new_empty(expert_ids.numel()), expert_ids.new_empty(expert_ids.shape),
-            expert_ids.new_empty(num_experts + 1))
+    return (
+        expert_ids.new_empty(expert_ids.numel()),
+        expert_ids.new_empty(expert_ids.shape),
+        expert_ids.new_empty(num_experts + 1),
+    )
 
 
 @custom_op("adapt::moe_permute", mutates_args=())
@@ -121,8 +139,9 @@ def _(y_sorted, weights, sorted_position):
 
 
 @custom_op("adapt::moe_unpermute_backward", mutates_args=())
-def moe_unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, weights: torch.Tensor,
-                           sorted_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_unpermute_backward(
+    dy: torch.Tensor, y_sorted: torch.Tensor, weights: torch.Tensor, sorted_position: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     CALLS["moe_unpermute_backward"] += 1
     return moe.unpermute_backward(dy, y_sorted, weights, sorted_position)
 
@@ -158,8 +177,15 @@ def _(x, w, group_offsets, config):
 
 
 @custom_op("adapt::grouped_gemm_backward", mutates_args=())
-def grouped_gemm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
-                          need_dx: bool, need_dw: bool, config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_gemm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_offsets: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+    config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx or empty, dw in ``w``'s layout or empty)."""
     CALLS["grouped_gemm_backward"] += 1
     launch = gemm.decode_config(config)
@@ -182,8 +208,9 @@ def _gemm_setup(ctx, inputs, output):
 
 def _gemm_grad(ctx, dy):
     x, w, group_offsets = ctx.saved_tensors
-    dx, dw = torch.ops.adapt.grouped_gemm_backward(dy, x, w, group_offsets, ctx.needs_input_grad[0],
-                                                   ctx.needs_input_grad[1], ctx.config)
+    dx, dw = torch.ops.adapt.grouped_gemm_backward(
+        dy, x, w, group_offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.config
+    )
     return none_if_empty(dx), none_if_empty(dw), None, None
 
 

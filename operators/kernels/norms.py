@@ -72,9 +72,25 @@ def _launch(width: int, rows: int, device: torch.device, config: RowConfig | Non
 
 
 @triton.jit
-def _rms_norm_fwd(X, R, S, Y, W, RSTD, M, N, stride_x, stride_r, eps, offset,
-                  HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, CAST: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_fwd(
+    X,
+    R,
+    S,
+    Y,
+    W,
+    RSTD,
+    M,
+    N,
+    stride_x,
+    stride_r,
+    eps,
+    offset,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
+    CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -124,9 +140,26 @@ def _rms_bwd_loads(X, DY, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M: 
 
 
 @triton.jit
-def _rms_norm_bwd(DY, X, W, RSTD, DS, DX, DW_PARTIAL, M, N, stride_dy, stride_ds, offset,
-                  HAS_DS: tl.constexpr, COMPUTE_DW: tl.constexpr, CAST: tl.constexpr, PREFETCH: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_bwd(
+    DY,
+    X,
+    W,
+    RSTD,
+    DS,
+    DX,
+    DW_PARTIAL,
+    M,
+    N,
+    stride_dy,
+    stride_ds,
+    offset,
+    HAS_DS: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    CAST: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -146,8 +179,9 @@ def _rms_norm_bwd(DY, X, W, RSTD, DS, DX, DW_PARTIAL, M, N, stride_dy, stride_ds
             x = x_next.to(tl.float32)
             dy = dy_next.to(tl.float32)
             rstd = rstd_next
-            x_next, dy_next, rstd_next = _rms_bwd_loads(X, DY, RSTD, tile + step, M, N, stride_dy, cols, col_mask,
-                                                        BLOCK_M)
+            x_next, dy_next, rstd_next = _rms_bwd_loads(
+                X, DY, RSTD, tile + step, M, N, stride_dy, cols, col_mask, BLOCK_M
+            )
         else:
             x, dy, rstd = _rms_bwd_loads(X, DY, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M)
             x = x.to(tl.float32)
@@ -181,10 +215,24 @@ def rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
     kernel = "rms_norm" if residual is None else "add_rms_norm"
     block_n, block_m, warps, grid = _launch(width, rows, x.device, config, kernel, False)
     _rms_norm_fwd[(grid,)](
-        x2, r2 if r2 is not None else x2, s if s is not None else y, y, weight, rstd if need_rstd else y,
-        rows, width, x2.stride(0), r2.stride(0) if r2 is not None else 0, eps, offset,
-        HAS_RESIDUAL=residual is not None, STORE_RSTD=need_rstd, CAST=CAST_MODES[cast],
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        x2,
+        r2 if r2 is not None else x2,
+        s if s is not None else y,
+        y,
+        weight,
+        rstd if need_rstd else y,
+        rows,
+        width,
+        x2.stride(0),
+        r2.stride(0) if r2 is not None else 0,
+        eps,
+        offset,
+        HAS_RESIDUAL=residual is not None,
+        STORE_RSTD=need_rstd,
+        CAST=CAST_MODES[cast],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
     )
     return s, y, rstd
 
@@ -197,19 +245,47 @@ def rms_backward(dy, ds, x_rows, weight, rstd, offset, cast, need_dw, config):
     block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, "rms_norm", True)
     partial = torch.empty((grid, width), dtype=torch.float32, device=x_rows.device) if need_dw else dx
     _rms_norm_bwd[(grid,)](
-        dy2, x_rows, weight, rstd, ds2 if ds2 is not None else dy2, dx, partial, rows, width,
-        dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, offset,
-        HAS_DS=ds is not None, COMPUTE_DW=need_dw, CAST=CAST_MODES[cast], PREFETCH=(config or RowConfig()).prefetch,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        dy2,
+        x_rows,
+        weight,
+        rstd,
+        ds2 if ds2 is not None else dy2,
+        dx,
+        partial,
+        rows,
+        width,
+        dy2.stride(0),
+        ds2.stride(0) if ds2 is not None else 0,
+        offset,
+        HAS_DS=ds is not None,
+        COMPUTE_DW=need_dw,
+        CAST=CAST_MODES[cast],
+        PREFETCH=(config or RowConfig()).prefetch,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
     )
     dw = partial.sum(0).to(weight.dtype) if need_dw else None
     return dx, dw
 
 
 @triton.jit
-def _layer_norm_fwd(X, Y, W, B, MEAN, RSTD, M, N, stride_x, eps,
-                    HAS_BIAS: tl.constexpr, STORE_STATS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layer_norm_fwd(
+    X,
+    Y,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    stride_x,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    STORE_STATS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -241,9 +317,24 @@ def _layer_norm_bwd_loads(X, DY, MEAN, RSTD, tile, M, N, stride_dy, cols, col_ma
 
 
 @triton.jit
-def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, M, N, stride_dy,
-                    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, PREFETCH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layer_norm_bwd(
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    M,
+    N,
+    stride_dy,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -252,8 +343,9 @@ def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, M, N, stri
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     step = tl.num_programs(0)
     if PREFETCH:  # the next tile's loads are in flight while this one is reduced
-        x_next, dy_next, mean_next, rstd_next = _layer_norm_bwd_loads(X, DY, MEAN, RSTD, pid, M, N, stride_dy, cols,
-                                                                      col_mask, BLOCK_M)
+        x_next, dy_next, mean_next, rstd_next = _layer_norm_bwd_loads(
+            X, DY, MEAN, RSTD, pid, M, N, stride_dy, cols, col_mask, BLOCK_M
+        )
     for tile in range(pid, tl.cdiv(M, BLOCK_M), step):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_mask[None, :]
@@ -263,11 +355,11 @@ def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, M, N, stri
             dy = dy_next.to(tl.float32)
             mean = mean_next
             rstd = rstd_next
-            x_next, dy_next, mean_next, rstd_next = _layer_norm_bwd_loads(X, DY, MEAN, RSTD, tile + step, M, N,
-                                                                          stride_dy, cols, col_mask, BLOCK_M)
+            x_next, dy_next, mean_next, rstd_next = _layer_norm_bwd_loads(
+                X, DY, MEAN, RSTD, tile + step, M, N, stride_dy, cols, col_mask, BLOCK_M
+            )
         else:
-            x, dy, mean, rstd = _layer_norm_bwd_loads(X, DY, MEAN, RSTD, tile, M, N, stride_dy, cols, col_mask,
-                                                      BLOCK_M)
+            x, dy, mean, rstd = _layer_norm_bwd_loads(X, DY, MEAN, RSTD, tile, M, N, stride_dy, cols, col_mask, BLOCK_M)
             x = x.to(tl.float32)
             dy = dy.to(tl.float32)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -298,9 +390,21 @@ def layer_norm_forward(x, weight, bias, eps, config, need_stats):
     rstd = torch.empty_like(mean) if need_stats else None
     block_n, block_m, warps, grid = _launch(width, rows, x.device, config, "layer_norm", False)
     _layer_norm_fwd[(grid,)](
-        x2, y, weight, bias if bias is not None else weight, mean if need_stats else y, rstd if need_stats else y,
-        rows, width, x2.stride(0), eps,
-        HAS_BIAS=bias is not None, STORE_STATS=need_stats, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        x2,
+        y,
+        weight,
+        bias if bias is not None else weight,
+        mean if need_stats else y,
+        rstd if need_stats else y,
+        rows,
+        width,
+        x2.stride(0),
+        eps,
+        HAS_BIAS=bias is not None,
+        STORE_STATS=need_stats,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
     )
     return x2, y, mean, rstd
 
@@ -314,9 +418,23 @@ def layer_norm_backward(dy, x_rows, weight, mean, rstd, need_dw, need_db, config
     dw_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_dw else dx
     db_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_db else dx
     _layer_norm_bwd[(grid,)](
-        dy2, x_rows, weight, mean, rstd, dx, dw_partial, db_partial, rows, width, dy2.stride(0),
-        COMPUTE_DW=need_dw, COMPUTE_DB=need_db, PREFETCH=(config or RowConfig()).prefetch, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps,
+        dy2,
+        x_rows,
+        weight,
+        mean,
+        rstd,
+        dx,
+        dw_partial,
+        db_partial,
+        rows,
+        width,
+        dy2.stride(0),
+        COMPUTE_DW=need_dw,
+        COMPUTE_DB=need_db,
+        PREFETCH=(config or RowConfig()).prefetch,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
     )
     return dx, dw_partial.sum(0) if need_dw else None, db_partial.sum(0) if need_db else None
 

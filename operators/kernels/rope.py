@@ -18,9 +18,25 @@ from ._utils import next_pow2
 
 
 @triton.jit
-def _rotate_heads(X, OUT, x_base, stride_h, stride_d, out_base, out_stride_h, out_stride_d, H, D, half, c, s,
-                  INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_P: tl.constexpr):
+def _rotate_heads(
+    X,
+    OUT,
+    x_base,
+    stride_h,
+    stride_d,
+    out_base,
+    out_stride_h,
+    out_stride_d,
+    H,
+    D,
+    half,
+    c,
+    s,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     heads = tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, BLOCK_R)
     mask = (heads < H)[:, None] & (pairs < half)[None, :]
@@ -34,10 +50,16 @@ def _rotate_heads(X, OUT, x_base, stride_h, stride_d, out_base, out_stride_h, ou
     out_rows = OUT + out_base + heads[:, None].to(tl.int64) * out_stride_h
     x1 = tl.load(x_rows + first[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + second[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_rows + first[None, :] * out_stride_d, (x1 * c[None, :] - x2 * s[None, :]).to(OUT.dtype.element_ty),
-             mask=mask)
-    tl.store(out_rows + second[None, :] * out_stride_d, (x2 * c[None, :] + x1 * s[None, :]).to(OUT.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_rows + first[None, :] * out_stride_d,
+        (x1 * c[None, :] - x2 * s[None, :]).to(OUT.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        out_rows + second[None, :] * out_stride_d,
+        (x2 * c[None, :] + x1 * s[None, :]).to(OUT.dtype.element_ty),
+        mask=mask,
+    )
     if BLOCK_P > 0:  # partial rotary: the dims past rotary_dim pass through unchanged
         rest = 2 * half + tl.arange(0, BLOCK_P)
         rest_mask = (heads < H)[:, None] & (rest < D)[None, :]
@@ -46,11 +68,44 @@ def _rotate_heads(X, OUT, x_base, stride_h, stride_d, out_base, out_stride_h, ou
 
 
 @triton.jit
-def _rope_kernel(Q, K, COS, SIN, QO, KO, S, HQ, HK, D, half,
-                 q_sb, q_sh, q_ss, q_sd, k_sb, k_sh, k_ss, k_sd, c_sb, c_ss, c_sd,
-                 qo_sb, qo_sh, qo_ss, qo_sd, ko_sb, ko_sh, ko_ss, ko_sd,
-                 INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                 BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+def _rope_kernel(
+    Q,
+    K,
+    COS,
+    SIN,
+    QO,
+    KO,
+    S,
+    HQ,
+    HK,
+    D,
+    half,
+    q_sb,
+    q_sh,
+    q_ss,
+    q_sd,
+    k_sb,
+    k_sh,
+    k_ss,
+    k_sd,
+    c_sb,
+    c_ss,
+    c_sd,
+    qo_sb,
+    qo_sh,
+    qo_ss,
+    qo_sd,
+    ko_sb,
+    ko_sh,
+    ko_ss,
+    ko_sd,
+    INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     pid = tl.program_id(0)
     b = (pid // S).to(tl.int64)
     pos = (pid % S).to(tl.int64)
@@ -60,10 +115,44 @@ def _rope_kernel(Q, K, COS, SIN, QO, KO, S, HQ, HK, D, half,
     s = tl.load(SIN + cs_offset, mask=pairs < half, other=0.0).to(tl.float32)
     if INVERSE:
         s = -s
-    _rotate_heads(Q, QO, b * q_sb + pos * q_ss, q_sh, q_sd, b * qo_sb + pos * qo_ss, qo_sh, qo_sd, HQ, D, half,
-                  c, s, INTERLEAVED, BLOCK_HQ, BLOCK_R, BLOCK_P)
-    _rotate_heads(K, KO, b * k_sb + pos * k_ss, k_sh, k_sd, b * ko_sb + pos * ko_ss, ko_sh, ko_sd, HK, D, half,
-                  c, s, INTERLEAVED, BLOCK_HK, BLOCK_R, BLOCK_P)
+    _rotate_heads(
+        Q,
+        QO,
+        b * q_sb + pos * q_ss,
+        q_sh,
+        q_sd,
+        b * qo_sb + pos * qo_ss,
+        qo_sh,
+        qo_sd,
+        HQ,
+        D,
+        half,
+        c,
+        s,
+        INTERLEAVED,
+        BLOCK_HQ,
+        BLOCK_R,
+        BLOCK_P,
+    )
+    _rotate_heads(
+        K,
+        KO,
+        b * k_sb + pos * k_ss,
+        k_sh,
+        k_sd,
+        b * ko_sb + pos * ko_ss,
+        ko_sh,
+        ko_sd,
+        HK,
+        D,
+        half,
+        c,
+        s,
+        INTERLEAVED,
+        BLOCK_HK,
+        BLOCK_R,
+        BLOCK_P,
+    )
 
 
 def rotate(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, k_out_stride=None):
@@ -71,20 +160,46 @@ def rotate(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, 
     ``[b, s, h, d]``-backed q/k stay that way, so neither output nor gradient needs a relayout copy."""
     bsz, hq, seq, dim = q.shape
     hk = k.shape[1]
-    qo = torch.empty_strided(q.shape, q_out_stride, dtype=q.dtype, device=q.device) if q_out_stride else \
-        torch.empty_like(q)
-    ko = torch.empty_strided(k.shape, k_out_stride, dtype=k.dtype, device=k.device) if k_out_stride else \
-        torch.empty_like(k)
+    qo = (
+        torch.empty_strided(q.shape, q_out_stride, dtype=q.dtype, device=q.device)
+        if q_out_stride
+        else torch.empty_like(q)
+    )
+    ko = (
+        torch.empty_strided(k.shape, k_out_stride, dtype=k.dtype, device=k.device)
+        if k_out_stride
+        else torch.empty_like(k)
+    )
     half = rotary_dim // 2
     block_r = next_pow2(half)
     block_p = next_pow2(dim - rotary_dim) if dim > rotary_dim else 0
     c_sb = cos.stride(0) if cos.shape[0] > 1 else 0
     tile = max(next_pow2(hq), next_pow2(hk)) * block_r
     _rope_kernel[(bsz * seq,)](
-        q, k, cos, sin, qo, ko, seq, hq, hk, dim, half,
-        *q.stride(), *k.stride(), c_sb, cos.stride(1), cos.stride(2), *qo.stride(), *ko.stride(),
-        INTERLEAVED=interleaved, INVERSE=inverse, BLOCK_HQ=next_pow2(hq),
-        BLOCK_HK=next_pow2(hk), BLOCK_R=block_r, BLOCK_P=block_p,
+        q,
+        k,
+        cos,
+        sin,
+        qo,
+        ko,
+        seq,
+        hq,
+        hk,
+        dim,
+        half,
+        *q.stride(),
+        *k.stride(),
+        c_sb,
+        cos.stride(1),
+        cos.stride(2),
+        *qo.stride(),
+        *ko.stride(),
+        INTERLEAVED=interleaved,
+        INVERSE=inverse,
+        BLOCK_HQ=next_pow2(hq),
+        BLOCK_HK=next_pow2(hk),
+        BLOCK_R=block_r,
+        BLOCK_P=block_p,
         num_warps=int(min(16, max(1, tile // 256))),
     )
     return qo, ko

@@ -54,7 +54,12 @@ class BackendProfile:
         return False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "device": self.device, "codegen": self.codegen, "compute_capability": self.compute_capability}
+        return {
+            "name": self.name,
+            "device": self.device,
+            "codegen": self.codegen,
+            "compute_capability": self.compute_capability,
+        }
 
 
 def available_profiles() -> list[str]:
@@ -63,9 +68,15 @@ def available_profiles() -> list[str]:
 
 def load_profile(name_or_path: str | None) -> BackendProfile:
     """A shipped profile by name, or a YAML file by path; ``None`` is ``cuda-hopper``."""
-    path = Path(name_or_path) if name_or_path and Path(name_or_path).suffix in (".yaml", ".yml") else PROFILE_DIR / f"{name_or_path or 'cuda-hopper'}.yaml"
+    path = (
+        Path(name_or_path)
+        if name_or_path and Path(name_or_path).suffix in (".yaml", ".yml")
+        else PROFILE_DIR / f"{name_or_path or 'cuda-hopper'}.yaml"
+    )
     if not path.is_file():
-        raise BadInput(f"unknown profile {name_or_path!r}: use one of {', '.join(available_profiles())} or a .yaml file")
+        raise BadInput(
+            f"unknown profile {name_or_path!r}: use one of {', '.join(available_profiles())} or a .yaml file"
+        )
     try:
         data = yaml.safe_load(path.read_text())
         return _parse(data)

@@ -53,14 +53,43 @@ class AdaptTritonProvider:
         if component.kind == "gated_mlp" and v.get("activation") in _GLU and not v.get("packed"):
             return [KernelOption(self.name, _GLU[v["activation"]][0], "fused", glu_forward, needs_codegen=codegen)]
         if component.kind == "rotary_application":
-            return [KernelOption(self.name, f"apply_rotary ({v['style']})", "fused", triton_rope.rotary_forward, needs_codegen=codegen,
-                                 note=f"stands in for {v['function']} while this module runs")]
+            return [
+                KernelOption(
+                    self.name,
+                    f"apply_rotary ({v['style']})",
+                    "fused",
+                    triton_rope.rotary_forward,
+                    needs_codegen=codegen,
+                    note=f"stands in for {v['function']} while this module runs",
+                )
+            ]
         if component.kind == "lm_head_cross_entropy":
-            return [KernelOption(self.name, "fused_linear_cross_entropy", "fused", triton_head.head_forward, needs_codegen=codegen,
-                                 note="forward with labels: loss from the decoder output, logits not materialised (None)")]
-        if component.kind == "residual_add_norm" and v.get("norm") == "rms_norm" and v.get("weight") and v.get("add_after") is not None:
-            return [KernelOption(self.name, "add_rms_norm", "fused", triton_residual.install_pair, needs_codegen=codegen,
-                                 note=f"the add after {v['add_after']} returns, and this norm, in one pass")]
+            return [
+                KernelOption(
+                    self.name,
+                    "fused_linear_cross_entropy",
+                    "fused",
+                    triton_head.head_forward,
+                    needs_codegen=codegen,
+                    note="forward with labels: loss from the decoder output, logits not materialised (None)",
+                )
+            ]
+        if (
+            component.kind == "residual_add_norm"
+            and v.get("norm") == "rms_norm"
+            and v.get("weight")
+            and v.get("add_after") is not None
+        ):
+            return [
+                KernelOption(
+                    self.name,
+                    "add_rms_norm",
+                    "fused",
+                    triton_residual.install_pair,
+                    needs_codegen=codegen,
+                    note=f"the add after {v['add_after']} returns, and this norm, in one pass",
+                )
+            ]
         if component.kind == "moe" and triton_moe.unsupported_reason(v, target.training) is None:
             return [KernelOption(self.name, "moe_grouped_gemm", "fused", triton_moe.moe_forward, needs_codegen=codegen)]
         return []
@@ -97,7 +126,7 @@ def glu_forward(module: nn.Module, component: Component):
     return forward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _self_test_remembered(device: str) -> str | None:
     """``_self_test``, with a pass kept on disk per device, library versions and kernel sources (a failure is
     never kept: it is tried again next run)."""
@@ -116,7 +145,7 @@ def _self_test_remembered(device: str) -> str | None:
     return failure
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _self_test(device: str) -> str | None:
     """Run every kernel this provider offers once, forward and backward, against PyTorch in float64.
 
@@ -132,10 +161,23 @@ def _self_test(device: str) -> str | None:
     g, u = torch.randn(3, 24, generator=gen), torch.randn(3, 24, generator=gen)
     r = torch.randn(3, 40, generator=gen)
     cases = {
-        "rms_norm": (lambda x, w: kernels.rms_norm(x, w, 1e-6, 1.0, "gemma"), lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w), (x, w)),
-        "layer_norm": (lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5), lambda x, w, b: F.layer_norm(x, (40,), w, b, 1e-5), (x, w, b)),
-        "add_rms_norm": (lambda x, r, w: torch.cat(kernels.add_rms_norm(x, r, w, 1e-6, 0.0, "llama"), -1),
-                         lambda x, r, w: torch.cat([x + r, (x + r) * torch.rsqrt((x + r).pow(2).mean(-1, keepdim=True) + 1e-6) * w], -1), (x, r, w)),
+        "rms_norm": (
+            lambda x, w: kernels.rms_norm(x, w, 1e-6, 1.0, "gemma"),
+            lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w),
+            (x, w),
+        ),
+        "layer_norm": (
+            lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5),
+            lambda x, w, b: F.layer_norm(x, (40,), w, b, 1e-5),
+            (x, w, b),
+        ),
+        "add_rms_norm": (
+            lambda x, r, w: torch.cat(kernels.add_rms_norm(x, r, w, 1e-6, 0.0, "llama"), -1),
+            lambda x, r, w: torch.cat(
+                [x + r, (x + r) * torch.rsqrt((x + r).pow(2).mean(-1, keepdim=True) + 1e-6) * w], -1
+            ),
+            (x, r, w),
+        ),
         "swiglu": (kernels.swiglu, lambda g, u: F.silu(g) * u, (g, u)),
         "geglu": (lambda g, u: kernels.geglu(g, u, "tanh"), lambda g, u: F.gelu(g, approximate="tanh") * u, (g, u)),
         **triton_rope.self_test_cases(gen),
@@ -164,8 +206,16 @@ def _moe_case(gen: torch.Generator):
     """Sigmoid-scored, grouped, biased routing into GeGLU experts: every MoE kernel, forward and backward."""
     import torch.nn.functional as F
 
-    spec = triton_moe.RoutedExperts(num_experts=4, top_k=2, scoring="sigmoid", n_group=2, topk_group=1, scale=1.5,
-                                    activation="gelu_tanh", gate_first=False)
+    spec = triton_moe.RoutedExperts(
+        num_experts=4,
+        top_k=2,
+        scoring="sigmoid",
+        n_group=2,
+        topk_group=1,
+        scale=1.5,
+        activation="gelu_tanh",
+        gate_first=False,
+    )
     bias = torch.tensor([0.0, 0.3, -0.2, 0.1])
     inputs = tuple(torch.randn(s, generator=gen) for s in ((5, 24), (4, 24), (4, 24, 20), (4, 10, 24)))
 

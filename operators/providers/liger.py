@@ -30,7 +30,15 @@ class LigerProvider:
         if component.kind == "rms_norm" and v.get("weight") and v.get("cast") in ("llama", "gemma"):
             return [KernelOption(self.name, "LigerRMSNormFunction", "fused", rms_norm_forward, needs_codegen="triton")]
         if component.kind == "gated_mlp" and not v.get("packed") and v.get("activation") in ("silu", "gelu_tanh"):
-            return [KernelOption(self.name, "LigerSiLUMulFunction" if v["activation"] == "silu" else "LigerGELUMulFunction", "fused", glu_forward, needs_codegen="triton")]
+            return [
+                KernelOption(
+                    self.name,
+                    "LigerSiLUMulFunction" if v["activation"] == "silu" else "LigerGELUMulFunction",
+                    "fused",
+                    glu_forward,
+                    needs_codegen="triton",
+                )
+            ]
         return []
 
 

@@ -21,7 +21,7 @@ from operators.registry import KernelOption, Target
 
 ATTENTION_HOOK_NAME = "adapt"
 # attention module -> (recognised variant, call counter); read by the registered attention function
-_ATTENTION_SPECS: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_ATTENTION_SPECS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 class TorchNativeProvider:
@@ -37,7 +37,9 @@ class TorchNativeProvider:
         if component.kind == "rms_norm" and component.confirmed:
             return [KernelOption(self.name, "F.rms_norm", "fused", rms_norm_forward, ["aten._fused_rms_norm.default"])]
         if component.kind == "layer_norm" and component.confirmed:
-            return [KernelOption(self.name, "F.layer_norm", "fused", layer_norm_forward, ["aten.native_layer_norm.default"])]
+            return [
+                KernelOption(self.name, "F.layer_norm", "fused", layer_norm_forward, ["aten.native_layer_norm.default"])
+            ]
         if component.kind == "attention" and component.confirmed:
             return self._attention(component, target)
         if component.kind in ("gated_mlp", "mlp") and component.confirmed:
@@ -54,12 +56,37 @@ class TorchNativeProvider:
         if v.get("core") == "sdpa" and plain:
             return [KernelOption(self.name, "SDPA (already in the graph)", "fused", None, [])]
         if not v.get("hook"):
-            return [KernelOption(self.name, "aten bmm/softmax (no interception point)", "native", None, note="module computes attention inline")]
+            return [
+                KernelOption(
+                    self.name,
+                    "aten bmm/softmax (no interception point)",
+                    "native",
+                    None,
+                    note="module computes attention inline",
+                )
+            ]
         if plain:
-            return [KernelOption(self.name, "SDPA", "fused", attention_forward, ["aten._scaled_dot_product_efficient_attention.default"])]
+            return [
+                KernelOption(
+                    self.name,
+                    "SDPA",
+                    "fused",
+                    attention_forward,
+                    ["aten._scaled_dot_product_efficient_attention.default"],
+                )
+            ]
         if target.device == "cpu" and target.training:
             return []  # FlexAttention has no CPU backward
-        return [KernelOption(self.name, "FlexAttention", "fused", attention_forward, ["higher_order.flex_attention"], needs_codegen="triton" if target.device == "cuda" else None)]
+        return [
+            KernelOption(
+                self.name,
+                "FlexAttention",
+                "fused",
+                attention_forward,
+                ["higher_order.flex_attention"],
+                needs_codegen="triton" if target.device == "cuda" else None,
+            )
+        ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +143,9 @@ def forget_attention(module: nn.Module) -> None:
     _ATTENTION_SPECS.pop(module, None)
 
 
-def adapt_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+def adapt_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """transformers attention-function signature; q/k/v are [B, H, T, D]; returns ([B, T, H, D], None)."""
     spec = _ATTENTION_SPECS.get(module)
     if spec is None:
@@ -138,7 +167,9 @@ def adapt_attention(module, query, key, value, attention_mask, dropout: float = 
         out = _flex(query, key, value, mask, v, scale, gqa)
     else:
         is_causal = bool(v.get("causal")) and mask is None and q_len == kv_len
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
     return out.transpose(1, 2).contiguous(), None
 
 

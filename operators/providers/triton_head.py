@@ -29,7 +29,9 @@ LinearCrossEntropy = Callable[..., torch.Tensor]
 _MISSING = object()
 
 
-def reference_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, softcap=None, reduction="mean"):
+def reference_linear_cross_entropy(
+    hidden, weight, labels, bias=None, ignore_index=-100, softcap=None, reduction="mean"
+):
     """float64 PyTorch reference of ``fused_linear_cross_entropy`` (used by the recognition probe)."""
     logits = F.linear(hidden.double(), weight.double(), bias.double() if bias is not None else None)
     if softcap is not None:
@@ -41,7 +43,9 @@ def reference_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_ind
 def triton_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, softcap=None, reduction="mean"):
     from operators.kernels import fused_linear_cross_entropy
 
-    return fused_linear_cross_entropy(hidden, weight, labels, bias, ignore_index=ignore_index, softcap=softcap, reduction=reduction)
+    return fused_linear_cross_entropy(
+        hidden, weight, labels, bias, ignore_index=ignore_index, softcap=softcap, reduction=reduction
+    )
 
 
 def head_owner(model: nn.Module, head: nn.Module) -> nn.Module:
@@ -62,7 +66,9 @@ class _FusedCall:
     used: bool = False
 
 
-def linear_cross_entropy_forward(owner: nn.Module, softcap: float | None, loss: LinearCrossEntropy) -> Callable[..., Any]:
+def linear_cross_entropy_forward(
+    owner: nn.Module, softcap: float | None, loss: LinearCrossEntropy
+) -> Callable[..., Any]:
     """``owner``'s forward with the loss computed by ``loss`` from the decoder output when labels are given.
 
     The decoder hook and the lent ``loss_function`` are installed here, once, and act only while a
@@ -96,11 +102,20 @@ def linear_cross_entropy_forward(owner: nn.Module, softcap: float | None, loss: 
         states = call.hidden[0]
         reduction = "mean" if num_items_in_batch is None else "sum"
         bias = getattr(head, "bias", None)
-        value = loss(states, head.weight, shift_labels.to(states.device), bias, ignore_index=ignore_index, softcap=softcap,
-                     reduction=reduction)
+        value = loss(
+            states,
+            head.weight,
+            shift_labels.to(states.device),
+            bias,
+            ignore_index=ignore_index,
+            softcap=softcap,
+            reduction=reduction,
+        )
         call.used = True
         if num_items_in_batch is not None:
-            value = value / (num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+            value = value / (
+                num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+            )
         return value
 
     def loss_function(*args, **kwargs):
@@ -112,7 +127,7 @@ def linear_cross_entropy_forward(owner: nn.Module, softcap: float | None, loss: 
             return inner(*args, **kwargs)
         keep = torch.zeros(0, dtype=torch.long, device=head.weight.device)  # the projection runs on no position
         if len(args) > keep_at:
-            args = (*args[:keep_at], keep, *args[keep_at + 1:])
+            args = (*args[:keep_at], keep, *args[keep_at + 1 :])
         else:
             kwargs = {**kwargs, "logits_to_keep": keep}
         call = _FusedCall(kwargs.get("shift_labels") is not None)
@@ -123,7 +138,9 @@ def linear_cross_entropy_forward(owner: nn.Module, softcap: float | None, loss: 
             calls.pop()
         if not call.used:
             raise RuntimeError("the model computed its loss without calling loss_function; the fused loss cannot apply")
-        if isinstance(out, OrderedDict) and "logits" in out:  # a ModelOutput: drop the empty logits like any absent field
+        if (
+            isinstance(out, OrderedDict) and "logits" in out
+        ):  # a ModelOutput: drop the empty logits like any absent field
             out = type(out)(**{key: value for key, value in out.items() if key != "logits"})
         return out
 

@@ -30,7 +30,14 @@ GLU_KERNELS = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh":
 SCORINGS = ("softmax", "sigmoid")
 OUTPUTS = ("hidden", "hidden+router_logits")
 _REQUIRED = (
-    "router", "router_weight", "gate_up_bank", "down_bank", "gate_up_layout", "down_layout", "gate_first", "outputs",
+    "router",
+    "router_weight",
+    "gate_up_bank",
+    "down_bank",
+    "gate_up_layout",
+    "down_layout",
+    "gate_first",
+    "outputs",
     "stochastic_in_training",
 )
 
@@ -56,7 +63,9 @@ def unsupported_reason(variant: dict[str, Any], training: bool = False) -> str |
     if missing:
         return f"variant lacks {', '.join(missing)} (recognised by an older recogniser)"
     if training and variant["stochastic_in_training"]:
-        return "the module is random in training mode (router jitter, dropout); the kernels compute its eval-mode function"
+        return (
+            "the module is random in training mode (router jitter, dropout); the kernels compute its eval-mode function"
+        )
     if variant.get("scoring") not in SCORINGS:
         return f"router scoring {variant.get('scoring')!r} is not one of {SCORINGS}"
     if variant.get("activation") not in GLU_KERNELS:
@@ -73,8 +82,14 @@ def unsupported_reason(variant: dict[str, Any], training: bool = False) -> str |
     return None
 
 
-def routed_experts(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                   spec: RoutedExperts, correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+def routed_experts(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    spec: RoutedExperts,
+    correction_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``sum_k w[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t))`` over each token's chosen experts.
 
     ``x`` is ``[T, H]``; ``w_gate_up`` is ``[E, H, 2I]`` and ``w_down`` ``[E, I, H]`` (``x @ w[e]``
@@ -83,7 +98,14 @@ def routed_experts(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torc
     from operators import kernels
 
     weights, expert_ids = kernels.moe_route(
-        router_logits, spec.top_k, spec.scoring, spec.n_group, spec.topk_group, spec.normalize, correction_bias, spec.scale
+        router_logits,
+        spec.top_k,
+        spec.scoring,
+        spec.n_group,
+        spec.topk_group,
+        spec.normalize,
+        correction_bias,
+        spec.scale,
     )
     x_sorted, state = kernels.moe_permute(x.to(w_gate_up.dtype), expert_ids, spec.num_experts)
     hidden = kernels.grouped_gemm(x_sorted, w_gate_up, state.group_offsets)
@@ -110,9 +132,15 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
     logits_output = v.get("router_logits_output")
     with_logits = v["outputs"] == "hidden+router_logits"
     spec = RoutedExperts(
-        num_experts=int(v["num_experts"]), top_k=int(v["top_k"]), scoring=v["scoring"], n_group=int(v.get("n_group", 1)),
-        topk_group=int(v.get("topk_group", 1)), normalize=bool(v.get("normalize_topk", True)),
-        scale=float(v.get("routed_scale", 1.0)), activation=v["activation"], gate_first=bool(v["gate_first"]),
+        num_experts=int(v["num_experts"]),
+        top_k=int(v["top_k"]),
+        scoring=v["scoring"],
+        n_group=int(v.get("n_group", 1)),
+        topk_group=int(v.get("topk_group", 1)),
+        normalize=bool(v.get("normalize_topk", True)),
+        scale=float(v.get("routed_scale", 1.0)),
+        activation=v["activation"],
+        gate_first=bool(v["gate_first"]),
     )
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -124,11 +152,16 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
             out = router(x)
             logits = out[logits_output] if isinstance(out, tuple) else out
         else:
-            logits = router_logits(x, getattr(router, router_weight), getattr(router, router_bias) if router_bias else None)
+            logits = router_logits(
+                x, getattr(router, router_weight), getattr(router, router_bias) if router_bias else None
+            )
         gate_up, down = module.get_parameter(gate_up_path), module.get_parameter(down_path)
         routed = routed_experts(
-            x, logits, gate_up.transpose(1, 2) if gate_up_transposed else gate_up,
-            down.transpose(1, 2) if down_transposed else down, spec,
+            x,
+            logits,
+            gate_up.transpose(1, 2) if gate_up_transposed else gate_up,
+            down.transpose(1, 2) if down_transposed else down,
+            spec,
             getattr(router, correction) if correction else None,
         )
         out = routed.to(hidden_states.dtype).view(hidden_states.shape)
@@ -143,5 +176,3 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Router projection in the wider of the activation and router dtypes (an fp32 router sees fp32 inputs)."""
     dtype = torch.promote_types(x.dtype, weight.dtype)
     return F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
-
-

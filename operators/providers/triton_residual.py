@@ -87,7 +87,9 @@ class ResidualFusion:
     targets: dict[tuple[str, int], FusionTarget] = field(default_factory=dict)  # (after, add_index) -> target
     window: str | None = None  # the child whose return opened the current window
     adds_in_window: int = 0
-    pending: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # key -> (sum, normed)
+    pending: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # key -> (sum, normed)
     hooks: list[Any] = field(default_factory=list)
     openers: set[str] = field(default_factory=set)  # children whose return opens a window
     running: int = 0  # the block's forwards in progress (entry minus exit hooks)
@@ -106,7 +108,11 @@ class ResidualFusion:
         self.targets[key] = target
         if target.after not in self.openers:
             self.openers.add(target.after)
-            self.hooks.append(self.block.get_submodule(target.after).register_forward_hook(self._returned(target.after), always_call=True))
+            self.hooks.append(
+                self.block.get_submodule(target.after).register_forward_hook(
+                    self._returned(target.after), always_call=True
+                )
+            )
 
     def on_add(self, func, args):
         target = self.targets.get((self.window, self.adds_in_window))
@@ -199,9 +205,15 @@ def _plain(t: Any) -> bool:
 def _fusable(a: Any, b: Any, weight: torch.Tensor) -> bool:
     """Plain dense tensors of one float dtype, shape and device, as wide as the norm's weight."""
     return (
-        _plain(a) and _plain(b) and _plain(weight)
-        and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device == weight.device
-        and a.dtype in (torch.float32, torch.bfloat16, torch.float16) and a.dim() >= 1 and a.shape[-1] == weight.numel()
+        _plain(a)
+        and _plain(b)
+        and _plain(weight)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.device == b.device == weight.device
+        and a.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and a.dim() >= 1
+        and a.shape[-1] == weight.numel()
     )
 
 
@@ -239,7 +251,9 @@ def install_pair(block: nn.Module, component: Component) -> InstalledPair:
     fusion = _FUSIONS.get(block)
     if fusion is None:
         fusion = _FUSIONS[block] = ResidualFusion(block)
-    target = FusionTarget(norm, component.module, after, int(v["add_index"]), float(v["eps"]), float(v["offset"]), v["cast"], v["weight"])
+    target = FusionTarget(
+        norm, component.module, after, int(v["add_index"]), float(v["eps"]), float(v["offset"]), v["cast"], v["weight"]
+    )
     fusion.add(target)
     previous = norm.forward
 

@@ -48,7 +48,9 @@ def running(spec: RotarySpec) -> Iterator[None]:
         _ACTIVE.pop()
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q/k ``[b, h, s, d]`` rotated in one kernel launch; ``deinterleaved`` regroups the pairs first
     (one copy each of q and k's rotary dims) so the half-rotation kernel writes DeepSeek's layout."""
     from operators import kernels
@@ -81,8 +83,10 @@ def rotary_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
         bound = {**dict(zip(names, args)), **kwargs}
         for p in params[4:]:
             if p.name in bound and not is_default(bound[p.name], p.default):
-                raise RuntimeError(f"{spec.module}: {original.__name__} called with {p.name}={bound[p.name]!r}, "
-                                   "which recognition did not verify")
+                raise RuntimeError(
+                    f"{spec.module}: {original.__name__} called with {p.name}={bound[p.name]!r}, "
+                    "which recognition did not verify"
+                )
         q, k, cos, sin = (bound[name] for name in names[:4])
         return rotate(q, k, cos, sin, spec.style)
 

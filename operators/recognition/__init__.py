@@ -50,11 +50,29 @@ KINDS = (
 
 # Ops that move or view data, or are pure bookkeeping: a module made only of these computes nothing new.
 _STRUCTURAL_OPS = {
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.transpose.int", "aten.t.default",
-    "aten.permute.default", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.slice.Tensor",
-    "aten.clone.default", "aten.detach.default", "aten.alias.default", "aten.lift_fresh.default", "aten._to_copy.default",
-    "aten.contiguous.default", "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default",
-    "aten.embedding.default", "aten.mm.default", "aten.addmm.default", "aten.native_dropout.default",
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.t.default",
+    "aten.permute.default",
+    "aten.expand.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.slice.Tensor",
+    "aten.clone.default",
+    "aten.detach.default",
+    "aten.alias.default",
+    "aten.lift_fresh.default",
+    "aten._to_copy.default",
+    "aten.contiguous.default",
+    "aten.select.int",
+    "aten.split.Tensor",
+    "aten.split_with_sizes.default",
+    "aten.embedding.default",
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.native_dropout.default",
 }
 
 
@@ -62,8 +80,15 @@ _STRUCTURAL_OPS = {
 _OPEN_KINDS = ("attention", "moe")
 
 _ACTIVATION_OPS = {
-    "aten.gelu.default", "aten.silu.default", "aten.relu.default", "aten.tanh.default", "aten.sigmoid.default",
-    "aten.hardtanh.default", "aten.elu.default", "aten.leaky_relu.default", "aten.mish.default",
+    "aten.gelu.default",
+    "aten.silu.default",
+    "aten.relu.default",
+    "aten.tanh.default",
+    "aten.sigmoid.default",
+    "aten.hardtanh.default",
+    "aten.elu.default",
+    "aten.leaky_relu.default",
+    "aten.mish.default",
 }
 
 
@@ -110,7 +135,11 @@ def recognise(
         try:
             comp, extra = _classify(module, rec, inventory, generator, can_probe, cache, reject)
         except Exception as err:  # noqa: BLE001 - a probe that cannot call the module rejects it, never the stage
-            reject(rec.path, _candidate_name(inventory, rec), f"probe could not run the module: {type(err).__name__}: {str(err)[:200]}")
+            reject(
+                rec.path,
+                _candidate_name(inventory, rec),
+                f"probe could not run the module: {type(err).__name__}: {str(err)[:200]}",
+            )
             continue
         if comp is not None:
             accept(comp)
@@ -143,7 +172,9 @@ def _classify(
             run = functools.partial(probe_mlp, module, rec.path, width, projections, generator)
             variant, suffix = cache.verdict(structure_key(module, rec, inventory), rec.path, run)
             evidence += suffix
-        comp = Component(rec.path, variant.pop("kind"), {**variant, "width": width}, True, evidence) if variant else None
+        comp = (
+            Component(rec.path, variant.pop("kind"), {**variant, "width": width}, True, evidence) if variant else None
+        )
         if comp is None and can_probe:
             reject(rec.path, "mlp", "no gated/plain MLP composition of its projections matched")
         elif comp is None:
@@ -153,7 +184,9 @@ def _classify(
     elif pat.rotary_generator(rec):
         comp = _rotary(module, rec, inventory, can_probe)
     elif _activation_only(rec):
-        comp = Component(rec.path, "activation", {"op": _compute_ops(rec)[0]}, True, "a single elementwise ATen activation")
+        comp = Component(
+            rec.path, "activation", {"op": _compute_ops(rec)[0]}, True, "a single elementwise ATen activation"
+        )
     elif "aten.embedding.default" in rec.own_ops:
         comp = Component(rec.path, "embedding", {"extra_ops": _compute_ops(rec)}, True, "aten.embedding lookup")
     else:
@@ -163,10 +196,17 @@ def _classify(
         rotation = _rotary_application(module, rec.path, inventory, generator, cache)
         if comp.variant.get("rope"):
             extra.append(rotation)
-        elif rotation.confirmed:  # rotary written without a telltale op (no neg, no stride-2 slice): found by its numbers
+        elif (
+            rotation.confirmed
+        ):  # rotary written without a telltale op (no neg, no stride-2 slice): found by its numbers
             extra.append(rotation)
             dim, head = rotation.variant["rotary_dim"], rotation.variant["head_dim"]
-            comp.variant["rope"] = {"style": rotation.variant["style"], "rotary_dim": dim, "partial": dim < head, "decoupled": False}
+            comp.variant["rope"] = {
+                "style": rotation.variant["style"],
+                "rotary_dim": dim,
+                "partial": dim < head,
+                "decoupled": False,
+            }
     return comp, extra
 
 
@@ -193,7 +233,9 @@ def _inside(path: str, claimed: set[str], *, strict: bool) -> bool:
     return any(path.startswith(c + ".") or (not strict and path == c) for c in claimed if c)
 
 
-def _norm(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, reject, cache: ProbeCache) -> Component | None:
+def _norm(
+    module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, reject, cache: ProbeCache
+) -> Component | None:
     if any("layer_norm" in op for op in rec.own_ops) and not can_probe:
         return Component(rec.path, "layer_norm", {}, False, "pattern only (meta tensors)")
     if not can_probe:
@@ -205,7 +247,9 @@ def _norm(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: boo
         return None
     variant["width"] = pat.last_dim(rec.input_shapes)
     variant["already_fused"] = any("layer_norm" in op or "rms_norm" in op for op in rec.own_ops)
-    return Component(rec.path, variant.pop("kind"), variant, True, "float64 output+grad match at three magnitudes" + suffix)
+    return Component(
+        rec.path, variant.pop("kind"), variant, True, "float64 output+grad match at three magnitudes" + suffix
+    )
 
 
 def _rotary(module, rec: ModuleRecord, inv: OpInventory, can_probe: bool) -> Component | None:
@@ -287,7 +331,10 @@ def attention_shape(inv: OpInventory, rec: ModuleRecord) -> dict[str, Any]:
         "mla": mla,
         "softcap": _softcap(seq),
         "sinks": _sinks(rec, heads, seq),
-        "qk_norm": (not mla) and any(inv.modules[c].params and pat.is_norm_candidate(inv.modules[c]) for c in rec.children if c in inv.modules),
+        "qk_norm": (not mla)
+        and any(
+            inv.modules[c].params and pat.is_norm_candidate(inv.modules[c]) for c in rec.children if c in inv.modules
+        ),
         "rope": _rope_style(seq, head_dim, mla),
     }
     if mla:
@@ -310,6 +357,7 @@ def _softcap(seq: list[list[Any]]) -> float | None:
 
 def _tanh_cap(seq: list[list[Any]], i: int) -> float | None:
     """The constant c of c * tanh(x / c) around the tanh at ``seq[i]``."""
+
     def scalar(step: int) -> float | None:
         j = i + step
         while 0 <= j < len(seq) and seq[j][0] in ("aten.detach.default", "aten.alias.default"):
@@ -340,7 +388,12 @@ def _rope_style(seq: list[list[Any]], head_dim: int, mla: bool) -> dict[str, Any
         style, rotary_dim = "half", 2 * negs[0][1][0][-1]
     else:
         return None
-    return {"style": style, "rotary_dim": rotary_dim, "partial": rotary_dim < head_dim, "decoupled": mla and rotary_dim < head_dim}
+    return {
+        "style": style,
+        "rotary_dim": rotary_dim,
+        "partial": rotary_dim < head_dim,
+        "decoupled": mla and rotary_dim < head_dim,
+    }
 
 
 def _expert_list(module: nn.Module) -> str | None:
@@ -353,7 +406,9 @@ def _expert_count(module: nn.Module) -> int:
     return len(module.get_submodule(path)) if path is not None else 0
 
 
-def _moe(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, expert_list: str | None = None) -> Component:
+def _moe(
+    module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, expert_list: str | None = None
+) -> Component:
     router = pat.router_of(inv, rec, _expert_count(module) if expert_list else None)
     router_rec = inv.modules[router[0]]
     routing = routing_from_sequence(router_rec.sequence or rec.sequence, router_rec.ops)
@@ -377,7 +432,18 @@ def _moe(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool
     }
     if not can_probe:
         return Component(rec.path, "moe", base, False, "pattern only (meta tensors)")
-    variant = probe_moe(module, rec.path, pat.last_dim(rec.input_shapes), routing, router, bank, shared, rec.scalars, generator, expert_list)
+    variant = probe_moe(
+        module,
+        rec.path,
+        pat.last_dim(rec.input_shapes),
+        routing,
+        router,
+        bank,
+        shared,
+        rec.scalars,
+        generator,
+        expert_list,
+    )
     if variant is None:
         return Component(rec.path, "moe", base, False, "routing pattern found, float64 reference did not match")
     variant.pop("kind")
@@ -394,8 +460,22 @@ def _residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]
         if comp.kind in ("rms_norm", "layer_norm") and comp.confirmed:
             rec = inv.modules[comp.module]
             if rec.fed_by_add is not None and (rec.fed_by_add == "" or comp.module.startswith(rec.fed_by_add + ".")):
-                variant = {"norm": comp.kind, "add_in": rec.fed_by_add, "add_after": rec.fed_by_add_after, "add_index": rec.fed_by_add_index, **comp.variant}
-                out.append(Component(comp.module, "residual_add_norm", variant, True, "norm input is the tensor an aten.add of an enclosing block produced"))
+                variant = {
+                    "norm": comp.kind,
+                    "add_in": rec.fed_by_add,
+                    "add_after": rec.fed_by_add_after,
+                    "add_index": rec.fed_by_add_index,
+                    **comp.variant,
+                }
+                out.append(
+                    Component(
+                        comp.module,
+                        "residual_add_norm",
+                        variant,
+                        True,
+                        "norm input is the tensor an aten.add of an enclosing block produced",
+                    )
+                )
     return out
 
 
@@ -407,8 +487,16 @@ def _lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool) -> 
     names = [e[0] for e in root.sequence]
     softcap = _tanh_cap(root.sequence, names.index("aten.tanh.default")) if "aten.tanh.default" in names else None
     variant = {"vocab": head.out_features, "hidden": head.in_features, "final_softcap": softcap}
-    confirmed, evidence = probe_lm_head_loss(model, head.path, softcap, generator) if can_probe else (False, "pattern only")
-    return Component(head.path, "lm_head_cross_entropy", variant, confirmed, f"projection onto the vocabulary feeds log_softmax + nll_loss; {evidence}")
+    confirmed, evidence = (
+        probe_lm_head_loss(model, head.path, softcap, generator) if can_probe else (False, "pattern only")
+    )
+    return Component(
+        head.path,
+        "lm_head_cross_entropy",
+        variant,
+        confirmed,
+        f"projection onto the vocabulary feeds log_softmax + nll_loss; {evidence}",
+    )
 
 
 def _block_paths(model: nn.Module) -> set[str]:

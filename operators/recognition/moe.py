@@ -88,7 +88,9 @@ def probe_moe(
         names, banks = stacked_banks(m.get_submodule(expert_list), width, expert_list)
     else:
         names = [f"{mod}.{name}" for mod, name, _ in bank]
-        banks = [getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach().double() for mod, name, _ in bank]
+        banks = [
+            getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach().double() for mod, name, _ in bank
+        ]
     experts = _expert_layouts(banks, names, width, num_experts)
     if not experts:
         return None
@@ -105,7 +107,9 @@ def probe_moe(
         weights, index = route(x2d, router_w, router_b, correction, routing)
         shared_out = shared_mod.double()(x).reshape(-1, width) if shared_mod is not None else None
         scales = sorted({1.0, *(s for s in scalars if 0.0 < s <= 64.0 and s != 1.0)})
-        for (layout, gate_first, where), (act_name, act), normalize in itertools.product(experts, ACTIVATIONS.items(), (True, False)):
+        for (layout, gate_first, where), (act_name, act), normalize in itertools.product(
+            experts, ACTIVATIONS.items(), (True, False)
+        ):
             routed = _run_experts(x2d, weights, index, layout, gate_first, act, normalize)
             for scale, with_shared in itertools.product(scales, (shared_out is not None, False)):
                 ref = routed * scale + (shared_out if with_shared else 0.0)
@@ -151,7 +155,10 @@ def stacked_banks(experts: nn.Module, width: int, path: str) -> tuple[list[str],
             return [], []
         ups.append(torch.cat(into, dim=0))
         downs.append(out[0])
-    return [f"{path}.*.gate_up", f"{path}.*.down"], [torch.stack(ups).detach().double(), torch.stack(downs).detach().double()]
+    return [f"{path}.*.gate_up", f"{path}.*.down"], [
+        torch.stack(ups).detach().double(),
+        torch.stack(downs).detach().double(),
+    ]
 
 
 def _expert_layouts(banks: list[torch.Tensor], names: list[str], width: int, num_experts: int):

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 from operators.inventory import ModuleRecord, OpInventory
 
-MATMUL_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.matmul.default", "aten._grouped_mm.default")
+MATMUL_OPS = (
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.matmul.default",
+    "aten._grouped_mm.default",
+)
 SOFTMAX_OPS = ("aten._softmax.default", "aten._safe_softmax.default")
 SDPA_PREFIX = "aten._scaled_dot_product"
 FLEX_PREFIX = "higher_order.flex_attention"
@@ -123,7 +129,7 @@ def router_of(inv: OpInventory, rec: ModuleRecord, num_experts: int | None = Non
     if num_experts and "aten.topk.default" in rec.own_ops:
         for child in rec.children:
             sub = inv.modules.get(child)
-            for name, shape in (sub.params.items() if sub else ()):
+            for name, shape in sub.params.items() if sub else ():
                 if list(shape) == [num_experts, width]:
                     return sub.path, name
     return None
@@ -148,7 +154,11 @@ def rotary_generator(rec: ModuleRecord) -> bool:
 def lm_head_candidate(inv: OpInventory) -> Projection | None:
     """The projection onto the vocabulary whose output the model's own loss consumes."""
     root = inv.modules.get("")
-    if root is None or not has_any(root.ops, ("aten._log_softmax.default",)) or "aten.nll_loss_forward.default" not in root.ops:
+    if (
+        root is None
+        or not has_any(root.ops, ("aten._log_softmax.default",))
+        or "aten.nll_loss_forward.default" not in root.ops
+    ):
         return None
     vocab = last_dim(root.output_shapes)
     heads = [p for p in projections_under(inv, "") if p.out_features == vocab]

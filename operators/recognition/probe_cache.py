@@ -37,7 +37,11 @@ def _digest(tensor: torch.Tensor) -> str:
 
 
 def _tensor_key(tensor: torch.Tensor, with_content: bool) -> tuple:
-    content = _digest(tensor) if with_content and tensor.device.type != "meta" and tensor.numel() <= _BUFFER_DIGEST_LIMIT else None
+    content = (
+        _digest(tensor)
+        if with_content and tensor.device.type != "meta" and tensor.numel() <= _BUFFER_DIGEST_LIMIT
+        else None
+    )
     return (tuple(tensor.shape), str(tensor.dtype), content)
 
 
@@ -55,7 +59,15 @@ def structure_key(module: nn.Module, rec: ModuleRecord, inv: OpInventory, *, cal
         (path[len(rec.path) :], json.dumps(inv.modules[path].sequence), tuple(sorted(inv.modules[path].ops.items())))
         for path in subtree
     )
-    key = (type(module), params, buffers, attributes, sequences, tuple(rec.scalars), tuple(map(tuple, rec.input_shapes)))
+    key = (
+        type(module),
+        params,
+        buffers,
+        attributes,
+        sequences,
+        tuple(rec.scalars),
+        tuple(map(tuple, rec.input_shapes)),
+    )
     if call_inputs:
         key += (_call_key(inv.captured.get(rec.path)),)
     return key
@@ -70,7 +82,9 @@ def _call_key(call: tuple[tuple, dict] | None) -> tuple:
     parts = []
     for i, value in enumerate(flat):
         if isinstance(value, torch.Tensor):
-            parts.append(_tensor_key(value, i != first) if i != first else ("hidden", tuple(value.shape), str(value.dtype)))
+            parts.append(
+                _tensor_key(value, i != first) if i != first else ("hidden", tuple(value.shape), str(value.dtype))
+            )
         elif value is None or isinstance(value, (bool, int, float, str)):
             parts.append(repr(value))
         else:

@@ -13,7 +13,8 @@ import copy
 import functools
 import inspect
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +120,10 @@ def probe_norm(module: nn.Module, width: int, scalars: list[float], generator) -
     """RMSNorm (offset 0 or 1, any eps seen in the trace) or LayerNorm; returns the variant or None."""
     m = float64_copy(module, generator)
     params = dict(m.named_parameters(recurse=False))
-    eps_values = sorted({s for s in scalars if 0.0 < s < 1e-2} | {v for v in vars(module).values() if isinstance(v, float) and 0.0 < v < 1e-2})
+    eps_values = sorted(
+        {s for s in scalars if 0.0 < s < 1e-2}
+        | {v for v in vars(module).values() if isinstance(v, float) and 0.0 < v < 1e-2}
+    )
     if not eps_values:
         eps_values = [0.0]
     x = _norm_inputs(width, generator).requires_grad_(True)
@@ -133,7 +137,13 @@ def probe_norm(module: nn.Module, width: int, scalars: list[float], generator) -
                     if w is None and offset:
                         continue
                     if grads_match(lambda: m(x), lambda: rms_reference(x, w, eps, offset), leaves, generator):
-                        return {"kind": "rms_norm", "eps": eps, "offset": offset, "weight": w_name, **_rms_cast(module, w_name, eps, offset, width, generator)}
+                        return {
+                            "kind": "rms_norm",
+                            "eps": eps,
+                            "offset": offset,
+                            "weight": w_name,
+                            **_rms_cast(module, w_name, eps, offset, width, generator),
+                        }
             if grads_match(lambda: m(x), lambda: layer_norm_reference(x, w, b, eps), leaves, generator):
                 return {"kind": "layer_norm", "eps": eps, "weight": w_name, "bias": b_name}
     return None
@@ -148,7 +158,9 @@ def _weight_bias_assignments(params: dict[str, nn.Parameter]) -> list[tuple[str 
     return [(a, b) for a, b in itertools.permutations(names, 2)] if len(names) == 2 else []
 
 
-def _rms_cast(module: nn.Module, w_name: str | None, eps: float, offset: float, width: int, generator) -> dict[str, Any]:
+def _rms_cast(
+    module: nn.Module, w_name: str | None, eps: float, offset: float, width: int, generator
+) -> dict[str, Any]:
     """Which rounding order the module uses in bf16: ``llama`` (normalise in fp32, cast, then scale)
     or ``gemma`` (scale in fp32, cast last).  Decided by which emulation reproduces the module bit for bit."""
     if w_name is None:
@@ -193,20 +205,46 @@ def probe_mlp(module: nn.Module, path: str, width: int, projections: list, gener
             for gate, up in itertools.permutations(ups, 2):
                 candidates.append(
                     (
-                        {"kind": "gated_mlp", "activation": act_name, "gate": gate, "up": up, "down": down, "packed": False},
+                        {
+                            "kind": "gated_mlp",
+                            "activation": act_name,
+                            "gate": gate,
+                            "up": up,
+                            "down": down,
+                            "packed": False,
+                        },
                         lambda act=act, gate=gate, up=up: subs[down](act(subs[gate](x)) * subs[up](x)),
                     )
                 )
         if len(ups) == 1 and local[ups[0]].out_features == 2 * inner:
             for gate_first in (True, False):
+
                 def packed(act=act, gate_first=gate_first):
                     a, b = subs[ups[0]](x).chunk(2, dim=-1)
                     g, u = (a, b) if gate_first else (b, a)
                     return subs[down](act(g) * u)
 
-                candidates.append(({"kind": "gated_mlp", "activation": act_name, "gate": ups[0], "up": ups[0], "down": down, "packed": True, "gate_first": gate_first}, packed))
+                candidates.append(
+                    (
+                        {
+                            "kind": "gated_mlp",
+                            "activation": act_name,
+                            "gate": ups[0],
+                            "up": ups[0],
+                            "down": down,
+                            "packed": True,
+                            "gate_first": gate_first,
+                        },
+                        packed,
+                    )
+                )
         if len(ups) == 1 and local[ups[0]].out_features == inner:
-            candidates.append(({"kind": "mlp", "activation": act_name, "up": ups[0], "down": down}, lambda act=act, up=ups[0]: subs[down](act(subs[up](x)))))
+            candidates.append(
+                (
+                    {"kind": "mlp", "activation": act_name, "up": ups[0], "down": down},
+                    lambda act=act, up=ups[0]: subs[down](act(subs[up](x))),
+                )
+            )
     for variant, ref in candidates:
         with torch.no_grad():
             if not close(m(x), ref()):
@@ -301,11 +339,12 @@ def attention_visibility(module: nn.Module, args: tuple, kwargs: dict, generator
     return {"causal": causal, "window": window, "seq_len": seq}
 
 
-
 _PROBE_CORE_NAME = "adapt_probe_reference"
 
 
-def attention_core_matches(module: nn.Module, args: tuple, kwargs: dict, variant: dict[str, Any], generator) -> tuple[bool, str]:
+def attention_core_matches(
+    module: nn.Module, args: tuple, kwargs: dict, variant: dict[str, Any], generator
+) -> tuple[bool, str]:
     """Does the module still compute the same function when its attention core is the plain kernel?
 
     The kernel that replaces a hooked attention core sees (q, k, v, mask, scaling) and the recognised
@@ -331,10 +370,24 @@ def attention_core_matches(module: nn.Module, args: tuple, kwargs: dict, variant
 
     if grads_match(lambda: run(own), lambda: run(_PROBE_CORE_NAME), [x, *m.parameters()], generator):
         return True, "the module with a plain scaled-dot-product core reproduces its own float64 output and gradients"
-    return False, "its attention core computes more than scaled dot-product attention with the measured mask (e.g. sinks or position terms)"
+    return (
+        False,
+        "its attention core computes more than scaled dot-product attention with the measured mask (e.g. sinks or position terms)",
+    )
 
 
-def _reference_core(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, *, variant: dict[str, Any], **_ignored):
+def _reference_core(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    *,
+    variant: dict[str, Any],
+    **_ignored,
+):
     """Float64 scaled dot-product attention as the replacing kernel computes it; extra keywords are ignored as it ignores them."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if key.shape[1] != query.shape[1]:
@@ -345,7 +398,9 @@ def _reference_core(module, query, key, value, attention_mask, dropout: float = 
     if cap:
         scores = cap * torch.tanh(scores / cap)
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    mask = attention_mask[:, :, :, :kv_len] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
+    mask = (
+        attention_mask[:, :, :, :kv_len] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
+    )
     if mask is None:
         q_pos = torch.arange(q_len).view(-1, 1) + (kv_len - q_len)
         k_pos = torch.arange(kv_len).view(1, -1)
@@ -388,7 +443,9 @@ def forward_function(module: nn.Module) -> Callable:
     return inspect.unwrap(type(module).forward)
 
 
-def probe_rotary_application(module: nn.Module, args: tuple, kwargs: dict, generator) -> tuple[dict[str, Any] | None, str]:
+def probe_rotary_application(
+    module: nn.Module, args: tuple, kwargs: dict, generator
+) -> tuple[dict[str, Any] | None, str]:
     """Find the global function ``module.forward`` calls to rotate (q, k), and its rotation style.
 
     Every plain function among the globals the forward references is wrapped for one float64 call of
@@ -409,12 +466,22 @@ def probe_rotary_application(module: nn.Module, args: tuple, kwargs: dict, gener
             reasons.append(f"{name}: {why}")
     if not matches:
         called = ", ".join(calls) or "none"
-        return None, f"no global function its forward calls (called: {called}) rotates (q, k) together; " + "; ".join(reasons)[:300]
+        return None, f"no global function its forward calls (called: {called}) rotates (q, k) together; " + "; ".join(
+            reasons
+        )[:300]
     if len(matches) > 1:
         return None, f"ambiguous: {', '.join(n for n, _ in matches)} all rotate (q, k)"
     name, verdict = matches[0]
-    variant = {"function": f"{scope.get('__name__')}.{name}", "global": name, "calls_per_forward": len(calls[name]), **verdict}
-    return variant, f"float64 output+grad match of {name} as a {verdict['style']} rotation of the (q, k) it is called with"
+    variant = {
+        "function": f"{scope.get('__name__')}.{name}",
+        "global": name,
+        "calls_per_forward": len(calls[name]),
+        **verdict,
+    }
+    return (
+        variant,
+        f"float64 output+grad match of {name} as a {verdict['style']} rotation of the (q, k) it is called with",
+    )
 
 
 def _record_global_calls(module, scope: dict, names: list[str], args, kwargs, generator) -> dict[str, list]:
@@ -454,8 +521,18 @@ def _rotation_of(fn: Callable, recorded: list, generator) -> tuple[dict[str, Any
     for p in params[4:]:
         if p.name in bound.arguments and not is_default(bound.arguments[p.name], p.default):
             return None, f"called with {p.name}={bound.arguments[p.name]!r}; only its default was verified"
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape[-2] != q.shape[2] or cos.shape[-1] % 2 or cos.shape[-1] > q.shape[-1]:
-        return None, f"q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}: not [b, h, s, d] with [b, s, r] tables"
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or cos.dim() != 3
+        or cos.shape[-2] != q.shape[2]
+        or cos.shape[-1] % 2
+        or cos.shape[-1] > q.shape[-1]
+    ):
+        return (
+            None,
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}: not [b, h, s, d] with [b, s, r] tables",
+        )
     if any(len(c[0]) + len(c[1]) != len(recorded[0][0]) + len(recorded[0][1]) for c in recorded):
         return None, "called with differing arguments within one forward"
     qx = torch.randn(q.shape, generator=generator, dtype=torch.float64).requires_grad_(True)
@@ -464,14 +541,21 @@ def _rotation_of(fn: Callable, recorded: list, generator) -> tuple[dict[str, Any
     cos_t, sin_t = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
     def joined(pair) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in pair]) if isinstance(pair, (tuple, list)) and len(pair) == 2 else torch.zeros(0)
+        return (
+            torch.cat([t.reshape(-1) for t in pair])
+            if isinstance(pair, (tuple, list)) and len(pair) == 2
+            else torch.zeros(0)
+        )
 
     for style in ROTATION_STYLES:
         try:
             matched = grads_match(
                 lambda: joined(fn(qx, kx, cos_t, sin_t)),
-                lambda style=style: joined((rotation_reference(qx, cos_t, sin_t, style), rotation_reference(kx, cos_t, sin_t, style))),
-                [qx, kx], generator,
+                lambda style=style: joined(
+                    (rotation_reference(qx, cos_t, sin_t, style), rotation_reference(kx, cos_t, sin_t, style))
+                ),
+                [qx, kx],
+                generator,
             )
         except Exception:  # a function that is no rotation may fail on these inputs in any way
             return None, ""
@@ -484,7 +568,12 @@ def is_default(value: Any, default: Any) -> bool:
     """``value`` is what the parameter would be without it (tensors never count as defaults)."""
     if value is default:
         return True
-    return not isinstance(value, torch.Tensor) and default is not inspect.Parameter.empty and type(value) is type(default) and value == default
+    return (
+        not isinstance(value, torch.Tensor)
+        and default is not inspect.Parameter.empty
+        and type(value) is type(default)
+        and value == default
+    )
 
 
 # ---------------------------------------------------------------------------------------------

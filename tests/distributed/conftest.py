@@ -37,10 +37,7 @@ def _build_variant(base: str, overrides: dict, out: Path) -> Path:
 @pytest.fixture(scope="session")
 def dist_models(zoo, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dist_models")
-    models = {
-        name: str(zoo(name))
-        for name in ("llama", "qwen3", "qwen3_moe", "mixtral", "custom")
-    }
+    models = {name: str(zoo(name)) for name in ("llama", "qwen3", "qwen3_moe", "mixtral", "custom")}
     for name, (base, overrides) in VARIANTS.items():
         models[name] = str(_build_variant(base, overrides, root / name))
     path = root / "models.json"
@@ -48,9 +45,7 @@ def dist_models(zoo, tmp_path_factory) -> Path:
     return path
 
 
-def run_workers(
-    nproc: int, cases: list[str], models: Path, out: Path, timeout: int = 300
-) -> dict[str, dict]:
+def run_workers(nproc: int, cases: list[str], models: Path, out: Path, timeout: int = 300) -> dict[str, dict]:
     """Run ``cases`` in one torchrun group of ``nproc`` gloo processes; return each case's result."""
     out.mkdir(parents=True, exist_ok=True)
     for case in cases:  # poison: a stale result must never be read as this run's
@@ -78,9 +73,7 @@ def run_workers(
         check=False,
     )
     if proc.returncode:
-        raise AssertionError(
-            f"worker group failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}"
-        )
+        raise AssertionError(f"worker group failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
     return {case: torch.load(out / f"{case}.pt", weights_only=False) for case in cases}
 
 

@@ -84,16 +84,10 @@ def load(models: dict[str, str], name: str) -> torch.nn.Module:
     """The zoo checkpoint through HF's loader (or a config-only random init for ``llama_random``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if (
-        name == "llama_random"
-    ):  # config-only, seeded by rank: ranks start from different weights
+    if name == "llama_random":  # config-only, seeded by rank: ranks start from different weights
         torch.manual_seed(dist.get_rank() if dist.get_world_size() > 1 else 0)
-        return AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(models["llama"]), dtype=torch.float32
-        )
-    return AutoModelForCausalLM.from_pretrained(
-        models[name], dtype=torch.float32, trust_remote_code=True
-    )
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["llama"]), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32, trust_remote_code=True)
 
 
 def spec_of(models: dict[str, str], name: str, model: torch.nn.Module):
@@ -106,11 +100,7 @@ def spec_of(models: dict[str, str], name: str, model: torch.nn.Module):
 def train_case(models: dict[str, str], case: str) -> dict:
     model_name, overrides = CASES[case]
     model = load(models, model_name)
-    spec = (
-        spec_of(models, model_name, model)
-        if overrides.get("tp", 1) > 1 and model_name in models
-        else None
-    )
+    spec = spec_of(models, model_name, model) if overrides.get("tp", 1) > 1 and model_name in models else None
     adapt = adapt_options(model) if case.startswith("adapted_") else None
     run = prepare(model, ParallelPlan(**BASE, **overrides), TRAIN, spec=spec, adapt=adapt)
     initial = checkpoint.gather_full_state_dict(run.pmodel)
@@ -125,10 +115,10 @@ def train_case(models: dict[str, str], case: str) -> dict:
 
 def adapt_options(model: torch.nn.Module):
     """The operators stage's kernel plan for ``model`` (float32 training on this machine), compiled blocks."""
+    from adapt.runtime.adapted import AdaptOptions
     from operators import load_profile, plan_kernels, recognise
     from operators.inventory import trace_model
     from operators.registry import Target
-    from adapt.runtime.adapted import AdaptOptions
 
     inventory = trace_model(model)
     plan = plan_kernels(inventory, recognise(model, inventory), load_profile("cuda-hopper"), Target.here())
@@ -139,11 +129,7 @@ def probe_logits(run, vocab: int) -> torch.Tensor | None:
     """Logits of a fixed batch (non-pipelined layouts), as seen by rank 0."""
     probe = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        return (
-            run.pmodel.chunks[0](input_ids=probe, use_cache=False)
-            .logits.detach()
-            .clone()
-        )
+        return run.pmodel.chunks[0](input_ids=probe, use_cache=False).logits.detach().clone()
 
 
 def checkpoint_case(
@@ -170,9 +156,7 @@ def checkpoint_case(
         for param in fresh.parameters():
             param.fill_(float("nan"))  # everything must come from the checkpoint
     second = prepare(fresh, ParallelPlan(**BASE, **load_plan), TRAIN)
-    second.trainer.restore(
-        checkpoint.load(ckpt, second.pmodel, second.trainer.optimizers)
-    )
+    second.trainer.restore(checkpoint.load(ckpt, second.pmodel, second.trainer.optimizers))
     loaded_step = second.trainer.step
     loaded_logits = probe_logits(second, vocab)
     second_losses = [second.trainer.train_step().loss for _ in range(2)]
@@ -237,9 +221,7 @@ def main() -> None:
             result = cp_plumbing_case(models)
         elif case in CHECKPOINT_CASES:
             model_name, save_plan, load_plan = CHECKPOINT_CASES[case]
-            result = checkpoint_case(
-                models, out, model_name, save_plan, load_plan, case
-            )
+            result = checkpoint_case(models, out, model_name, save_plan, load_plan, case)
         else:
             result = train_case(models, case)
         if dist.get_rank() == 0:

@@ -17,10 +17,11 @@ from parallel_planner.plan import ParallelPlan
 @pytest.fixture(scope="module")
 def llama_plan(zoo):
     """The zoo Llama and the operators stage's float32 training plan for it on this machine."""
+    from transformers import AutoModelForCausalLM
+
     from operators import load_profile, plan_kernels, recognise
     from operators.inventory import trace_model
     from operators.registry import Target
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(zoo("llama"), dtype=torch.float32)
     inventory = trace_model(model)

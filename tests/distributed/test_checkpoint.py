@@ -36,9 +36,7 @@ def test_checkpoint_round_trip_across_layouts(case, results):
     )
     assert got["second_params"].keys() == got["first_params"].keys()
     for name, value in got["first_params"].items():
-        torch.testing.assert_close(
-            got["second_params"][name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}"
-        )
+        torch.testing.assert_close(got["second_params"][name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -49,6 +47,4 @@ def test_hf_export_reloads_with_transformers(case, results):
     model = AutoModelForCausalLM.from_pretrained(got["export_dir"], dtype=torch.float32)
     state = model.state_dict()
     for name, value in got["second_params"].items():
-        torch.testing.assert_close(
-            state[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}"
-        )
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")

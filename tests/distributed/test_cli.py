@@ -28,9 +28,7 @@ def _adapt(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 def _plan(tmp_path: Path, **fields) -> str:
     path = tmp_path / "plan.json"
-    path.write_text(
-        json.dumps({"precision": "fp32", "seq_len": 16, "global_batch": 4, **fields})
-    )
+    path.write_text(json.dumps({"precision": "fp32", "seq_len": 16, "global_batch": 4, **fields}))
     return str(path)
 
 
@@ -56,17 +54,10 @@ def test_train_resumes_from_its_checkpoint_and_exports(zoo, tmp_path):
         "--metrics", str(tmp_path / "b.jsonl"), "--export-hf", str(export),
     )  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
-    steps = [
-        json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()
-    ]
+    steps = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [2, 3]  # resumed, not restarted
     for s in steps:
-        assert (
-            s["loss"] > 0
-            and s["grad_norm"] > 0
-            and s["tokens_per_s"] > 0
-            and s["peak_memory_gib"] > 0
-        )
+        assert s["loss"] > 0 and s["grad_norm"] > 0 and s["tokens_per_s"] > 0 and s["peak_memory_gib"] > 0
     assert "loss" in second.stdout and (export / "model.safetensors").is_file()
 
 
@@ -75,27 +66,17 @@ def test_launch_executes_a_two_process_plan(zoo, tmp_path):
     plan = _plan(tmp_path, dp_shard=2)
     printed = _adapt("launch", str(zoo("llama")), "--plan", plan, "--steps", "2")
     assert (
-        printed.returncode == 0
-        and "torch.distributed.run" in printed.stdout
-        and "--nproc-per-node=2" in printed.stdout
+        printed.returncode == 0 and "torch.distributed.run" in printed.stdout and "--nproc-per-node=2" in printed.stdout
     )
-    ran = _adapt(
-        "launch", str(zoo("llama")), "--plan", plan, "--steps", "2", "--execute"
-    )
+    ran = _adapt("launch", str(zoo("llama")), "--plan", plan, "--steps", "2", "--execute")
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert ran.stdout.count("loss") == 2  # rank 0 reports each step once
 
 
 def test_bad_inputs_exit_2_with_one_line(zoo, tmp_path):
     missing = _adapt("train", str(zoo("llama")), "--plan", str(tmp_path / "nope.json"))
-    assert (
-        missing.returncode == 2
-        and "plan file not found" in missing.stderr
-        and "Traceback" not in missing.stderr
-    )
+    assert missing.returncode == 2 and "plan file not found" in missing.stderr and "Traceback" not in missing.stderr
     needs_torchrun = _adapt("train", str(zoo("llama")), "--plan", _plan(tmp_path, tp=2))
     assert needs_torchrun.returncode == 2 and "adapt launch" in needs_torchrun.stderr
-    nodes = _adapt(
-        "launch", str(zoo("llama")), "--plan", _plan(tmp_path, tp=2), "--nnodes", "2"
-    )
+    nodes = _adapt("launch", str(zoo("llama")), "--plan", _plan(tmp_path, tp=2), "--nnodes", "2")
     assert nodes.returncode == 2 and "rdzv-endpoint" in nodes.stderr

@@ -23,13 +23,7 @@ def test_sequence_shards_are_load_balanced_and_aligned(result):
     chunks = inputs.shape[1] // 4  # 2*cp chunks: rank r holds chunks r and 3-r
     order = {0: [0, 3], 1: [1, 2]}
     for rank, shard in enumerate(result["shards"]):
-        cols = torch.cat(
-            [torch.arange(c * chunks, (c + 1) * chunks) for c in order[rank]]
-        )
+        cols = torch.cat([torch.arange(c * chunks, (c + 1) * chunks) for c in order[rank]])
         assert torch.equal(shard["inputs"], inputs[:, cols])
-        assert torch.equal(
-            shard["labels"], labels[:, cols]
-        )  # each token keeps its own target
-        assert torch.equal(
-            shard["positions"], cols.expand_as(shard["positions"])
-        )  # and its true position
+        assert torch.equal(shard["labels"], labels[:, cols])  # each token keeps its own target
+        assert torch.equal(shard["positions"], cols.expand_as(shard["positions"]))  # and its true position

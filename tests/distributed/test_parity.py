@@ -70,12 +70,8 @@ def _assert_parity(case: str, got: dict, results: dict, param_tol: dict) -> None
     model = CASES[case][0]
     ref = results[f"ref_{model}"]
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL
-    )
-    torch.testing.assert_close(
-        torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **LOSS_TOL
-    )
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
+    torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **LOSS_TOL)
     assert got["params"].keys() == ref["params"].keys()
     for name, value in ref["params"].items():
         torch.testing.assert_close(
@@ -88,9 +84,5 @@ def _assert_parity(case: str, got: dict, results: dict, param_tol: dict) -> None
     # training moved the weights.
     for name, value in ref["initial"].items():
         torch.testing.assert_close(got["initial"][name], value, rtol=0, atol=0)
-    moved = max(
-        (ref["params"][k] - v).abs().max().item() for k, v in ref["initial"].items()
-    )
-    assert moved > 1e-3, (
-        f"reference weights barely moved ({moved:.2e}): the run did not train"
-    )
+    moved = max((ref["params"][k] - v).abs().max().item() for k, v in ref["initial"].items())
+    assert moved > 1e-3, f"reference weights barely moved ({moved:.2e}): the run did not train"

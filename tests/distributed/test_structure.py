@@ -10,11 +10,11 @@ import torch
 
 from adapt.core.errors import BadInput
 from adapt.runtime.data import SyntheticTokens, TokenFile
-from parallel_planner.launch import LaunchConfig, torchrun_command
 from adapt.runtime.model_parts import find_parts
 from adapt.runtime.pipeline import stage_block_counts
 from adapt.runtime.tensor_parallel import check_tensor_parallel
 from adapt.runtime.trainer import TrainConfig, lr_lambda
+from parallel_planner.launch import LaunchConfig, torchrun_command
 from parallel_planner.plan import ParallelPlan
 
 
@@ -30,16 +30,8 @@ def test_roles_found_in_renamed_remote_code_model(zoo):
         "trunk.lexicon", "trunk.level_out", "readout", "trunk.strata"
     )  # fmt: skip
     gaze, forge = parts.blocks[0].branches
-    assert (
-        gaze.attention
-        and gaze.colwise == ["gaze.ask", "gaze.match", "gaze.carry"]
-        and gaze.rowwise == ["gaze.emit"]
-    )
-    assert (
-        not forge.attention
-        and forge.colwise == ["forge.valve", "forge.feed"]
-        and forge.rowwise == ["forge.drain"]
-    )
+    assert gaze.attention and gaze.colwise == ["gaze.ask", "gaze.match", "gaze.carry"] and gaze.rowwise == ["gaze.emit"]
+    assert not forge.attention and forge.colwise == ["forge.valve", "forge.feed"] and forge.rowwise == ["forge.drain"]
     assert set(parts.blocks[0].norms) == {
         "level_a",
         "quench",
@@ -74,9 +66,7 @@ def test_stage_split_follows_plan():
         1,
         1,
     ]
-    assert stage_block_counts(
-        ParallelPlan(pp=2, stage_layers=[3, 1], global_batch=8), 4
-    ) == [3, 1]
+    assert stage_block_counts(ParallelPlan(pp=2, stage_layers=[3, 1], global_batch=8), 4) == [3, 1]
     with pytest.raises(BadInput, match="sums to"):
         stage_block_counts(ParallelPlan(pp=2, stage_layers=[3, 3], global_batch=8), 4)
     with pytest.raises(BadInput, match="cannot fill"):
@@ -89,14 +79,8 @@ def test_torchrun_commands():
     assert single[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in single and "--nproc-per-node=16" in single
     assert single[-6:] == ["-m", "adapt", "train", "m", "--plan", "p.json"]
-    multi = torchrun_command(
-        plan, LaunchConfig(nnodes=2, rdzv_endpoint="node0:29500"), ["m"]
-    )
-    assert (
-        "--nproc-per-node=8" in multi
-        and "--rdzv-endpoint=node0:29500" in multi
-        and "--standalone" not in multi
-    )
+    multi = torchrun_command(plan, LaunchConfig(nnodes=2, rdzv_endpoint="node0:29500"), ["m"])
+    assert "--nproc-per-node=8" in multi and "--rdzv-endpoint=node0:29500" in multi and "--standalone" not in multi
     with pytest.raises(BadInput, match="rdzv-endpoint"):
         torchrun_command(plan, LaunchConfig(nnodes=2), ["m"])
     with pytest.raises(BadInput, match="needs 16 processes"):
@@ -144,14 +128,8 @@ def test_pipeline_split_refuses_a_forward_with_extra_work(zoo):
         parts = find_parts(model)
         ids = torch.randint(0, parts.vocab_size, (2, 16))
         if splittable:
-            check_decomposition(
-                model, parts, ids, capture_block_context(model, parts, ids)
-            )
+            check_decomposition(model, parts, ids, capture_block_context(model, parts, ids))
         else:
             with pytest.raises(BadInput, match="pipeline split refused"):
-                check_decomposition(
-                    model, parts, ids, capture_block_context(model, parts, ids)
-                )
-        assert all(
-            torch.equal(before[k], v) for k, v in model.state_dict().items()
-        )  # the probe restores weights
+                check_decomposition(model, parts, ids, capture_block_context(model, parts, ids))
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the probe restores weights

@@ -65,7 +65,13 @@ def test_intake_reads_mixers_heads_and_routing_from_the_numbers(model):
     # 2 attention layers, GROUPS KV heads of SPAN keys and SPAN values, 2 bytes each (no dtype stated)
     assert spec.cost.kv_cache_bytes_per_token == 2 * GROUPS * 2 * SPAN * 2
     moe = spec.blocks[0].mlp
-    assert (moe.kind, moe.num_experts, moe.top_k, moe.router_scoring, moe.activation) == ("moe", SPECIALISTS, 2, "sigmoid", "silu")
+    assert (moe.kind, moe.num_experts, moe.top_k, moe.router_scoring, moe.activation) == (
+        "moe",
+        SPECIALISTS,
+        2,
+        "sigmoid",
+        "silu",
+    )
     assert spec.blocks[1].mlp.kind == "dense_gated" and spec.hidden_size == residual_width(model) == WIDTH
     assert "convolution token mixer in 2/4 blocks" in spec.novelties
     assert not any("GQA" in n for n in spec.novelties) and "GQA attention in 2/4 blocks" in spec.features
@@ -83,7 +89,11 @@ def test_a_gated_linear_recurrence_is_a_recurrent_mixer_and_new():
 def test_experts_in_a_module_list_are_one_routed_moe(recognition):
     moe = _component(recognition, "strands.0.council", "moe")
     assert moe.confirmed and moe.variant["num_experts"] == SPECIALISTS
-    assert (moe.variant["top_k"], moe.variant["scoring"], moe.variant["expert_container"]) == (2, "sigmoid", "module_list")
+    assert (moe.variant["top_k"], moe.variant["scoring"], moe.variant["expert_container"]) == (
+        2,
+        "sigmoid",
+        "module_list",
+    )
     assert not any(c.module.startswith("strands.0.council.members") for c in recognition.components)
 
 

@@ -118,7 +118,13 @@ def test_uncached_hub_id_while_offline(capsys, monkeypatch, tmp_path):
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    assert_bad(capsys, ["inspect", "acme/never-seen-7b"], "acme/never-seen-7b", "not in the Hugging Face cache", "HF_HUB_OFFLINE")
+    assert_bad(
+        capsys,
+        ["inspect", "acme/never-seen-7b"],
+        "acme/never-seen-7b",
+        "not in the Hugging Face cache",
+        "HF_HUB_OFFLINE",
+    )
 
 
 def test_cli_subprocess_prints_no_traceback(tmp_path):
@@ -134,7 +140,10 @@ def test_cli_subprocess_prints_no_traceback(tmp_path):
     [
         ({"hidden_size": -1}, ["hidden_size", "-1", "integer >= 1"]),
         ({"num_hidden_layers": 0}, ["num_hidden_layers", "0", "integer >= 1"]),
-        ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None}, ["hidden_size 64", "num_attention_heads 3", "head_dim"]),
+        (
+            {"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None},
+            ["hidden_size 64", "num_attention_heads 3", "head_dim"],
+        ),
         ({"intermediate_size": -8}, ["intermediate_size", "-8"]),
         ({"num_key_value_heads": 3}, ["num_key_value_heads", "3", "divisor"]),
         ({"vocab_size": "lots"}, ["vocab_size", "'lots'"]),

@@ -54,7 +54,10 @@ def test_deepseek_v3_inspect_stays_small(giants):
         "print(json.dumps({'rss_kb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr)"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(giants / "deepseek_v3" / "config.json")], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code, str(giants / "deepseek_v3" / "config.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

@@ -19,7 +19,9 @@ def test_remote_code_non_persistent_buffer_is_computed_not_garbage(zoo, tmp_path
     anchor = "        self.span = cfg.width // cfg.n_heads\n"
     assert anchor in source
     modeling.write_text(
-        source.replace(anchor, anchor + "        self.register_buffer('tone', torch.arange(6.0) * 0.5 + 1, persistent=False)\n")
+        source.replace(
+            anchor, anchor + "        self.register_buffer('tone', torch.arange(6.0) * 0.5 + 1, persistent=False)\n"
+        )
     )
     # A fresh interpreter: transformers caches remote-code classes per process.
     code = (

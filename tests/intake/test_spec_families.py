@@ -8,8 +8,8 @@ import math
 import pytest
 from safetensors import safe_open
 
-from adapt.model.intake import inspect
 from adapt.core.spec import ModelSpec
+from adapt.model.intake import inspect
 
 
 def spec_of(zoo, name: str) -> ModelSpec:
@@ -35,7 +35,18 @@ def test_params_total_equals_checkpoint_parameter_elements(zoo_model):
     assert spec.params_total == elements
     parts = spec.params
     assert parts.total == sum(
-        getattr(parts, k) for k in ("embeddings", "attention", "dense_mlp", "experts", "shared_experts", "router", "norms", "lm_head", "other")
+        getattr(parts, k)
+        for k in (
+            "embeddings",
+            "attention",
+            "dense_mlp",
+            "experts",
+            "shared_experts",
+            "router",
+            "norms",
+            "lm_head",
+            "other",
+        )
     )
     assert spec.params_active <= spec.params_total
 

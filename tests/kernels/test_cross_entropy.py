@@ -17,8 +17,9 @@ def reference_loss(hidden, weight, labels, bias, ignore_index, label_smoothing, 
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    per_token = F.cross_entropy(flat, flat_labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                reduction="none")
+    per_token = F.cross_entropy(
+        flat, flat_labels, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    )
     valid = flat_labels != ignore_index
     per_token = per_token + z_loss * torch.logsumexp(flat, -1).pow(2) * valid
     if reduction == "none":
@@ -27,8 +28,22 @@ def reference_loss(hidden, weight, labels, bias, ignore_index, label_smoothing, 
     return total / valid.sum().clamp_min(1) if reduction == "mean" else total
 
 
-def _check(dtype, tokens_shape, hidden_size, vocab, *, bias=False, ignore_index=-100, label_smoothing=0.0,
-           z_loss=0.0, softcap=None, reduction="mean", chunk_size=None, upstream=1.0, scale=1.0):
+def _check(
+    dtype,
+    tokens_shape,
+    hidden_size,
+    vocab,
+    *,
+    bias=False,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+    reduction="mean",
+    chunk_size=None,
+    upstream=1.0,
+    scale=1.0,
+):
     h_in = torch.randn(*tokens_shape, hidden_size, device=DEVICE, dtype=dtype)
     w_in = (torch.randn(vocab, hidden_size, device=DEVICE) / hidden_size**0.5 * 4).to(dtype)
     b_in = torch.randn(vocab, device=DEVICE, dtype=dtype) if bias else None
@@ -38,8 +53,9 @@ def _check(dtype, tokens_shape, hidden_size, vocab, *, bias=False, ignore_index=
     b = leaf(b_in) if bias else None
     h64, w64 = ref_leaf(h_in), ref_leaf(w_in)
     b64 = ref_leaf(b_in) if bias else None
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                reduction=reduction)
+    opts = dict(
+        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, reduction=reduction
+    )
     loss = fused_linear_cross_entropy(h, w, labels, b, chunk_size=chunk_size, **opts)
     ref = reference_loss(h64, w64, labels, b64, **opts)
     assert_close(loss, ref, dtype, scale=scale, what="loss")
@@ -59,13 +75,16 @@ def test_flce_reductions_multi_chunk(dtype, reduction):
     _check(dtype, (3, 5), 48, 1000, reduction=reduction, chunk_size=4, upstream=0.37, scale=1.5)
 
 
-@pytest.mark.parametrize("options", [
-    dict(label_smoothing=0.1),
-    dict(z_loss=1e-3),
-    dict(softcap=5.0),
-    dict(bias=True, ignore_index=7),
-    dict(label_smoothing=0.2, z_loss=1e-2, softcap=3.0, bias=True),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(label_smoothing=0.1),
+        dict(z_loss=1e-3),
+        dict(softcap=5.0),
+        dict(bias=True, ignore_index=7),
+        dict(label_smoothing=0.2, z_loss=1e-2, softcap=3.0, bias=True),
+    ],
+)
 def test_flce_options(options):
     _check(torch.float32, (2, 6), 40, 777, chunk_size=5, **options)
 
@@ -101,8 +120,9 @@ def test_flce_without_grad_is_loss_only(reduction):
     labels = torch.randint(0, 333, (2, 7), device=DEVICE)
     labels[0, 0] = -100
     with torch.no_grad():
-        loss = fused_linear_cross_entropy(h, w, labels, label_smoothing=0.05, z_loss=1e-3, softcap=4.0,
-                                          reduction=reduction, chunk_size=3)
+        loss = fused_linear_cross_entropy(
+            h, w, labels, label_smoothing=0.05, z_loss=1e-3, softcap=4.0, reduction=reduction, chunk_size=3
+        )
     ref = reference_loss(h.double(), w.double(), labels, None, -100, 0.05, 1e-3, 4.0, reduction)
     assert loss.grad_fn is None
     assert_close(loss, ref, torch.float32)

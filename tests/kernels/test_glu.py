@@ -36,8 +36,12 @@ def _check(variant, gate_in, up_in, dtype):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_glu_odd_shape(variant, dtype):
     shape = (3, 5, 123)
-    _check(variant, torch.randn(shape, device=DEVICE, dtype=dtype) * 3, torch.randn(shape, device=DEVICE, dtype=dtype),
-           dtype)
+    _check(
+        variant,
+        torch.randn(shape, device=DEVICE, dtype=dtype) * 3,
+        torch.randn(shape, device=DEVICE, dtype=dtype),
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

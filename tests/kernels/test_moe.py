@@ -25,12 +25,15 @@ def reference_route(logits, top_k, scoring, n_group, topk_group, normalize, bias
 
 
 ROUTINGS = {
-    "mixtral_softmax": dict(experts=8, top_k=2, scoring="softmax", n_group=1, topk_group=1, normalize=True, bias=False,
-                            scale=1.0),
-    "qwen_softmax_unnormalised": dict(experts=60, top_k=4, scoring="softmax", n_group=1, topk_group=1,
-                                      normalize=False, bias=False, scale=1.0),
-    "deepseek_v3_grouped_sigmoid": dict(experts=64, top_k=6, scoring="sigmoid", n_group=8, topk_group=3,
-                                        normalize=True, bias=True, scale=2.5),
+    "mixtral_softmax": dict(
+        experts=8, top_k=2, scoring="softmax", n_group=1, topk_group=1, normalize=True, bias=False, scale=1.0
+    ),
+    "qwen_softmax_unnormalised": dict(
+        experts=60, top_k=4, scoring="softmax", n_group=1, topk_group=1, normalize=False, bias=False, scale=1.0
+    ),
+    "deepseek_v3_grouped_sigmoid": dict(
+        experts=64, top_k=6, scoring="sigmoid", n_group=8, topk_group=3, normalize=True, bias=True, scale=2.5
+    ),
 }
 
 
@@ -45,8 +48,9 @@ def test_route(name, dtype):
     logits_in = grid.view(3, 7, experts).to(dtype)
     logits, logits64 = leaf(logits_in), ref_leaf(logits_in)
     weights, ids = moe_route(logits, correction_bias=bias, **cfg)
-    ref_w, ref_ids = reference_route(logits64.view(-1, experts), bias=bias.double() if bias is not None else None,
-                                     **cfg)
+    ref_w, ref_ids = reference_route(
+        logits64.view(-1, experts), bias=bias.double() if bias is not None else None, **cfg
+    )
     assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), ref_ids.cpu())
     assert_close(weights, ref_w, torch.float32, scale=10)
     dw = torch.randn_like(weights)
@@ -77,7 +81,7 @@ def test_grouped_gemm_against_per_expert_mm(dtype):
     x64, w64 = ref_leaf(x_in), ref_leaf(w_in)
     y = grouped_gemm(x, w, offsets)
     bounds = offsets.tolist()
-    ref = torch.cat([x64[bounds[e]:bounds[e + 1]] @ w64[e] for e in range(experts)])
+    ref = torch.cat([x64[bounds[e] : bounds[e + 1]] @ w64[e] for e in range(experts)])
     assert_close(y, ref, dtype, what="y")
     dy = torch.randn_like(y)
     y.backward(dy)

@@ -60,8 +60,11 @@ def test_persistent_loops_cover_every_tile(prefetch):
     config = RowConfig(block_m=2, num_warps=4, programs_per_sm=1, prefetch=prefetch)
     x = torch.randn(4, 9, 40, device=DEVICE, dtype=torch.float16)  # 36 rows -> 18 tiles
     _check_rms(x, torch.randn(40, device=DEVICE, dtype=torch.float16), 0.0, "llama", torch.float16, config=config)
-    x_in, w_in, b_in = torch.randn(37, 40, device=DEVICE), torch.randn(40, device=DEVICE), torch.randn(40,
-                                                                                                   device=DEVICE)
+    x_in, w_in, b_in = (
+        torch.randn(37, 40, device=DEVICE),
+        torch.randn(40, device=DEVICE),
+        torch.randn(40, device=DEVICE),
+    )
     x, w, b = leaf(x_in), leaf(w_in), leaf(b_in)
     x64, w64, b64 = ref_leaf(x_in), ref_leaf(w_in), ref_leaf(b_in)
     y = layer_norm(x, w, b, config=config)
@@ -141,8 +144,10 @@ def test_layer_norm(dtype, with_bias):
 def test_layer_norm_real_width_strided():
     base = torch.randn(3, 2 * 2048, device=DEVICE, dtype=torch.bfloat16)
     x_in = base[:, ::2]  # inner-strided: copied once, still correct
-    w_in, b_in = torch.randn(2048, device=DEVICE, dtype=torch.bfloat16), torch.randn(2048, device=DEVICE,
-                                                                                         dtype=torch.bfloat16)
+    w_in, b_in = (
+        torch.randn(2048, device=DEVICE, dtype=torch.bfloat16),
+        torch.randn(2048, device=DEVICE, dtype=torch.bfloat16),
+    )
     x, w, b = leaf(x_in), leaf(w_in), leaf(b_in)
     x64, w64, b64 = ref_leaf(x_in), ref_leaf(w_in), ref_leaf(b_in)
     y = layer_norm(x, w, b)

@@ -37,38 +37,78 @@ def cases():
     yield "rms_norm", adapt.rms_norm, (x, w, 1e-6, 1.0, "gemma", [], True)
     yield "rms_norm/inference", adapt.rms_norm, (x.detach(), w.detach(), 1e-6, 0.0, "llama", [2, 4, -1, 1], False)
     yield "add_rms_norm", adapt.add_rms_norm, (x, leaf(3, 2, 24), w, 1e-6, 0.0, "llama", [], True)
-    yield "rms_norm_backward", adapt.rms_norm_backward, (rows, rows.clone(), rows.clone(), w.detach(), rstd, 0.0,
-                                                         "none", True, [])
+    yield (
+        "rms_norm_backward",
+        adapt.rms_norm_backward,
+        (rows, rows.clone(), rows.clone(), w.detach(), rstd, 0.0, "none", True, []),
+    )
     yield "layer_norm", adapt.layer_norm, (x, w, b, 1e-5, [], True)
     yield "layer_norm/no bias", adapt.layer_norm, (x, w, None, 1e-5, [], True)
-    yield "layer_norm_backward", adapt.layer_norm_backward, (rows, rows.clone(), w.detach(), b.detach(),
-                                                             torch.randn(6), rstd, True, True, [])
+    yield (
+        "layer_norm_backward",
+        adapt.layer_norm_backward,
+        (rows, rows.clone(), w.detach(), b.detach(), torch.randn(6), rstd, True, True, []),
+    )
     gate_up = leaf(3, 32)
     yield "glu/strided halves", adapt.glu, (gate_up[:, :16], gate_up[:, 16:], "gelu_tanh")
     yield "glu_backward", adapt.glu_backward, (torch.randn(3, 16), torch.randn(3, 16), torch.randn(3, 16), "silu")
     yield "apply_rotary", adapt.apply_rotary, (q, k, cos, sin, False, 8)
     yield "apply_rotary/hf layout", adapt.apply_rotary, (leaf(2, 5, 4, 12).transpose(1, 2), k, cos, sin, True, 8)
-    yield "apply_rotary_backward", adapt.apply_rotary_backward, (torch.randn(2, 4, 5, 12), torch.randn(2, 2, 5, 12),
-                                                                 cos, sin, False, 8, [240, 60, 12, 1], [120, 60, 12, 1])
-    yield "fused_linear_cross_entropy/mean", adapt.fused_linear_cross_entropy, (
-        hidden, head, labels, None, -100, 0.1, 1e-4, 30.0, "mean", 4, True, True, False)
-    yield "fused_linear_cross_entropy/none+bias", adapt.fused_linear_cross_entropy, (
-        hidden, head, labels, leaf(40), -100, 0.0, 0.0, None, "none", None, True, True, True)
-    yield "fused_linear_cross_entropy_backward", adapt.fused_linear_cross_entropy_backward, (
-        torch.randn(6), hidden.detach(), head.detach(), labels, torch.randn(40), -100, 0.0, 0.0, None, None, True,
-        True, True)
+    yield (
+        "apply_rotary_backward",
+        adapt.apply_rotary_backward,
+        (torch.randn(2, 4, 5, 12), torch.randn(2, 2, 5, 12), cos, sin, False, 8, [240, 60, 12, 1], [120, 60, 12, 1]),
+    )
+    yield (
+        "fused_linear_cross_entropy/mean",
+        adapt.fused_linear_cross_entropy,
+        (hidden, head, labels, None, -100, 0.1, 1e-4, 30.0, "mean", 4, True, True, False),
+    )
+    yield (
+        "fused_linear_cross_entropy/none+bias",
+        adapt.fused_linear_cross_entropy,
+        (hidden, head, labels, leaf(40), -100, 0.0, 0.0, None, "none", None, True, True, True),
+    )
+    yield (
+        "fused_linear_cross_entropy_backward",
+        adapt.fused_linear_cross_entropy_backward,
+        (
+            torch.randn(6),
+            hidden.detach(),
+            head.detach(),
+            labels,
+            torch.randn(40),
+            -100,
+            0.0,
+            0.0,
+            None,
+            None,
+            True,
+            True,
+            True,
+        ),
+    )
     yield "moe_route", adapt.moe_route, (leaf(5, 8), 2, "sigmoid", 2, 1, True, torch.randn(8), 1.5)
-    yield "moe_route_backward", adapt.moe_route_backward, (torch.randn(5, 2), torch.randn(5, 4), ids, 2, "softmax",
-                                                           True, 1.0)
+    yield (
+        "moe_route_backward",
+        adapt.moe_route_backward,
+        (torch.randn(5, 2), torch.randn(5, 4), ids, 2, "softmax", True, 1.0),
+    )
     yield "moe_sort", adapt.moe_sort, (ids, 4)
     yield "moe_permute", adapt.moe_permute, (leaf(5, 8), source, position)
     yield "moe_combine", adapt.moe_combine, (torch.randn(10, 8), position)
     yield "moe_unpermute", adapt.moe_unpermute, (expert_rows, torch.rand(5, 2).requires_grad_(), position)
-    yield "moe_unpermute_backward", adapt.moe_unpermute_backward, (torch.randn(5, 8), torch.randn(10, 8),
-                                                                   torch.rand(5, 2), position)
+    yield (
+        "moe_unpermute_backward",
+        adapt.moe_unpermute_backward,
+        (torch.randn(5, 8), torch.randn(10, 8), torch.rand(5, 2), position),
+    )
     yield "grouped_gemm", adapt.grouped_gemm, (leaf(10, 8), bank, offsets, [])
-    yield "grouped_gemm_backward", adapt.grouped_gemm_backward, (torch.randn(10, 12), torch.randn(10, 8),
-                                                                 bank.detach(), offsets, True, True, [])
+    yield (
+        "grouped_gemm_backward",
+        adapt.grouped_gemm_backward,
+        (torch.randn(10, 12), torch.randn(10, 8), bank.detach(), offsets, True, True, []),
+    )
 
 
 CASES = list(cases())

@@ -70,19 +70,33 @@ def test_rotary_shared_positions_real_head_dim():
     _check(q, k, cos, sin, False, 128, torch.bfloat16)
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
-    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
-    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ],
+)
 def test_rotary_matches_hf_with_config_scaling(rope_parameters):
     """cos/sin from HF's rotary module (scaling read from the config) rotate q/k exactly as HF does."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_parameters=rope_parameters)
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters=rope_parameters,
+    )
     rotary = LlamaRotaryEmbedding(config).to(DEVICE)
     q = torch.randn(2, 4, 6, 64, device=DEVICE)
     k = torch.randn(2, 2, 6, 64, device=DEVICE)

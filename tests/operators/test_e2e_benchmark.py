@@ -16,8 +16,24 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_tiny_run_trains_each_variant_on_the_same_weights_and_data(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, str(REPO / "benchmarks" / "e2e.py"), "--out", str(tmp_path), "--tiny", "--models", "llama-1b",
-           "--variants", "eager,adapt", "--ops-light", "--steps", "1", "--budget-s", "850", "--variant-timeout-s", "400"]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "e2e.py"),
+        "--out",
+        str(tmp_path),
+        "--tiny",
+        "--models",
+        "llama-1b",
+        "--variants",
+        "eager,adapt",
+        "--ops-light",
+        "--steps",
+        "1",
+        "--budget-s",
+        "850",
+        "--variant-timeout-s",
+        "400",
+    ]
     done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "e2e-cpu-tiny.json").read_text())
@@ -35,5 +51,7 @@ def test_tiny_run_trains_each_variant_on_the_same_weights_and_data(tmp_path):
 
 def test_unknown_variant_is_refused_with_one_line(tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "e2e.py"), "--out", str(tmp_path), "--tiny", "--variants", "nope"]
-    done = subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        cmd, check=False, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "unknown model or variant 'nope'" in done.stderr and "Traceback" not in done.stderr

@@ -20,7 +20,9 @@ CPU = Target("cpu", "float32", True, None)
 def head_plan(path: str):
     """The family's plan reduced to its loss choice, so only the fused loss differs from the model."""
     model, plan = planned(path, target=CPU)
-    return model, dataclasses.replace(plan, components=[c for c in plan.components if c.kind == "lm_head_cross_entropy"])
+    return model, dataclasses.replace(
+        plan, components=[c for c in plan.components if c.kind == "lm_head_cross_entropy"]
+    )
 
 
 @pytest.fixture
@@ -48,7 +50,12 @@ def test_fused_loss_equals_hf_loss_and_gradients(zoo, family, kernel_calls):
     model, plan = head_plan(str(zoo(family)))
     (choice,) = plan.components
     assert (choice.provider, choice.kernel, choice.status, choice.patch, choice.confirmed) == (
-        "adapt-triton", "fused_linear_cross_entropy", "fused", True, True)
+        "adapt-triton",
+        "fused_linear_cross_entropy",
+        "fused",
+        True,
+        True,
+    )
     assert (choice.variant["final_softcap"] is not None) == (family == "gemma2")
     ids, labels = batch()
     _, ref_loss, ref_grads = loss_and_grads(model, input_ids=ids, labels=labels)
@@ -75,11 +82,15 @@ def test_num_items_in_batch_and_shift_labels_follow_hf(zoo, kernel_calls):
     shifted = torch.randint(0, 256, ids.shape)
     shifted[1, :4] = -100
     with torch.no_grad():
-        want = [model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
-                model(input_ids=ids, labels=labels, shift_labels=shifted).loss]
+        want = [
+            model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
+            model(input_ids=ids, labels=labels, shift_labels=shifted).loss,
+        ]
         with apply_kernel_plan(model, plan):
-            got = [model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
-                   model(input_ids=ids, labels=labels, shift_labels=shifted).loss]
+            got = [
+                model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
+                model(input_ids=ids, labels=labels, shift_labels=shifted).loss,
+            ]
     assert kernel_calls == ["sum", "mean"]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
@@ -147,4 +158,3 @@ def test_trainer_uses_the_fused_loss_and_trains_like_the_unpatched_model(zoo, ke
         if handle:
             handle.revert()
     assert torch.allclose(torch.tensor(curves[True]), torch.tensor(curves[False]), rtol=1e-5, atol=1e-6), curves
-

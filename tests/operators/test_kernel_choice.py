@@ -105,7 +105,14 @@ def test_a_hand_kernel_that_beats_inductor_stays_and_eager_timings_are_kept_apar
     eager = _choose(norm, norm_providers(), Profile(), CUDA, model, compiled=False)
     assert eager.provider == "adapt" and eager.timings == {} and len(timed) == 1
     # the compiled timings came from the cache: the same shape is never timed twice
-    _choose(Component("1", "rms_norm", {"width": 8, "eps": 1e-6}, True), norm_providers(), Profile(), CUDA, model, compiled=True)
+    _choose(
+        Component("1", "rms_norm", {"width": 8, "eps": 1e-6}, True),
+        norm_providers(),
+        Profile(),
+        CUDA,
+        model,
+        compiled=True,
+    )
     assert len(timed) == 1
 
 
@@ -138,6 +145,7 @@ def test_repetitions_stop_once_the_spread_is_known():
         def run(fn):
             calls[name] += 1
             return next(source)
+
         return run
 
     assert benchmark.time_ms(lambda: None, timer("steady", steady), warmup=1) == 1.0

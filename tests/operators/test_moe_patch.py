@@ -50,7 +50,9 @@ def test_zoo_moe_runs_on_triton_kernels_with_identical_logits_and_gradients(zoo,
     model, inventory, recognition = recognised(str(zoo(family)))
     plan = plan_kernels(inventory, recognition, load_profile("cuda-hopper"), CPU_TRAIN)
     moes = [c for c in plan.components if c.kind == "moe"]
-    assert moes and all((c.provider, c.kernel, c.status, c.patch) == ("adapt-triton", "moe_grouped_gemm", "fused", True) for c in moes)
+    assert moes and all(
+        (c.provider, c.kernel, c.status, c.patch) == ("adapt-triton", "moe_grouped_gemm", "fused", True) for c in moes
+    )
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(0, model.config.vocab_size, (2, 3))
     ref_logits, ref_aux, ref_grads = forward_backward(model, ids, aux_loss)
@@ -67,7 +69,9 @@ def test_zoo_moe_runs_on_triton_kernels_with_identical_logits_and_gradients(zoo,
 
     handle.revert()
     assert not any("forward" in model.get_submodule(c.module).__dict__ for c in moes)
-    assert model.state_dict().keys() == state.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert model.state_dict().keys() == state.keys() and all(
+        torch.equal(model.state_dict()[k], v) for k, v in state.items()
+    )
     again, _, _ = forward_backward(model, ids)
     assert torch.equal(again, ref_logits)
 
@@ -123,7 +127,11 @@ class Dispatcher(nn.Module):
 class Common(nn.Module):
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.c = nn.Linear(HIDDEN, 11, bias=False), nn.Linear(HIDDEN, 11, bias=False), nn.Linear(11, HIDDEN, bias=False)
+        self.a, self.b, self.c = (
+            nn.Linear(HIDDEN, 11, bias=False),
+            nn.Linear(HIDDEN, 11, bias=False),
+            nn.Linear(11, HIDDEN, bias=False),
+        )
 
     def forward(self, x):
         return self.c(F.silu(self.a(x)) * self.b(x))
@@ -168,7 +176,11 @@ def routing_margin(module: Bazaar, x: torch.Tensor) -> float:
     group_scores, choice = module.dispatch.last_choice
     groups = group_scores.sort(dim=-1, descending=True).values
     experts = choice.sort(dim=-1, descending=True).values
-    return float(torch.minimum(groups[:, TOPK_GROUP - 1] - groups[:, TOPK_GROUP], experts[:, TOP_K - 1] - experts[:, TOP_K]).min())
+    return float(
+        torch.minimum(
+            groups[:, TOPK_GROUP - 1] - groups[:, TOPK_GROUP], experts[:, TOP_K - 1] - experts[:, TOP_K]
+        ).min()
+    )
 
 
 @pytest.mark.parametrize("call_router", [True, False], ids=["router-module-call", "router-weights-only"])
@@ -179,8 +191,20 @@ def test_recognised_hand_built_moe_matches_float64_reference(call_router):
     v = moe.variant
     assert moe.confirmed and triton_moe.unsupported_reason(v) is None
     assert (v["router_bias"], v["correction_bias"], v["outputs"]) == ("offset", "nudge", "hidden+router_logits")
-    assert (v["gate_up_bank"], v["gate_up_layout"], v["down_bank"], v["down_layout"]) == ("moe.fuse", "in_out", "moe.drain", "in_out")
-    assert (v["gate_first"], v["activation"], v["scoring"], v["top_k"], v["n_group"], v["topk_group"]) == (False, "gelu", "sigmoid", 3, 3, 2)
+    assert (v["gate_up_bank"], v["gate_up_layout"], v["down_bank"], v["down_layout"]) == (
+        "moe.fuse",
+        "in_out",
+        "moe.drain",
+        "in_out",
+    )
+    assert (v["gate_first"], v["activation"], v["scoring"], v["top_k"], v["n_group"], v["topk_group"]) == (
+        False,
+        "gelu",
+        "sigmoid",
+        3,
+        3,
+        2,
+    )
     assert v["routed_scale"] == pytest.approx(SCALE) and v["shared_experts"] == "moe.common"
     assert v["router_logits_output"] == 0  # first of the Dispatcher's (logits, weights, ids)
     assert v["stochastic_in_training"] is False

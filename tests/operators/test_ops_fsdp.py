@@ -44,5 +44,7 @@ SCRIPT = textwrap.dedent(
 
 def test_patched_model_under_fully_shard(zoo, tmp_path):
     script = SCRIPT.format(here=str(Path(__file__).parent), path=str(zoo("llama")), store=str(tmp_path / "store"))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+    )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

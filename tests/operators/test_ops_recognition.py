@@ -19,7 +19,9 @@ def test_llama_kinds(zoo):
     _, _, rec = recognised(str(zoo("llama")))
     norms = by_module(rec, "rms_norm")
     assert set(norms) >= {"model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"}
-    assert all(n.variant["offset"] == 0.0 and n.variant["cast"] == "llama" and n.variant["eps"] == 1e-6 for n in norms.values())
+    assert all(
+        n.variant["offset"] == 0.0 and n.variant["cast"] == "llama" and n.variant["eps"] == 1e-6 for n in norms.values()
+    )
     (mlp,) = [c for c in kinds(rec, "gated_mlp") if c.module == "model.layers.0.mlp"]
     assert mlp.variant["activation"] == "silu" and (mlp.variant["gate"], mlp.variant["up"]) == ("gate_proj", "up_proj")
     attn = by_module(rec, "attention")["model.layers.0.self_attn"].variant
@@ -73,7 +75,13 @@ def test_deepseek_v3_mla_and_grouped_sigmoid_moe(zoo):
     moe = by_module(rec, "moe")
     assert set(moe) == {"model.layers.1.mlp", "model.layers.2.mlp"}
     v = moe["model.layers.1.mlp"].variant
-    assert (v["scoring"], v["top_k"], v["n_group"], v["topk_group"], v["group_score"]) == ("sigmoid", 2, 4, 2, "top2_sum")
+    assert (v["scoring"], v["top_k"], v["n_group"], v["topk_group"], v["group_score"]) == (
+        "sigmoid",
+        2,
+        4,
+        2,
+        "top2_sum",
+    )
     assert v["selection_bias"] and v["normalize_topk"] and v["routed_scale"] == 2.5 and v["activation"] == "silu"
     assert v["shared_experts"] == "model.layers.1.mlp.shared_experts" and v["num_experts"] == 8
 
@@ -83,7 +91,10 @@ def test_softmax_routed_moe(zoo, family):
     _, _, rec = recognised(str(zoo(family)))
     moes = kinds(rec, "moe")
     assert len(moes) == 2
-    assert all(m.variant["scoring"] == "softmax" and m.variant["top_k"] == 2 and m.variant["shared_experts"] is None for m in moes)
+    assert all(
+        m.variant["scoring"] == "softmax" and m.variant["top_k"] == 2 and m.variant["shared_experts"] is None
+        for m in moes
+    )
 
 
 def test_qwen_families(zoo):
@@ -98,7 +109,10 @@ def test_gpt2_layernorm_and_plain_gelu_mlp(zoo):
     assert len(kinds(rec, "layer_norm")) == 5 and not kinds(rec, "rms_norm")
     mlps = kinds(rec, "mlp")
     assert len(mlps) == 2 and all(m.variant["activation"] == "gelu_tanh" for m in mlps)
-    assert all(a.variant["causal"] and a.variant["rope"] is None and a.variant["layout"] == "mha" for a in kinds(rec, "attention"))
+    assert all(
+        a.variant["causal"] and a.variant["rope"] is None and a.variant["layout"] == "mha"
+        for a in kinds(rec, "attention")
+    )
 
 
 def test_bert_bidirectional_attention(zoo):
@@ -145,7 +159,9 @@ class CentredRawRms(FooNorm):
     """Mean-centred numerator, un-centred RMS denominator: neither RMSNorm nor LayerNorm."""
 
     def forward(self, h):
-        return self.scale_vec * (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.tiny)
+        return (
+            self.scale_vec * (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.tiny)
+        )
 
 
 class EpsOutsideSqrt(FooNorm):
@@ -211,7 +227,11 @@ class GluMlp(nn.Module):
 
     def __init__(self, gate_act):
         super().__init__()
-        self.a, self.b, self.c = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+        self.a, self.b, self.c = (
+            nn.Linear(32, 64, bias=False),
+            nn.Linear(32, 64, bias=False),
+            nn.Linear(64, 32, bias=False),
+        )
         self.gate_act = gate_act
 
     def forward(self, x):
@@ -226,7 +246,9 @@ def recognise_mlp(gate_act):
 
 def test_swiglu_in_a_plain_container_is_recognised():
     comps, _ = recognise_mlp(torch.nn.functional.silu)
-    assert [(c.kind, c.variant["activation"], c.variant["gate"], c.variant["up"]) for c in comps] == [("gated_mlp", "silu", "a", "b")]
+    assert [(c.kind, c.variant["activation"], c.variant["gate"], c.variant["up"]) for c in comps] == [
+        ("gated_mlp", "silu", "a", "b")
+    ]
 
 
 def test_glu_lookalike_mlp_is_rejected():

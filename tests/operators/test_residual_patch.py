@@ -14,9 +14,9 @@ import torch
 from ops_testlib import count_kernel_calls, planned
 from torch import nn
 
+from adapt.model.blocks import find_blocks
 from operators import apply_kernel_plan, kernels, load_profile, plan_kernels
 from operators.inventory import trace_callable
-from adapt.model.blocks import find_blocks
 from operators.recognition import recognise
 from operators.registry import Target
 
@@ -24,8 +24,13 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kern
 
 CPU = Target("cpu", "float32", True, None)
 # family -> the norm each decoder layer's add feeds (Gemma-2 adds after its sandwich norm, then pre-norms the MLP)
-FAMILIES = {"llama": "post_attention_layernorm", "gemma2": "pre_feedforward_layernorm", "deepseek_v3": "post_attention_layernorm",
-            "mixtral": "post_attention_layernorm", "custom": None}
+FAMILIES = {
+    "llama": "post_attention_layernorm",
+    "gemma2": "pre_feedforward_layernorm",
+    "deepseek_v3": "post_attention_layernorm",
+    "mixtral": "post_attention_layernorm",
+    "custom": None,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +71,9 @@ def test_fused_add_norm_matches_the_model_and_reverts(zoo, family, monkeypatch):
     model, plan = fusion_plan(str(zoo(family)))
     choices = plan.components
     layers = len(find_blocks(model))
-    assert len(choices) == layers and all((c.provider, c.kernel, c.status, c.patch) == ("adapt-triton", "add_rms_norm", "fused", True) for c in choices)
+    assert len(choices) == layers and all(
+        (c.provider, c.kernel, c.status, c.patch) == ("adapt-triton", "add_rms_norm", "fused", True) for c in choices
+    )
     if FAMILIES[family]:
         assert {c.module.rsplit(".", 1)[1] for c in choices} == {FAMILIES[family]}
     calls = count_kernel_calls(monkeypatch, "add_rms_norm", lambda args, kwargs: args[0].shape)
@@ -78,7 +85,12 @@ def test_fused_add_norm_matches_the_model_and_reverts(zoo, family, monkeypatch):
     handle = apply_kernel_plan(model, plan)
     torch.random.set_rng_state(state)
     assert_close(forward_backward(model, ids), reference)
-    assert len(calls) == layers and handle.residual_fusion() == {"pairs": layers, "fused": layers, "missed": 0, "idle": 0}
+    assert len(calls) == layers and handle.residual_fusion() == {
+        "pairs": layers,
+        "fused": layers,
+        "missed": 0,
+        "idle": 0,
+    }
     assert torch._C._len_torch_function_stack() == 0
     handle.revert()
     assert patch_state(model) == before
@@ -170,7 +182,12 @@ def test_a_block_off_the_traced_path_runs_unfused_and_counts_the_miss():
     plan = block_plan(block, x)
     before = patch_state(block)
     (choice,) = plan.components
-    assert (choice.module, choice.variant["add_in"], choice.variant["add_after"], choice.variant["add_index"]) == ("norm", "", "branch", 0)
+    assert (choice.module, choice.variant["add_in"], choice.variant["add_after"], choice.variant["add_index"]) == (
+        "norm",
+        "",
+        "branch",
+        0,
+    )
     reference = block(x)
     with apply_kernel_plan(block, plan) as handle:
         assert torch.allclose(block(x), reference, rtol=1e-5, atol=1e-6)

@@ -19,7 +19,13 @@ from operators.registry import Target
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in Triton's CPU interpreter")
 
 CPU = Target("cpu", "float32", True, None)
-FAMILIES = {"llama": "half", "qwen3": "half", "gemma2": "half", "deepseek_v3": "deinterleaved", "glm_partial": "interleaved"}
+FAMILIES = {
+    "llama": "half",
+    "qwen3": "half",
+    "gemma2": "half",
+    "deepseek_v3": "deinterleaved",
+    "glm_partial": "interleaved",
+}
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +40,18 @@ def checkpoint(zoo, tmp_path_factory):
             from transformers import AutoConfig, AutoModelForCausalLM
 
             config = AutoConfig.for_model(
-                "glm", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+                "glm",
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                partial_rotary_factor=0.5,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=1,
             )
             AutoModelForCausalLM.from_config(config).save_pretrained(out)
         return str(out)
@@ -72,7 +88,9 @@ def forward_backward(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor,
 def test_patched_rope_matches_the_model_and_reverts(checkpoint, family, kernel_calls):
     model, plan = rope_plan(checkpoint(family))
     choices = plan.components
-    assert choices and {(c.provider, c.status, c.patch, c.variant["style"]) for c in choices} == {("adapt-triton", "fused", True, FAMILIES[family])}
+    assert choices and {(c.provider, c.status, c.patch, c.variant["style"]) for c in choices} == {
+        ("adapt-triton", "fused", True, FAMILIES[family])
+    }
     assert all(c.variant["rotary_dim"] < c.variant["head_dim"] for c in choices) == (family == "glm_partial")
     attn = attention_modules(model, plan)
     scope, name = forward_function(attn[0]).__globals__, choices[0].variant["global"]
@@ -145,7 +163,10 @@ def test_plan_json_shows_rope_fused_by_adapt_triton(zoo):
     rope = [c for c in data["components"] if c["kind"] == "rotary_application"]
     attention = [c["module"] for c in data["components"] if c["kind"] == "attention"]
     assert [c["module"] for c in rope] == attention
-    assert all(c["provider"] == "adapt-triton" and c["status"] == "fused" and c["kernel"] == "apply_rotary (half)" for c in rope)
+    assert all(
+        c["provider"] == "adapt-triton" and c["status"] == "fused" and c["kernel"] == "apply_rotary (half)"
+        for c in rope
+    )
     assert all(c["variant"]["function"].endswith(".apply_rotary_pos_emb") and c["confirmed"] for c in rope)
     # the attention module's own decision still owns its traced ops
     owners = {o.status for o in plan.ops if any(m.startswith(attention[0]) for m in o.modules)}
@@ -159,7 +180,10 @@ def test_plan_json_shows_rope_fused_by_adapt_triton(zoo):
 
 def rotate_pairs(q, k, cos, sin, unsqueeze_dim=1):
     """Interleaved pairs rotated in place (GPT-J style), tables in cat(f, f) layout."""
-    c, s = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim), sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    c, s = (
+        cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim),
+        sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim),
+    )
 
     def one(x):
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -247,4 +271,6 @@ def test_custom_model_gets_no_rope_patch_and_says_why(zoo):
     assert [c.module for c in rope] == [c.module for c in recognition.by_kind("attention")] != []
     assert all(not c.confirmed and "_spin" in c.evidence and "rotates (q, k) together" in c.evidence for c in rope)
     _, plan = planned(str(zoo("custom")), target=CPU)
-    assert {(c.provider, c.status, c.patch) for c in plan.components if c.kind == "rotary_application"} == {(None, "native", False)}
+    assert {(c.provider, c.status, c.patch) for c in plan.components if c.kind == "rotary_application"} == {
+        (None, "native", False)
+    }

@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 from pipeline_helpers import EXAMPLE, adapt_run, cli, load
 
-from adapt.core.errors import BadInput
 from adapt.app.pipeline.options import (
     LOCAL_CLUSTER,
     DeviceDescription,
@@ -16,6 +15,7 @@ from adapt.app.pipeline.options import (
     defaults_help,
     max_positions,
 )
+from adapt.core.errors import BadInput
 
 CPU = DeviceDescription("cpu")
 H200 = DeviceDescription("cuda", "NVIDIA H200", 1, 141 * 2**30)  # a GPU described, not present
@@ -103,9 +103,9 @@ def test_cached_typed_results_are_read_back_not_recomputed(tmp_path):
 @pytest.fixture(scope="module")
 def planned():
     """The example's ModelSpec and its plan for the CPU's default cluster."""
-    from adapt.model.intake import build_spec, resolve_source
     from adapt.app.clusters import target_cluster
     from adapt.app.pipeline.stages import plan_workload
+    from adapt.model.intake import build_spec, resolve_source
     from parallel_planner.search import plan_parallel
 
     spec = build_spec(resolve_source(str(EXAMPLE)))

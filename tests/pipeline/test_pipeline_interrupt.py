@@ -92,7 +92,9 @@ def test_a_second_run_on_the_same_directory_refuses(tmp_path, capsys):
     with RunLock(out):  # as if another process were running there
         assert adapt_run(EXAMPLE, out, "--stages", "intake") == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and re.search(rf"--out {re.escape(str(out))}: another adapt run \(pid {os.getpid()}\)", err[0])
+        assert len(err) == 1 and re.search(
+            rf"--out {re.escape(str(out))}: another adapt run \(pid {os.getpid()}\)", err[0]
+        )
         assert not (out / "stages").exists()
     assert adapt_run(EXAMPLE, out, "--stages", "intake") == 0  # released: the next run proceeds
 
@@ -103,7 +105,11 @@ def test_the_lock_is_released_when_its_holder_dies(tmp_path):
 
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from adapt.app.pipeline.store import RunLock; lock = RunLock({str(out)!r}); lock.acquire(); print(1, flush=True); input()"],
+        [
+            sys.executable,
+            "-c",
+            f"from adapt.app.pipeline.store import RunLock; lock = RunLock({str(out)!r}); lock.acquire(); print(1, flush=True); input()",
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

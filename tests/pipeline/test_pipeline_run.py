@@ -155,4 +155,3 @@ def test_broken_kernel_fails_and_junit_names_the_block(tmp_path, monkeypatch):
     assert blocks[0][:2] == ("adapt.alignment.block1", BROKEN_MODULE)
     assert blocks[0][2].startswith("first divergent;")
     assert not any(cls == "adapt.alignment.block0" for cls, _, _ in blocks)
-

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from pipeline_helpers import EXAMPLE, cli
 
-from adapt.core.errors import BadInput
 from adapt.app.pipeline.options import RunOptions
 from adapt.app.pipeline.preflight import check_stage_selection, plan_seq_len_notes
+from adapt.core.errors import BadInput
 from parallel_planner.cluster import parse_cluster_option
 
 GOOD = "gpu: h100\ngpus: 16\n"

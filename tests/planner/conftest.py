@@ -31,5 +31,7 @@ def deepseek_v3_spec(deepseek_v3_dir):
 def spec_json(tmp_path_factory):
     """A ModelSpec JSON file (what ``adapt inspect --json`` writes) of a 1B-class decoder."""
     path = tmp_path_factory.mktemp("spec") / "spec.json"
-    path.write_text(json.dumps(dataclasses.asdict(decoder_spec(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8))))
+    path.write_text(
+        json.dumps(dataclasses.asdict(decoder_spec(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8)))
+    )
     return path

@@ -55,8 +55,9 @@ def _measure(config, layer_cls, rope_cls, seq: int) -> int:
     from parallel_planner.spec_worker import one_intra_op_thread
 
     with one_intra_op_thread():  # small GEMMs: threads only contend on a shared machine
-        return _bytes_saved_for_backward(layer, x, position_embeddings=cos_sin, attention_mask=None,
-                                         position_ids=position_ids)
+        return _bytes_saved_for_backward(
+            layer, x, position_embeddings=cos_sin, attention_mask=None, position_ids=position_ids
+        )
 
 
 def test_activation_model_matches_bytes_saved_by_a_gqa_swiglu_layer():
@@ -64,8 +65,14 @@ def test_activation_model_matches_bytes_saved_by_a_gqa_swiglu_layer():
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     h, f, heads, kv, seq = 1024, 2816, 16, 4, 128
-    config = LlamaConfig(hidden_size=h, intermediate_size=f, num_attention_heads=heads, num_key_value_heads=kv,
-                         num_hidden_layers=1, vocab_size=128)
+    config = LlamaConfig(
+        hidden_size=h,
+        intermediate_size=f,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=1,
+        vocab_size=128,
+    )
     measured = _measure(config, LlamaDecoderLayer, LlamaRotaryEmbedding, seq)
     spec = decoder_spec(layers=1, hidden=h, ffn=f, heads=heads, kv_heads=kv, seq=seq)
     eager = _planner_block_bytes(spec, seq, fused_kernels=False)
@@ -82,8 +89,16 @@ def test_activation_model_matches_bytes_saved_by_an_moe_layer(tmp_path):
     from adapt.model.intake import inspect
 
     seq = 256
-    config = MixtralConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
-                           num_hidden_layers=1, vocab_size=128, num_local_experts=8, num_experts_per_tok=2)
+    config = MixtralConfig(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=128,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
     config.save_pretrained(tmp_path)
     spec = inspect(str(tmp_path), config_only=True, seq_len=seq)  # the spec intake derives, not one written here
     measured = _measure(config, MixtralDecoderLayer, MixtralRotaryEmbedding, seq)
@@ -100,8 +115,13 @@ def test_light_ends_can_give_the_end_chunks_only_the_embedding_and_the_head():
     assert split_layers(1, 4, "light_ends") is None  # a middle chunk would be empty
     # Llama 3 405B as its paper pipelines it: 16 stages, the first and last one layer lighter, 8 chunks each.
     run = next(r for r in load_published_runs() if r.source == "llama3" and r.gpus == 8192)
-    best = plan_parallel(run_spec(run), make_cluster(run.gpu, run.gpus), run.workload(),
-                         fixed=dict(run.layout, vpp=8, split="light_ends", mbs=1), top_k=1).best
+    best = plan_parallel(
+        run_spec(run),
+        make_cluster(run.gpu, run.gpus),
+        run.workload(),
+        fixed=dict(run.layout, vpp=8, split="light_ends", mbs=1),
+        top_k=1,
+    ).best
     chunks = np.array(best.plan.stage_layers).reshape(8, 16)  # chunk j runs on stage j % 16
     assert chunks.sum(axis=0).tolist() == [7] + [8] * 14 + [7]
     assert best.plan.stage_layers[0] == best.plan.stage_layers[-1] == 0
@@ -132,17 +152,26 @@ def test_moe_imbalance_slows_experts_and_all_to_all_and_fills_the_busiest_rank()
     blocks = []
     for b in dense.blocks:  # the same decoder with 16 routed experts of width f, top-2
         routed = experts * 3 * h * f
-        blocks.append(dataclasses.replace(
-            b, mlp=MLPSpec(kind="moe", intermediate_size=f, activation="silu", num_experts=experts, top_k=top_k),
-            params=b.params - 3 * h * f + routed + h * experts,
-            params_active=b.params - 3 * h * f + top_k * 3 * h * f + h * experts,
-            linear_flops_per_token=b.linear_flops_per_token + (top_k - 1) * 6 * h * f + 2 * h * experts))
+        blocks.append(
+            dataclasses.replace(
+                b,
+                mlp=MLPSpec(kind="moe", intermediate_size=f, activation="silu", num_experts=experts, top_k=top_k),
+                params=b.params - 3 * h * f + routed + h * experts,
+                params_active=b.params - 3 * h * f + top_k * 3 * h * f + h * experts,
+                linear_flops_per_token=b.linear_flops_per_token + (top_k - 1) * 6 * h * f + 2 * h * experts,
+            )
+        )
     moe = dataclasses.replace(dense, blocks=blocks)
     fixed = dict(tp=1, pp=1, dp=16, cp=1, ep=8, zero=1, recompute="none", mbs=1, replicate=1)
 
     def plan(spec, imbalance):
-        return plan_parallel(spec, make_cluster("h100", 16), Workload(4096, 64, moe_imbalance=imbalance),
-                             fixed=fixed if spec is moe else dict(fixed, ep=1), top_k=1).best
+        return plan_parallel(
+            spec,
+            make_cluster("h100", 16),
+            Workload(4096, 64, moe_imbalance=imbalance),
+            fixed=fixed if spec is moe else dict(fixed, ep=1),
+            top_k=1,
+        ).best
 
     even, skewed = plan(moe, 1.0), plan(moe, 1.2)
     assert skewed.time_breakdown["compute_per_microbatch"] > even.time_breakdown["compute_per_microbatch"]
@@ -155,9 +184,7 @@ def test_moe_imbalance_slows_experts_and_all_to_all_and_fills_the_busiest_rank()
 
 def test_cold_spec_from_the_worker_is_the_in_process_spec(deepseek_v3_dir, deepseek_v3_spec, tmp_path):
     from adapt.core.source import resolve_source
-    from parallel_planner.spec_worker import describe, describe_in_worker
-
-    from parallel_planner.spec_worker import _answer
+    from parallel_planner.spec_worker import _answer, describe, describe_in_worker
 
     src = resolve_source(str(deepseek_v3_dir), config_only=True)
     in_process = describe(src, 4096)  # one intra-op thread for the probes
@@ -170,11 +197,30 @@ def test_cold_spec_from_the_worker_is_the_in_process_spec(deepseek_v3_dir, deeps
 
 
 def test_cli_moe_imbalance_and_hsdp_in_the_json(spec_json, capsys):
-    argv = ["plan", str(spec_json), "--gpus", "64", "--gpu", "h100", "--seq", "4096", "--global-batch", "256",
-            "--fixed", "tp=1,pp=1,dp=64,cp=1,zero=3,replicate=8", "--top", "1", "--json"]
+    argv = [
+        "plan",
+        str(spec_json),
+        "--gpus",
+        "64",
+        "--gpu",
+        "h100",
+        "--seq",
+        "4096",
+        "--global-batch",
+        "256",
+        "--fixed",
+        "tp=1,pp=1,dp=64,cp=1,zero=3,replicate=8",
+        "--top",
+        "1",
+        "--json",
+    ]
     assert main(argv) == 0
     entry = json.loads(capsys.readouterr().out)["plans"][0]
-    assert (entry["dp_replicate"], entry["dp_shard"]) == (8, 8) == (entry["plan"]["dp_replicate"], entry["plan"]["dp_shard"])
+    assert (
+        (entry["dp_replicate"], entry["dp_shard"])
+        == (8, 8)
+        == (entry["plan"]["dp_replicate"], entry["plan"]["dp_shard"])
+    )
     assert entry["memory_gib_per_gpu"] * GIB > 0
     assert main(argv + ["--moe-imbalance", "0.9"]) == 2
     assert "moe-imbalance" in capsys.readouterr().err

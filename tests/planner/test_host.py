@@ -15,8 +15,16 @@ def _counted_ops_per_layer(model_type: str, **extra) -> float:
 
     counts = []
     for layers in (2, 4):
-        config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                      num_key_value_heads=2, num_hidden_layers=layers, vocab_size=128, **extra)
+        config = AutoConfig.for_model(
+            model_type,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=layers,
+            vocab_size=128,
+            **extra,
+        )
         config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_config(config)
         ids = torch.randint(0, 128, (1, 16))
@@ -30,8 +38,16 @@ def test_host_op_count_matches_transformers_layers(model_type, extra, tmp_path):
 
     from adapt.model.intake import inspect
 
-    AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=2, vocab_size=128, **extra).save_pretrained(tmp_path)
+    AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=128,
+        **extra,
+    ).save_pretrained(tmp_path)
     block = profile_model(inspect(str(tmp_path), config_only=True)).blocks[0]
     counted = _counted_ops_per_layer(model_type, **extra)
     assert block.host_ops == pytest.approx(counted, rel=0.05), (block.host_ops, counted)

@@ -49,7 +49,9 @@ def test_kv_cache_per_sequence_and_tp_split(llama_1b):
     per_token = 16 * 2 * 8 * 64 * 2  # layers x (K, V) x kv heads x head dim x bf16
     assert plans[(1, 1, 1)].kv_gib_per_sequence == pytest.approx(per_token * 8192 / GIB)
     assert plans[(2, 1, 1)].kv_gib_per_sequence == pytest.approx(per_token * 8192 / GIB / 2)
-    assert plans[(1, 2, 1)].kv_gib_per_sequence == pytest.approx(per_token * 8192 / GIB / 2)  # half the layers per stage
+    assert plans[(1, 2, 1)].kv_gib_per_sequence == pytest.approx(
+        per_token * 8192 / GIB / 2
+    )  # half the layers per stage
     assert plans[(1, 1, 1)].memory_breakdown["weights"] == pytest.approx(spec.params.total * 2 / GIB, rel=0.01)
 
 
@@ -70,7 +72,9 @@ def test_time_per_token_is_bytes_over_bandwidth_at_batch_one(llama_1b):
     plan = plan_inference(spec, cluster, ServingWorkload(4096, 1), efficiency=eff).best
     kv = 16 * 2 * 8 * 64 * 2 * 4096
     bytes_read = spec.params.total * 2 + kv  # tied head: the embedding matrix is read once, as the head
-    assert plan.time_breakdown["memory_s"] == pytest.approx(bytes_read / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw), rel=0.02)
+    assert plan.time_breakdown["memory_s"] == pytest.approx(
+        bytes_read / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw), rel=0.02
+    )
     assert plan.time_breakdown["compute_s"] < plan.time_breakdown["memory_s"]  # decode at batch 1 is bandwidth-bound
     assert plan.time_per_output_token_s >= plan.time_breakdown["memory_s"]
 
@@ -93,7 +97,9 @@ def test_sliding_window_layers_cap_their_cache(gemma2_2b):
 
 
 def test_mla_latent_is_not_split_by_tensor_parallelism(deepseek_v3_spec):
-    plans = by_layout(plan_inference(deepseek_v3_spec, make_cluster("h200", 16, 8), ServingWorkload(4096, 8), top_k=200))
+    plans = by_layout(
+        plan_inference(deepseek_v3_spec, make_cluster("h200", 16, 8), ServingWorkload(4096, 8), top_k=200)
+    )
     assert plans[(8, 2, 8)].kv_gib_per_sequence == pytest.approx(plans[(8, 2, 1)].kv_gib_per_sequence)
     one_stage = [p for p in plans.values() if p.pp == 2]
     assert len({round(p.kv_gib_per_sequence, 9) for p in one_stage}) == 1  # the latent is on every TP rank
@@ -106,5 +112,10 @@ def test_cli_prints_one_json_plan_and_rejects_train_only_flags(llama_1b, capsys)
                  "--concurrency", "32", "--json", "--no-cache"]) == 0  # fmt: skip
     data = json.loads(capsys.readouterr().out)
     assert data["mode"] == "inference" and data["plans"][0]["vllm"]["--max-model-len"] == 4096
-    assert main(["plan", str(path), "--config-only", "--gpu", "h200", "--gpus", "2", "--seq", "4096", "--concurrency", "32"]) == 2
+    assert (
+        main(
+            ["plan", str(path), "--config-only", "--gpu", "h200", "--gpus", "2", "--seq", "4096", "--concurrency", "32"]
+        )
+        == 2
+    )
     assert "--concurrency is for --mode inference" in capsys.readouterr().err

@@ -19,8 +19,9 @@ BASE = dict(pp=1, cp=1, zero=1, recompute="none", mbs=1, split="balanced")
 
 
 def _plan(spec, gpus=8, eff=None, batch=64, seq=2048, **knobs):
-    return plan_parallel(spec, make_cluster("h100", gpus), Workload(seq, batch), fixed={**BASE, **knobs}, top_k=1,
-                         efficiency=eff).best
+    return plan_parallel(
+        spec, make_cluster("h100", gpus), Workload(seq, batch), fixed={**BASE, **knobs}, top_k=1, efficiency=eff
+    ).best
 
 
 def test_sequence_parallel_and_tp_overlap_change_memory_and_exposed_comm():
@@ -59,8 +60,16 @@ def test_dtensor_tensor_parallelism_on_a_small_model_is_host_bound():
     assert tp.host_bound and tp.time_breakdown["host_per_microbatch"] > tp.time_breakdown["gpu_per_microbatch"]
     compiled = _plan(spec, gpus=2, tp=2, dp=1, sp=1, eff=dataclasses.replace(eager, compiled=True), batch=8)
     assert compiled.step_time_s < tp.step_time_s
-    big = _plan(decoder_spec(layers=8, hidden=8192, ffn=28672, heads=64, kv_heads=8), tp=8, dp=1, sp=1, eff=eager,
-                batch=8, seq=8192, mbs=4)
+    big = _plan(
+        decoder_spec(layers=8, hidden=8192, ffn=28672, heads=64, kv_heads=8),
+        tp=8,
+        dp=1,
+        sp=1,
+        eff=eager,
+        batch=8,
+        seq=8192,
+        mbs=4,
+    )
     assert not big.host_bound
 
 
@@ -82,8 +91,12 @@ def test_calibration_runs_and_gemm_efficiency_move_the_prediction():
     layout = dict(tp=1, pp=1, dp=1, cp=1, zero=1, recompute="none", mbs=4)
     before = plan_parallel(spec, make_cluster("h200", 1), Workload(2048, 4), fixed=layout, top_k=1).best
     measured = before.tokens_per_s * 0.7  # a measurement 30 % slower than predicted
-    cal = calibration_from_dict({"device": "NVIDIA H200", "runs": [
-        {"gpus": 1, "layout": layout, "seq_len": 2048, "global_batch": 4, "tokens_per_s": measured}]})
+    cal = calibration_from_dict(
+        {
+            "device": "NVIDIA H200",
+            "runs": [{"gpus": 1, "layout": layout, "seq_len": 2048, "global_batch": 4, "tokens_per_s": measured}],
+        }
+    )
     after = plan_parallel(spec, make_cluster("h200", 1), Workload(2048, 4), fixed=layout, top_k=1, calibration=cal).best
     assert after.tokens_per_s == pytest.approx(measured, rel=1e-3)
     faster = calibration_from_dict({"device": "NVIDIA H200", "gemm_efficiency": 0.95})
@@ -106,22 +119,70 @@ def test_throughput_measurements_replan_through_the_cli(spec_json, tmp_path, cap
     cluster, workload = make_cluster("h200", 1), Workload(2048, 4)
     before = plan_parallel(spec, cluster, workload, fixed=layout, top_k=1).best
     measured = calibration_from_measurements(
-        "NVIDIA H200", gemm_tflops=600.0, peak_tflops=989.0, dispatch={"eager_s": 3e-5, "dtensor_s": 9e-5},
-        runs=[{"gpus": 1, "layout": layout, "seq_len": 2048, "global_batch": 4,
-               "tokens_per_s": before.tokens_per_s / 2, "peak_memory_gib": 30.0}])
+        "NVIDIA H200",
+        gemm_tflops=600.0,
+        peak_tflops=989.0,
+        dispatch={"eager_s": 3e-5, "dtensor_s": 9e-5},
+        runs=[
+            {
+                "gpus": 1,
+                "layout": layout,
+                "seq_len": 2048,
+                "global_batch": 4,
+                "tokens_per_s": before.tokens_per_s / 2,
+                "peak_memory_gib": 30.0,
+            }
+        ],
+    )
     after = replan_with_measurements(spec, cluster, workload, measured, fixed=layout, top_k=1)
     assert after.best.tokens_per_s == pytest.approx(before.tokens_per_s / 2, rel=1e-3)
     assert after.efficiency["host"]["eager_s"] == 3e-5
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(measured))
-    assert main(["plan", str(spec_json), "--gpu", "h200", "--gpus", "1", "--seq", "2048", "--global-batch", "4",
-                 "--fixed", "tp=1,pp=1,dp=1,cp=1,zero=1,recompute=none,mbs=4", "--calibration", str(path),
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(spec_json),
+                "--gpu",
+                "h200",
+                "--gpus",
+                "1",
+                "--seq",
+                "2048",
+                "--global-batch",
+                "4",
+                "--fixed",
+                "tp=1,pp=1,dp=1,cp=1,zero=1,recompute=none,mbs=4",
+                "--calibration",
+                str(path),
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["plans"][0]["tokens_per_s"] == pytest.approx(after.best.tokens_per_s, rel=1e-9)
     path.write_text(json.dumps({**measured, "runs": [{"gpus": 1, "tokens_per_s": -1}]}))
-    assert main(["plan", str(spec_json), "--gpu", "h200", "--gpus", "1", "--seq", "2048", "--global-batch", "4",
-                 "--calibration", str(path)]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(spec_json),
+                "--gpu",
+                "h200",
+                "--gpus",
+                "1",
+                "--seq",
+                "2048",
+                "--global-batch",
+                "4",
+                "--calibration",
+                str(path),
+            ]
+        )
+        == 2
+    )
     assert "calibration" in capsys.readouterr().err
 
 
@@ -130,8 +191,21 @@ def test_cli_software_flags_reach_the_time_model(spec_json, capsys):
 
     from adapt.app.cli import main
 
-    argv = ["plan", str(spec_json), "--gpu", "h200", "--gpus", "2", "--seq", "2048", "--global-batch", "8",
-            "--fixed", "tp=2,pp=1,dp=1,cp=1,zero=1,recompute=none,mbs=4", "--json"]
+    argv = [
+        "plan",
+        str(spec_json),
+        "--gpu",
+        "h200",
+        "--gpus",
+        "2",
+        "--seq",
+        "2048",
+        "--global-batch",
+        "8",
+        "--fixed",
+        "tp=2,pp=1,dp=1,cp=1,zero=1,recompute=none,mbs=4",
+        "--json",
+    ]
     times = {}
     for flags in ([], ["--kernels", "eager"], ["--runtime", "megatron"], ["--compiled"]):
         assert main(argv + flags) == 0

@@ -31,14 +31,21 @@ def test_zero_stages_shard_model_states_as_fsdp2_does():
         mem = plan.memory_breakdown
         states[zero] = (mem["parameters"] + mem["gradients"] + mem["optimizer_states"]) * GIB
     # bf16 compute copy (2) + fp32 master (4) + bf16 and fp32 grads (2 + 4) + Adam (8), sharded over 8 as ZeRO says
-    expected = {0: 20 * total, 1: 2 * total + 2 * total + 16 * total / 8, 2: 2 * total + 16 * total / 8, 3: 16 * total / 8}
+    expected = {
+        0: 20 * total,
+        1: 2 * total + 2 * total + 16 * total / 8,
+        2: 2 * total + 16 * total / 8,
+        3: 16 * total / 8,
+    }
     for zero, value in expected.items():
         assert states[zero] == pytest.approx(value, rel=1e-12), zero
 
 
 def test_recompute_trades_activation_memory_for_compute():
     spec = decoder_spec()
-    plans = {r: evaluate(spec, tp=2, pp=1, dp=4, cp=1, zero=1, recompute=r, mbs=2) for r in ("none", "selective", "full")}
+    plans = {
+        r: evaluate(spec, tp=2, pp=1, dp=4, cp=1, zero=1, recompute=r, mbs=2) for r in ("none", "selective", "full")
+    }
     act = {r: p.memory_breakdown["activations"] for r, p in plans.items()}
     assert act["none"] > act["selective"] > act["full"]
     # full recompute keeps each block's bf16 input (sequence-parallel shard) plus one block being recomputed
@@ -107,12 +114,24 @@ def test_calibration_replaces_the_compute_model(tmp_path):
     base = evaluate(spec, **knobs)
     # A "measurement" of every block at twice the modelled forward+backward time must double block compute.
     per_block = base.time_breakdown["compute_per_microbatch"] / spec.num_layers
-    cal = {"device": "NVIDIA H100", "dtype": "bf16", "seq_len": 2048, "micro_batch": 1, "hidden_size": spec.hidden_size,
-           "blocks": [{"index": 0, "forward_s": 2 * per_block / 3, "backward_s": 4 * per_block / 3}]}
+    cal = {
+        "device": "NVIDIA H100",
+        "dtype": "bf16",
+        "seq_len": 2048,
+        "micro_batch": 1,
+        "hidden_size": spec.hidden_size,
+        "blocks": [{"index": 0, "forward_s": 2 * per_block / 3, "backward_s": 4 * per_block / 3}],
+    }
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(cal))
-    slow = plan_parallel(spec, make_cluster("h100", 8), Workload(2048, 64), fixed=dict(knobs, split="balanced"),
-                         top_k=1, calibration=load_calibration(path)).best
+    slow = plan_parallel(
+        spec,
+        make_cluster("h100", 8),
+        Workload(2048, 64),
+        fixed=dict(knobs, split="balanced"),
+        top_k=1,
+        calibration=load_calibration(path),
+    ).best
     ratio = slow.time_breakdown["compute_per_microbatch"] / base.time_breakdown["compute_per_microbatch"]
     assert ratio == pytest.approx(2.0, rel=1e-9)
     path.write_text(json.dumps({**cal, "blocks": [{"index": 99, "forward_s": 1, "backward_s": 1}]}))

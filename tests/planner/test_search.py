@@ -35,7 +35,9 @@ def test_search_beats_every_brute_forced_layout():
         if dp < 1 or tp * pp * cp * dp != 16:
             continue
         for zero, rec, mbs in itertools.product((0, 1, 3), ("none", "full"), (1, 2)):
-            fixed = dict(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, recompute=rec, mbs=mbs, vpp=1, schedule="1f1b", split="balanced")
+            fixed = dict(
+                tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, recompute=rec, mbs=mbs, vpp=1, schedule="1f1b", split="balanced"
+            )
             plan = plan_parallel(spec, cluster, workload, fixed=fixed, top_k=1).best
             if plan.fits:
                 fastest_seen = min(fastest_seen, plan.step_time_s)
@@ -43,8 +45,19 @@ def test_search_beats_every_brute_forced_layout():
     assert best.step_time_s <= fastest_seen * (1 + 1e-12)
     # Re-evaluating the winner with every knob pinned reproduces its prediction.
     p = best.plan
-    pinned = dict(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, recompute=p.recompute, mbs=p.micro_batch,
-                  vpp=p.vpp, schedule=p.pp_schedule, offload=int(p.offload_optimizer))
+    pinned = dict(
+        tp=p.tp,
+        pp=p.pp,
+        dp=p.dp,
+        cp=p.cp,
+        ep=p.ep,
+        zero=p.zero,
+        recompute=p.recompute,
+        mbs=p.micro_batch,
+        vpp=p.vpp,
+        schedule=p.pp_schedule,
+        offload=int(p.offload_optimizer),
+    )
     again = plan_parallel(spec, cluster, workload, fixed=pinned, top_k=1).best
     assert again.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
 
@@ -63,7 +76,9 @@ def test_deepseek_v3_on_2048_h800_respects_every_constraint(deepseek_v3_spec):
         assert sum(p.stage_layers or [61]) == 61 and len(p.stage_layers or [0]) in (1, p.pp * p.vpp)
         assert 0 < ranked.mfu < 1 and ranked.tokens_per_s > 0
     # The published DeepSeek-V3 layout (PP16, EP64 over 8 nodes, ZeRO-1, no TP) fits and is no faster than the search.
-    published = plan_parallel(spec, cluster, Workload(4096, 15360), fixed="tp=1,pp=16,dp=128,cp=1,ep=64,zero=1", top_k=1)
+    published = plan_parallel(
+        spec, cluster, Workload(4096, 15360), fixed="tp=1,pp=16,dp=128,cp=1,ep=64,zero=1", top_k=1
+    )
     assert published.best.fits
     assert result.best.tokens_per_s >= published.best.tokens_per_s
 
@@ -129,8 +144,14 @@ def test_cluster_files_and_local_machine(tmp_path):
 
             local_cluster()
     # What the environment stage reported on one H200 (anchors: 4,274 GB/s copy, ~684 TFLOP/s bf16 matmul).
-    env = {"device_type": "cuda", "devices": [{"name": "NVIDIA H200", "memory_bytes": 150_000_000_000}],
-           "copy_gbps": 4274.0, "matmul_tflops": 684.0, "matmul_dtype": "bfloat16", "allreduce_gbps": None}
+    env = {
+        "device_type": "cuda",
+        "devices": [{"name": "NVIDIA H200", "memory_bytes": 150_000_000_000}],
+        "copy_gbps": 4274.0,
+        "matmul_tflops": 684.0,
+        "matmul_dtype": "bfloat16",
+        "allreduce_gbps": None,
+    }
     measured = cluster_from_environment(env)
     assert measured.gpu.name == "h200" and measured.num_gpus == 1
     assert measured.gpu.gemm_ceiling == pytest.approx(684 / 989) and measured.gpu.hbm_gbps == 4274.0
@@ -138,16 +159,45 @@ def test_cluster_files_and_local_machine(tmp_path):
 
 
 def test_cli_json_contract(spec_json, capsys):
-    code = main([
-        "plan", str(spec_json), "--gpus", "64", "--gpu", "h100", "--seq", "4096", "--global-batch", "256",
-        "--top", "3", "--json",
-    ])
+    code = main(
+        [
+            "plan",
+            str(spec_json),
+            "--gpus",
+            "64",
+            "--gpu",
+            "h100",
+            "--seq",
+            "4096",
+            "--global-batch",
+            "256",
+            "--top",
+            "3",
+            "--json",
+        ]
+    )
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["plans"]) == 3 and data["binding_constraint"]
     for entry in data["plans"]:
-        for key in ("tp", "pp", "dp", "cp", "ep", "zero", "recompute", "micro_batch", "memory_gib_per_gpu",
-                    "memory_breakdown", "step_time_s", "tokens_per_s", "mfu", "hfu", "torchrun", "plan"):
+        for key in (
+            "tp",
+            "pp",
+            "dp",
+            "cp",
+            "ep",
+            "zero",
+            "recompute",
+            "micro_batch",
+            "memory_gib_per_gpu",
+            "memory_breakdown",
+            "step_time_s",
+            "tokens_per_s",
+            "mfu",
+            "hfu",
+            "torchrun",
+            "plan",
+        ):
             assert key in entry
         plan = ParallelPlan.from_dict(entry["plan"])
         assert plan.validate() == [] and plan.world_size == 64
@@ -156,10 +206,22 @@ def test_cli_json_contract(spec_json, capsys):
 
 
 def test_cli_fixed_layout_that_does_not_fit_exits_2(spec_json, capsys):
-    code = main([
-        "plan", str(spec_json), "--gpus", "8", "--gpu", "a100", "--seq", "32768", "--global-batch", "64",
-        "--fixed", "tp=1,pp=1,dp=8,zero=0,recompute=none,mbs=8",
-    ])
+    code = main(
+        [
+            "plan",
+            str(spec_json),
+            "--gpus",
+            "8",
+            "--gpu",
+            "a100",
+            "--seq",
+            "32768",
+            "--global-batch",
+            "64",
+            "--fixed",
+            "tp=1,pp=1,dp=8,zero=0,recompute=none,mbs=8",
+        ]
+    )
     assert code == 2
     assert "does not fit" in capsys.readouterr().err
 
@@ -167,14 +229,29 @@ def test_cli_fixed_layout_that_does_not_fit_exits_2(spec_json, capsys):
 def test_cli_rejects_unknown_gpu_and_too_many_gpus(spec_json, capsys):
     assert main(["plan", str(spec_json), "--gpus", "8", "--gpu", "tpu9", "--seq", "2048", "--global-batch", "8"]) == 2
     assert "not in the catalogue" in capsys.readouterr().err
-    assert main(["plan", str(spec_json), "--gpus", "16384", "--gpu", "h100", "--seq", "2048", "--global-batch", "8"]) == 2
+    assert (
+        main(["plan", str(spec_json), "--gpus", "16384", "--gpu", "h100", "--seq", "2048", "--global-batch", "8"]) == 2
+    )
     assert "no valid layout" in capsys.readouterr().err
 
 
 def test_cli_config_source_is_cached_and_tokens_batch_accepted(zoo, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path / "cache"))
-    argv = ["plan", str(zoo("qwen3_moe")), "--gpus", "8", "--gpu", "h200", "--seq", "256",
-            "--global-batch-tokens", str(64 * 256), "--top", "1", "--json"]
+    argv = [
+        "plan",
+        str(zoo("qwen3_moe")),
+        "--gpus",
+        "8",
+        "--gpu",
+        "h200",
+        "--seq",
+        "256",
+        "--global-batch-tokens",
+        str(64 * 256),
+        "--top",
+        "1",
+        "--json",
+    ]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
     assert len(list((tmp_path / "cache" / "specs").glob("*.json"))) == 1

@@ -87,7 +87,10 @@ def test_launch_command_points_at_the_written_plan_and_no_local_interpreter(repo
                                   "train", "src", "--plan", "plan.json"])  # fmt: skip
     markdown, page = render_markdown(report), _text(render_html(report))
     for rendered in (markdown, page):
-        assert "python -m torch.distributed.run --nproc-per-node 8 -m adapt train src --plan runs/tiny/plan.json" in rendered
+        assert (
+            "python -m torch.distributed.run --nproc-per-node 8 -m adapt train src --plan runs/tiny/plan.json"
+            in rendered
+        )
         assert sys.executable not in rendered
 
 

@@ -29,7 +29,9 @@ def kernel_plans(zoo):
 
     def get(name):
         if name not in plans:
-            plans[name] = run_ops(_src(zoo, name), trust_remote_code=name == "custom", onnx=False, check_patch=False).plan
+            plans[name] = run_ops(
+                _src(zoo, name), trust_remote_code=name == "custom", onnx=False, check_patch=False
+            ).plan
         return plans[name]
 
     return get
@@ -60,14 +62,18 @@ def test_router_that_routes_wrongly_fails_in_its_block(zoo, name):
     """Two experts' router rows swapped in block 1: clear-margin flips are judged, never excused."""
     src = _src(zoo, name)
     moe_block = len(find_blocks(build_skeleton(src)).blocks) - 1
-    report = align(src, dtype="bf16", transform=swap_router_rows(moe_block), options=dataclasses.replace(FAST, parity_steps=0))
+    report = align(
+        src, dtype="bf16", transform=swap_router_rows(moe_block), options=dataclasses.replace(FAST, parity_steps=0)
+    )
     assert not report.passed
     assert report.first_divergent_block == moe_block
     assert any("clear router margin" in note for note in report.notes)
     assert all(layer.passed for layer in report.layers if layer.block is not None and layer.block < moe_block)
 
 
-@pytest.mark.parametrize(("name", "dtype", "factor"), [("llama", "fp32", 1.01), ("custom", "fp32", 1.01), ("qwen3", "bf16", 1.05)])
+@pytest.mark.parametrize(
+    ("name", "dtype", "factor"), [("llama", "fp32", 1.01), ("custom", "fp32", 1.01), ("qwen3", "bf16", 1.05)]
+)
 def test_broken_norm_in_block_1_is_named(zoo, name, dtype, factor):
     src = _src(zoo, name)
     report = align(src, dtype=dtype, transform=scale_norm_output(1, factor), options=FAST)
@@ -118,7 +124,9 @@ def test_report_is_json_serialisable(zoo):
     report = align(_src(zoo, "gpt2"), dtype="bf16", options=FAST)
     data = json.loads(json.dumps(report.to_dict()))
     assert {"passed", "first_divergent", "layers"} <= set(data)
-    assert {"name", "cosine", "rel_err", "max_abs", "err_ratio", "passed", "block", "component"} <= set(data["layers"][0])
+    assert {"name", "cosine", "rel_err", "max_abs", "err_ratio", "passed", "block", "component"} <= set(
+        data["layers"][0]
+    )
 
 
 def test_moe_reference_runs_in_float64(zoo):

@@ -16,7 +16,9 @@ from validators.throughput import BenchOptions, bench
 @pytest.fixture(scope="module")
 def llama_bench(zoo):
     src = resolve_source(str(zoo("llama")))
-    return bench(src, device="cpu", options=BenchOptions(dtype="fp32", seq_len=32, batch=2, steps=2, warmup=1, decode_tokens=4))
+    return bench(
+        src, device="cpu", options=BenchOptions(dtype="fp32", seq_len=32, batch=2, steps=2, warmup=1, decode_tokens=4)
+    )
 
 
 def test_bench_measures_both_variants(llama_bench):
@@ -49,7 +51,9 @@ def test_bench_depth_truncated_at_real_width(zoo):
     with pytest.raises(Exception, match="align without --streamed|--max-layers"):
         bench(src, options=BenchOptions(dtype="fp32", seq_len=16, steps=1, warmup=1, max_layers=9))
     src = resolve_source(str(zoo("qwen3")))
-    report = bench(src, options=BenchOptions(dtype="fp32", seq_len=16, steps=1, warmup=1, decode_tokens=2, max_layers=1))
+    report = bench(
+        src, options=BenchOptions(dtype="fp32", seq_len=16, steps=1, warmup=1, decode_tokens=2, max_layers=1)
+    )
     assert report.truncated and report.layers_measured == 1 and report.layers_total == 2
     assert len(report.calibration["blocks"]) == 1
     assert any("depth-truncated" in note for note in report.notes)
@@ -81,8 +85,13 @@ def test_cli_contract(zoo, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["align", str(zoo("qwen2")), "--dtype", "fp8"])
     assert exc.value.code == 2
-    for argv in (["align", "/no/such/dir"], ["align", str(zoo("qwen2")), "--seq", "1"], ["bench", str(zoo("qwen2")), "--steps", "0"],
-                 ["align", str(zoo("qwen2")), "--device", "tpu"], ["env", "--plan", "/no/plan.json"]):
+    for argv in (
+        ["align", "/no/such/dir"],
+        ["align", str(zoo("qwen2")), "--seq", "1"],
+        ["bench", str(zoo("qwen2")), "--steps", "0"],
+        ["align", str(zoo("qwen2")), "--device", "tpu"],
+        ["env", "--plan", "/no/plan.json"],
+    ):
         assert main(argv) == 2, argv
     assert main(["env", "--json", "--device", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["device_type"] == "cpu"

@@ -40,7 +40,9 @@ def test_decoder_reuses_its_cache_across_prompts(zoo, fresh_seed):
     decoder = StaticDecoder(model, 2, 20, compile=False)
     first = decoder.generate(ids, 6)
     other = torch.flip(ids, dims=[1])
-    assert torch.equal(decoder.generate(other, 6), dynamic_greedy(model, other, 6))  # nothing left from the first prompt
+    assert torch.equal(
+        decoder.generate(other, 6), dynamic_greedy(model, other, 6)
+    )  # nothing left from the first prompt
     assert torch.equal(decoder.generate(ids, 6), first)
     with pytest.raises(ValueError, match="does not fit"):
         decoder.prefill(torch.zeros(3, 4, dtype=torch.long))
@@ -86,7 +88,9 @@ def test_timings_split_prefill_and_decode(zoo, fresh_seed):
 @pytest.mark.slow
 def test_benchmark_dry_run_writes_json_and_markdown(tmp_path):
     """benchmarks/inference.py at toy sizes, in process: every decode variant, generation alignment, both files."""
-    spec = importlib.util.spec_from_file_location("bench_inference", Path(__file__).parents[2] / "benchmarks" / "inference.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_inference", Path(__file__).parents[2] / "benchmarks" / "inference.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     checkpoint = tmp_path / "llama"
@@ -94,7 +98,12 @@ def test_benchmark_dry_run_writes_json_and_markdown(tmp_path):
     bench.make_kernel_plan(checkpoint)
     entry = {variant: bench.decode_variant(variant, checkpoint, True) for variant in bench.DECODE_VARIANTS}
     entry["generation"] = bench.alignment_variant(checkpoint, True)
-    results = {"sizes": bench.sizes(True), "shapes": {"llama-1b": entry}, "budget_s": 0, "environment": bench.environment()}
+    results = {
+        "sizes": bench.sizes(True),
+        "shapes": {"llama-1b": entry},
+        "budget_s": 0,
+        "environment": bench.environment(),
+    }
     bench.write(tmp_path, "inference-tiny", results)
     data = json.loads((tmp_path / "inference-tiny.json").read_text())
     rows = data["shapes"]["llama-1b"]["adapted"]["rows"]
@@ -107,8 +116,12 @@ def test_benchmark_dry_run_writes_json_and_markdown(tmp_path):
 def test_decode_comparison_runs_every_variant_on_the_same_prompts(zoo):
     src = resolve_source(str(zoo("qwen2")))
     timings = decode_comparison(src, None, "cpu", torch.float32, batches=(1, 2), prompt_len=8, new_tokens=4, repeats=1)
-    assert [(t.variant, t.batch) for t in timings] == [(v, b) for v in ("hf-eager", "hf-static-compile", "adapted") for b in (1, 2)]
+    assert [(t.variant, t.batch) for t in timings] == [
+        (v, b) for v in ("hf-eager", "hf-static-compile", "adapted") for b in (1, 2)
+    ]
     by_batch = {}
     for t in timings:
         by_batch.setdefault(t.batch, []).append(t.tokens)
-    assert all(tokens[0] == tokens[1] == tokens[2] for tokens in by_batch.values())  # same greedy tokens, three cache paths
+    assert all(
+        tokens[0] == tokens[1] == tokens[2] for tokens in by_batch.values()
+    )  # same greedy tokens, three cache paths

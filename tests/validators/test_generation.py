@@ -153,7 +153,10 @@ def test_config_only_source_gets_one_set_of_random_weights(zoo, tmp_path):
 def test_cli_exit_codes(zoo, capsys):
     from adapt.app.cli import main
 
-    assert main(["generate-check", str(zoo("llama")), "--no-kernels", "--new-tokens", "4", "--prompts", "2", "--json"]) == 0
+    assert (
+        main(["generate-check", str(zoo("llama")), "--no-kernels", "--new-tokens", "4", "--prompts", "2", "--json"])
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["verdict"] == "passed" and data["new_tokens"] == 4
     assert main(["generate-check", str(zoo("llama")), "--new-tokens", "0"]) == 2

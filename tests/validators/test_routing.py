@@ -73,7 +73,7 @@ def test_record_routing_attributes_topk_to_the_component():
     x = torch.randn(2, 3, 4)
     with record_routing([(Probe("blocks.0.moe", 0, "moe"), block["moe"])]) as rec:
         block["moe"](x)
-    (key, call), = rec.calls.items()
+    ((key, call),) = rec.calls.items()
     assert key == ("blocks.0.moe", 0) and rec.block_of["blocks.0.moe"] == 0
     assert call.scores.shape == (6, 6) and call.chosen.shape == (6, 2)
     want = torch.softmax(block["moe"].gate(x), -1).reshape(6, 6).topk(2, dim=-1).indices.sort(-1).values
@@ -112,7 +112,9 @@ def test_a_mostly_undecidable_draw_is_redrawn_and_said(monkeypatch, zoo):
     def fake_full_align(src, dtype, device, limits, transform, opts, seed):
         seeds.append(seed)
         logits = LayerResult("logits", None, None, 1.0, 0.0, 0.0, 1.0, 0.0, True, excluded_tokens=next(shares))
-        return align_module.AlignmentReport(src.text, dtype, device, "float32", False, seed, {}, passed=True, layers=[logits])
+        return align_module.AlignmentReport(
+            src.text, dtype, device, "float32", False, seed, {}, passed=True, layers=[logits]
+        )
 
     monkeypatch.setattr(align_module, "_full_align", fake_full_align)
     src = resolve_source(str(zoo("llama")))

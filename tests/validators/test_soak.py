@@ -19,8 +19,27 @@ STEPS, EVERY = 40, 8
 
 
 def _cmd(src, ckpt) -> list[str]:
-    return [sys.executable, "-m", "adapt.app.cli", "soak", str(src), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
-            "--ckpt-dir", str(ckpt), "--dtype", "fp32", "--seq", "64", "--batch", "4", "--no-kernels", "--json"]
+    return [
+        sys.executable,
+        "-m",
+        "adapt.app.cli",
+        "soak",
+        str(src),
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        "--ckpt-dir",
+        str(ckpt),
+        "--dtype",
+        "fp32",
+        "--seq",
+        "64",
+        "--batch",
+        "4",
+        "--no-kernels",
+        "--json",
+    ]
 
 
 def _run(cmd) -> dict:

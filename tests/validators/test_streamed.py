@@ -24,7 +24,9 @@ FAST = AlignOptions(batch=2, seq_len=16, backward=False)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3", "gpt2", "bert", "custom", "mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "name", ["llama", "gemma2", "qwen3", "gpt2", "bert", "custom", "mixtral", "qwen3_moe", "deepseek_v3"]
+)
 def test_streamed_alignment_passes(zoo, name, dtype):
     """MoE checkpoints store one tensor per expert; transformers' own conversion stacks them per block."""
     src = resolve_source(str(zoo(name)), trust_remote_code=name == "custom")
@@ -97,8 +99,13 @@ def _write_wide_llama(path, layers: int, hidden: int, ffn: int) -> int:
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=128,
     )
     config.save_pretrained(path)
     skeleton = build_skeleton(resolve_source(str(path), config_only=True))
@@ -117,7 +124,9 @@ def _write_wide_llama(path, layers: int, hidden: int, ffn: int) -> int:
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update({name: fname for name in tensors})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -128,11 +137,27 @@ def test_streamed_peak_memory_stays_below_the_weights(tmp_path):
     weight_bytes = _write_wide_llama(ckpt, layers=20, hidden=1024, ffn=4096)
     budget = 900 * 2**20
     assert weight_bytes > budget * 1.3  # the checkpoint alone does not fit in the budget
-    cmd = [sys.executable, "-m", "adapt.app.cli", "align", str(ckpt), "--streamed", "--dtype", "bf16",
-           "--no-kernels", "--seq", "16", "--batch", "1", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "adapt.app.cli",
+        "align",
+        str(ckpt),
+        "--streamed",
+        "--dtype",
+        "bf16",
+        "--no-kernels",
+        "--seq",
+        "16",
+        "--batch",
+        "1",
+        "--json",
+    ]
     log, result = tmp_path / "stderr.txt", tmp_path / "stdout.json"
     with open(log, "wb") as err, open(result, "wb") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600, check=False)
+        proc = subprocess.run(
+            cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600, check=False
+        )
     assert proc.returncode == 0, log.read_text()[-2000:]
     report = json.loads(result.read_text())
     assert report["passed"] and report["streamed"]

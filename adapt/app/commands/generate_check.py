@@ -23,16 +23,23 @@ from adapt.app.commands.validate import (
 
 def register(sub) -> None:
     parser = sub.add_parser(
-        "generate-check", help="greedy generation vs the unadapted model: tokens, log-probs, KV cache, left-padded batches"
+        "generate-check",
+        help="greedy generation vs the unadapted model: tokens, log-probs, KV cache, left-padded batches",
     )
     _common(parser)
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="candidate dtype (default fp32 on cpu, bf16 on cuda)")
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default=None, help="candidate dtype (default fp32 on cpu, bf16 on cuda)"
+    )
     parser.add_argument("--prompts", type=int, default=3, help="random prompts (default 3; 2+ for the batch check)")
     parser.add_argument("--prompt-len", type=int, default=12, help="tokens in the longest prompt (default 12)")
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     parser.add_argument("--seed", type=int, default=None, help="prompt seed (default: fresh random)")
-    parser.add_argument("--reference", choices=("fp64", "fp32"), default=None,
-                        help="reference dtype (default fp64 on cpu, fp32 on an accelerator)")
+    parser.add_argument(
+        "--reference",
+        choices=("fp64", "fp32"),
+        default=None,
+        help="reference dtype (default fp64 on cpu, fp32 on an accelerator)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -54,9 +61,15 @@ def run(args: argparse.Namespace) -> int:
 def _print(data: dict[str, Any]) -> None:
     rows = [[c["name"], c["steps"], c["worst_err"], c["worst_allowed"], "ok" if c["passed"] else ("-" if not c["checked"] else "FAIL"),
              c["note"]] for c in data["checks"]]  # fmt: skip
-    _table(f"generation {data['dtype']} vs {data['reference_dtype']} reference", ["check", "steps", "worst err", "allowed", "", "note"], rows)
+    _table(
+        f"generation {data['dtype']} vs {data['reference_dtype']} reference",
+        ["check", "steps", "worst err", "allowed", "", "note"],
+        rows,
+    )
     for tie in data["ties"]:
-        print(f"undecidable: prompt {tie['prompt']} step {tie['step']}: token {tie['candidate_token']} vs {tie['reference_token']} "
-              f"(gap {tie['gap']:.3g} nats within the dtype's margin {tie['margin']:.3g})")
+        print(
+            f"undecidable: prompt {tie['prompt']} step {tie['step']}: token {tie['candidate_token']} vs {tie['reference_token']} "
+            f"(gap {tie['gap']:.3g} nats within the dtype's margin {tie['margin']:.3g})"
+        )
     _print_notes(data)
     print(f"{data['verdict'].upper()}: {data['summary']}")

@@ -12,8 +12,12 @@ from adapt.core.spec import ModelSpec
 
 def add_source_flags(parser: argparse.ArgumentParser) -> None:
     """Flags every command that reads a checkpoint shares."""
-    parser.add_argument("source", metavar="SOURCE", help="Hugging Face id org/name[@revision], a directory, or a config.json")
-    parser.add_argument("--config-only", action="store_true", help="never touch the weights (structure from config.json)")
+    parser.add_argument(
+        "source", metavar="SOURCE", help="Hugging Face id org/name[@revision], a directory, or a config.json"
+    )
+    parser.add_argument(
+        "--config-only", action="store_true", help="never touch the weights (structure from config.json)"
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own model code to run")
     parser.add_argument("--allow-pickle", action="store_true", help="accept pickled .bin weights (loaded weights_only)")
 
@@ -37,8 +41,14 @@ def resolve_checked(args: argparse.Namespace, config_only: bool | None = None):
 def register(sub) -> None:
     parser = sub.add_parser("inspect", help="describe a checkpoint: architecture, parameters, FLOPs, KV cache")
     add_source_flags(parser)
-    parser.add_argument("--seq-len", "--seq", dest="seq", type=int, default=None,
-                        help="sequence length for FLOP accounting (default min(4096, max positions))")
+    parser.add_argument(
+        "--seq-len",
+        "--seq",
+        dest="seq",
+        type=int,
+        default=None,
+        help="sequence length for FLOP accounting (default min(4096, max positions))",
+    )
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(func=run)
 
@@ -93,12 +103,20 @@ def print_summary(spec: ModelSpec) -> None:
     for block in spec.distinct_blocks():
         same = [b.index for b in spec.blocks if b.signature() == block.signature()]
         a, m, n = block.attention, block.mlp, block.norm
-        attn = "-" if a is None else f"{a.kind} {a.num_heads}h/{a.num_kv_heads}kv d{a.head_dim}" + (f" win{a.window}" if a.window else "")
-        mlp = f"{m.kind} {m.intermediate_size} {m.activation}" + (f" E{m.num_experts} top{m.top_k}" if m.kind == "moe" else "")
+        attn = (
+            "-"
+            if a is None
+            else f"{a.kind} {a.num_heads}h/{a.num_kv_heads}kv d{a.head_dim}" + (f" win{a.window}" if a.window else "")
+        )
+        mlp = f"{m.kind} {m.intermediate_size} {m.activation}" + (
+            f" E{m.num_experts} top{m.top_k}" if m.kind == "moe" else ""
+        )
         norm = f"{n.kind} {n.placement}" + (" (1+w)" if n.offset else "")
         table.add_row(f"{len(same)}× from {same[0]}", block.mixer, attn, mlp, norm, _human(block.params))
     console.print(table)
-    breakdown = ", ".join(f"{k} {_human(v)}" for k, v in vars(p).items() if v and k not in ("total", "active_per_token"))
+    breakdown = ", ".join(
+        f"{k} {_human(v)}" for k, v in vars(p).items() if v and k not in ("total", "active_per_token")
+    )
     console.print(f"parameter breakdown: {breakdown}")
     if spec.checkpoint:
         ck = spec.checkpoint

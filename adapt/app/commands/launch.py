@@ -32,9 +32,7 @@ def register(subparsers) -> None:
         default="adapt",
         help="rendezvous id shared by all nodes of one job",
     )
-    p.add_argument(
-        "--execute", action="store_true", help="run the command instead of printing it"
-    )
+    p.add_argument("--execute", action="store_true", help="run the command instead of printing it")
     add_json(p, "the command (as an argument list and as shell text)")
     p.set_defaults(func=handler)
 

@@ -12,10 +12,16 @@ from adapt.core.errors import CheckFailed
 def register(sub) -> None:
     from adapt.app.commands.inspect import add_source_flags
 
-    parser = sub.add_parser("ops", help="map every operator of a model to a fused, native, decomposed or generated kernel")
+    parser = sub.add_parser(
+        "ops", help="map every operator of a model to a fused, native, decomposed or generated kernel"
+    )
     add_source_flags(parser)
-    parser.add_argument("--profile", default=None, metavar="NAME|FILE", help="backend profile (default cuda-hopper; or a .yaml file)")
-    parser.add_argument("--out", default=None, metavar="DIR", help="write ops.json, model.onnx and generated kernel sources here")
+    parser.add_argument(
+        "--profile", default=None, metavar="NAME|FILE", help="backend profile (default cuda-hopper; or a .yaml file)"
+    )
+    parser.add_argument(
+        "--out", default=None, metavar="DIR", help="write ops.json, model.onnx and generated kernel sources here"
+    )
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     parser.set_defaults(func=run)
@@ -52,7 +58,13 @@ def _print(data: dict) -> None:
     for col in ("module", "kind", "provider", "kernel", "status"):
         table.add_column(col)
     for c in data["components"]:
-        table.add_row(c["module"], c["kind"] + ("" if c["confirmed"] else " (unconfirmed)"), c["provider"] or "-", c["kernel"] or "-", c["status"])
+        table.add_row(
+            c["module"],
+            c["kind"] + ("" if c["confirmed"] else " (unconfirmed)"),
+            c["provider"] or "-",
+            c["kernel"] or "-",
+            c["status"],
+        )
     console.print(table)
     flagged = [o for o in data["ops"] if o["status"] not in ("fused", "native")]
     if flagged:
@@ -63,12 +75,17 @@ def _print(data: dict) -> None:
             ops.add_row(o["overload"], str(o["count"]), o["status"], o["replacement"] or "-")
         console.print(ops)
     cov = data["coverage"]
-    console.print(f"ops {cov['ops_total']}  unmapped {cov['unmapped']}  by status {cov['share_by_status']}  FLOPs on fused/native {cov['flops_share_fused_or_native']}")
+    console.print(
+        f"ops {cov['ops_total']}  unmapped {cov['unmapped']}  by status {cov['share_by_status']}  FLOPs on fused/native {cov['flops_share_fused_or_native']}"
+    )
     for item in data["new"]:
         console.print(f"new: {item}")
     if data.get("onnx"):
         onnx = data["onnx"]
-        console.print(f"onnx: exported={onnx['exported']} opset={onnx['opset']} checker={onnx['checker']} ops={sorted(onnx['op_types'])}" + (f" error={onnx['error']}" if onnx.get("error") else ""))
+        console.print(
+            f"onnx: exported={onnx['exported']} opset={onnx['opset']} checker={onnx['checker']} ops={sorted(onnx['op_types'])}"
+            + (f" error={onnx['error']}" if onnx.get("error") else "")
+        )
     for g in data.get("generated", []):
         console.print(f"generated: {g['module']} -> {g['language']} {g['kernels']} {g['files']}")
     if data.get("patch_check"):

@@ -27,42 +27,78 @@ def register(sub) -> None:
     add_source_flags(parser)
     cluster = parser.add_argument_group("cluster (a catalogue GPU, a cluster file, or this machine)")
     cluster.add_argument("--cluster", default=None, help=f"{CLUSTER_HELP} (default {DEFAULT_CLUSTER})")
-    cluster.add_argument("--gpu", default=None, help="GPU type: a100, h100, h800, h200, b200, mi300x, or 'local' (measured)")
+    cluster.add_argument(
+        "--gpu", default=None, help="GPU type: a100, h100, h800, h200, b200, mi300x, or 'local' (measured)"
+    )
     cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs (with --gpu; default 8)")
     cluster.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
     work = parser.add_argument_group("workload")
     add_plan_target(work, old_spelling="--seq")
     batch = work.add_mutually_exclusive_group()
-    batch.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
+    batch.add_argument(
+        "--global-batch", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})"
+    )
     batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
-    batch.add_argument("--concurrency", type=int, help="--mode inference: sequences served at once (--seq is the context length)")
+    batch.add_argument(
+        "--concurrency", type=int, help="--mode inference: sequences served at once (--seq is the context length)"
+    )
     work.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     work.add_argument("--mode", choices=("train", "inference"), default="train")
-    work.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="--mode inference: share of GPU memory to use")
-    work.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16", help="--mode inference: KV-cache element type")
+    work.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="--mode inference: share of GPU memory to use"
+    )
+    work.add_argument(
+        "--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16", help="--mode inference: KV-cache element type"
+    )
     work.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, lion or adafactor (state size)")
-    work.add_argument("--moe-imbalance", type=float, default=1.1,
-                      help="routed tokens on the busiest expert-parallel rank over the mean (default 1.1)")
+    work.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=1.1,
+        help="routed tokens on the busiest expert-parallel rank over the mean (default 1.1)",
+    )
     soft = parser.add_argument_group("software the run uses (the time model's assumptions)")
-    soft.add_argument("--runtime", choices=("torch", "megatron"), default="torch",
-                      help="torch: DTensor TP and torch.distributed.pipelining (adapt, torchtitan); megatron: "
-                           "hand-written TP collectives (can overlap them), asynchronous pipeline P2P")
+    soft.add_argument(
+        "--runtime",
+        choices=("torch", "megatron"),
+        default="torch",
+        help="torch: DTensor TP and torch.distributed.pipelining (adapt, torchtitan); megatron: "
+        "hand-written TP collectives (can overlap them), asynchronous pipeline P2P",
+    )
     soft.add_argument("--attention-kernel", choices=("flash2", "flash3", "unfused"), default="flash2")
-    soft.add_argument("--kernels", choices=("fused", "eager"), default="fused",
-                      help="norms, GLU and rotary as fused kernels (adapt's operators) or transformers' eager modules")
+    soft.add_argument(
+        "--kernels",
+        choices=("fused", "eager"),
+        default="fused",
+        help="norms, GLU and rotary as fused kernels (adapt's operators) or transformers' eager modules",
+    )
     soft.add_argument("--compiled", action="store_true", help="a compiled graph issues the kernels (host cost per op)")
-    parser.add_argument("--fixed", metavar="K=V,...", help="evaluate this layout, e.g. 'tp=8,pp=16,dp=64,zero=1,recompute=none'")
-    parser.add_argument("--calibration", metavar="FILE", help="measurements of the target machine: GEMM rate, dispatch costs, measured steps, "
-                        "per-block timings (see parallel_planner.calibration)")
+    parser.add_argument(
+        "--fixed", metavar="K=V,...", help="evaluate this layout, e.g. 'tp=8,pp=16,dp=64,zero=1,recompute=none'"
+    )
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="measurements of the target machine: GEMM rate, dispatch costs, measured steps, "
+        "per-block timings (see parallel_planner.calibration)",
+    )
     parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     add_json(parser, "the plans")
-    parser.add_argument("--no-cache", action="store_true", help="rebuild the model spec instead of reusing a cached one")
+    parser.add_argument(
+        "--no-cache", action="store_true", help="rebuild the model spec instead of reusing a cached one"
+    )
     parser.set_defaults(func=run)
 
 
 # Intake modules whose code shapes a ModelSpec: a cached spec is reused only while they are unchanged.
-_INTAKE_MODULES = ("model/intake.py", "model/structure.py", "model/skeleton.py", "core/source.py", "core/checkpoint.py",
-                   "core/spec.py")
+_INTAKE_MODULES = (
+    "model/intake.py",
+    "model/structure.py",
+    "model/skeleton.py",
+    "core/source.py",
+    "core/checkpoint.py",
+    "core/spec.py",
+)
 
 
 class SpecLoader:
@@ -89,9 +125,15 @@ class SpecLoader:
                 return
         from adapt.core.source import resolve_source
 
-        src = resolve_source(args.source, config_only=args.config_only, trust_remote_code=args.trust_remote_code,
-                             allow_pickle=args.allow_pickle)
-        digest = hashlib.sha256(f"{src.content_hash()}|seq={args.plan_seq_len}|{metadata.version('transformers')}".encode())
+        src = resolve_source(
+            args.source,
+            config_only=args.config_only,
+            trust_remote_code=args.trust_remote_code,
+            allow_pickle=args.allow_pickle,
+        )
+        digest = hashlib.sha256(
+            f"{src.content_hash()}|seq={args.plan_seq_len}|{metadata.version('transformers')}".encode()
+        )
         package = Path(__file__).resolve().parents[2]
         for name in _INTAKE_MODULES:
             digest.update((package / name).read_bytes())
@@ -148,10 +190,15 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_loader.result()
     from parallel_planner.timing import Efficiency
 
-    software = Efficiency(runtime=args.runtime, attention=args.attention_kernel, fused_kernels=args.kernels == "fused",
-                          compiled=args.compiled)
-    result = plan_parallel(spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration,
-                           efficiency=software)
+    software = Efficiency(
+        runtime=args.runtime,
+        attention=args.attention_kernel,
+        fused_kernels=args.kernels == "fused",
+        compiled=args.compiled,
+    )
+    result = plan_parallel(
+        spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration, efficiency=software
+    )
     if args.fixed and not result.best.fits:
         best = result.best
         raise BadInput(
@@ -189,12 +236,14 @@ def check_plan_flags(args: argparse.Namespace) -> None:
         try:
             gpu_type(args.gpu)
         except BadInput:
-            raise BadInput(f"--gpu {args.gpu!r} is not in the catalogue; allowed: {', '.join(GPU_CATALOG)} or local") from None
+            raise BadInput(
+                f"--gpu {args.gpu!r} is not in the catalogue; allowed: {', '.join(GPU_CATALOG)} or local"
+            ) from None
 
 
 def _cluster_and_workload(args: argparse.Namespace):
-    from parallel_planner.calibration import load_calibration
     from adapt.app.clusters import local_cluster
+    from parallel_planner.calibration import load_calibration
     from parallel_planner.cluster import make_cluster, parse_cluster_option
     from parallel_planner.search import plan_parallel  # noqa: F401 - imported while a spec worker runs
     from parallel_planner.workload import Workload
@@ -226,26 +275,56 @@ def _print(result, spec: ModelSpec) -> None:
         + (f"; fixed {result.fixed}" if result.fixed else "")
     )
     table = Table()
-    for col in ("#", "tp", "pp", "dp (replicas x shard)", "cp", "ep", "zero", "recompute", "mbs", "vpp/schedule", "GiB/GPU", "step s",
-                "tokens/s", "MFU", "HFU"):
+    for col in (
+        "#",
+        "tp",
+        "pp",
+        "dp (replicas x shard)",
+        "cp",
+        "ep",
+        "zero",
+        "recompute",
+        "mbs",
+        "vpp/schedule",
+        "GiB/GPU",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "HFU",
+    ):
         table.add_column(col, justify="right")
     for p in result.plans:
         plan = p.plan
         table.add_row(
-            str(p.rank), str(plan.tp), str(plan.pp),
+            str(p.rank),
+            str(plan.tp),
+            str(plan.pp),
             f"{plan.dp_replicate}x{plan.dp_shard}" if plan.dp_replicate > 1 and plan.dp_shard > 1 else str(plan.dp),
-            str(plan.cp), str(plan.ep), str(plan.zero),
-            plan.recompute, str(plan.micro_batch), f"{plan.vpp} {plan.pp_schedule}" if plan.pp > 1 else "-",
-            f"{p.memory_gib_per_gpu:.1f}", f"{p.step_time_s:.3f}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.hfu:.1%}",
+            str(plan.cp),
+            str(plan.ep),
+            str(plan.zero),
+            plan.recompute,
+            str(plan.micro_batch),
+            f"{plan.vpp} {plan.pp_schedule}" if plan.pp > 1 else "-",
+            f"{p.memory_gib_per_gpu:.1f}",
+            f"{p.step_time_s:.3f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.mfu:.1%}",
+            f"{p.hfu:.1%}",
         )
     console.print(table)
     best = result.best
-    console.print("memory of the best plan (GiB, fullest stage): " + ", ".join(
-        f"{k} {v:.2f}" for k, v in best.memory_breakdown.items()) + f" of {best.usable_memory_gib:.1f} usable")
+    console.print(
+        "memory of the best plan (GiB, fullest stage): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in best.memory_breakdown.items())
+        + f" of {best.usable_memory_gib:.1f} usable"
+    )
     console.print("step time parts (s): " + ", ".join(f"{k} {v:.4f}" for k, v in best.time_breakdown.items()))
     if best.host_bound:
-        console.print("host-bound: the CPU takes longer to issue each micro-batch than the GPU takes to run it "
-                      f"({best.time_breakdown['host_per_microbatch']:.4f} s vs {best.time_breakdown['gpu_per_microbatch']:.4f} s)")
+        console.print(
+            "host-bound: the CPU takes longer to issue each micro-batch than the GPU takes to run it "
+            f"({best.time_breakdown['host_per_microbatch']:.4f} s vs {best.time_breakdown['gpu_per_microbatch']:.4f} s)"
+        )
     console.print(f"binding constraint: {result.binding_constraint}")
     for note in result.notes:
         console.print(f"note: {note}")

@@ -67,7 +67,10 @@ def _print(result: Any) -> None:
                       f"{p.output_tokens_per_s:,.0f}", "yes" if p.fits else "no")  # fmt: skip
     console.print(table)
     best = result.best
-    console.print("memory of the best plan (GiB per GPU, fullest stage): " + ", ".join(f"{k} {v:.2f}" for k, v in best.memory_breakdown.items()))
+    console.print(
+        "memory of the best plan (GiB per GPU, fullest stage): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in best.memory_breakdown.items())
+    )
     console.print("time per token parts (s): " + ", ".join(f"{k} {v:.2e}" for k, v in best.time_breakdown.items()))
     for note in result.notes:
         console.print(f"note: {note}")

@@ -69,9 +69,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--profile", help="backend profile (name or file) for the operator mapping")
     p.add_argument("--device", default="cpu", help="device for alignment/throughput/soak (default cpu)")
-    p.add_argument(
-        "--dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default: chosen by --device)"
-    )
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default: chosen by --device)")
     by_device = "(default: chosen by --device)"
     add_validation_shape(p)
     p.add_argument("--bench-steps", type=int, help=f"timed steps per throughput measurement {by_device}")

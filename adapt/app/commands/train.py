@@ -51,9 +51,7 @@ def _leave_process_group() -> None:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "source", help="checkpoint directory, config.json or Hugging Face id"
-    )
+    p.add_argument("source", help="checkpoint directory, config.json or Hugging Face id")
     p.add_argument(
         "--plan",
         required=True,
@@ -77,9 +75,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         help="token file (.npy of ints or raw uint16 .bin); default: synthetic stream",
     )
-    p.add_argument(
-        "--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)"
-    )
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
     p.add_argument(
         "--warmup-steps",
         type=int,
@@ -93,12 +89,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="gradient clipping norm (default 1.0)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--deterministic", action="store_true", help="deterministic kernels (slower)"
-    )
-    p.add_argument(
-        "--metrics", help="write per-step metrics as JSON lines here (rank 0)"
-    )
+    p.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower)")
+    p.add_argument("--metrics", help="write per-step metrics as JSON lines here (rank 0)")
     p.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -141,11 +133,7 @@ def handler(args: argparse.Namespace) -> int:
         data=args.data,
     )
     with contextlib.ExitStack() as stack:
-        metrics_file = (
-            stack.enter_context(open(args.metrics, "w"))
-            if args.metrics and is_main_process()
-            else None
-        )
+        metrics_file = stack.enter_context(open(args.metrics, "w")) if args.metrics and is_main_process() else None
 
         steps: list[dict] = []
 

@@ -24,25 +24,43 @@ def register(sub) -> None:
     align = sub.add_parser("align", help="compare the adapted model with a float64 reference, block by block")
     _common(align)
     align.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16", help="candidate dtype (default bf16)")
-    align.add_argument("--streamed", action="store_true", help="one block at a time from the shards (checkpoints bigger than memory)")
+    align.add_argument(
+        "--streamed", action="store_true", help="one block at a time from the shards (checkpoints bigger than memory)"
+    )
     add_validation_shape(align)
     align.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     align.add_argument("--no-backward", action="store_true", help="skip gradients and the loss-parity run")
     align.add_argument("--parity-steps", type=int, default=4, help="loss-curve parity steps (default 4)")
-    align.add_argument("--reference", choices=("fp64", "fp32"), default=None, help="reference dtype (default fp64; fp32 from width 4096)")
+    align.add_argument(
+        "--reference",
+        choices=("fp64", "fp32"),
+        default=None,
+        help="reference dtype (default fp64; fp32 from width 4096)",
+    )
     align.set_defaults(func=run_align)
 
-    bench = sub.add_parser("bench", help="training step, prefill and decode throughput, MFU, memory; adapted vs eager and torch.compile")
+    bench = sub.add_parser(
+        "bench", help="training step, prefill and decode throughput, MFU, memory; adapted vs eager and torch.compile"
+    )
     _common(bench)
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
     add_validation_shape(bench)  # unset batch on CUDA: as many sequences as fit 60% of free memory
-    bench.add_argument("--steps", type=int, default=None, help="timed training steps per variant, after 2 warm-up (default: cpu 6, cuda 20)")
-    bench.add_argument("--compile", action="store_true", help="add the torch.compile baseline on a CPU too (always on CUDA)")
+    bench.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed training steps per variant, after 2 warm-up (default: cpu 6, cuda 20)",
+    )
+    bench.add_argument(
+        "--compile", action="store_true", help="add the torch.compile baseline on a CPU too (always on CUDA)"
+    )
     bench.add_argument("--max-layers", type=int, default=None, help="measure only the first N blocks, at real width")
     bench.add_argument("--calibration-out", default=None, help="write the planner calibration JSON here")
     bench.set_defaults(func=run_bench)
 
-    soak = sub.add_parser("soak", help="train for N steps: finite loss, step-time drift, memory leaks, checkpoint/resume")
+    soak = sub.add_parser(
+        "soak", help="train for N steps: finite loss, step-time drift, memory leaks, checkpoint/resume"
+    )
     _common(soak)
     soak.add_argument("--steps", type=int, required=True)
     soak.add_argument("--minutes", type=float, default=None, help="stop after this many minutes")
@@ -147,7 +165,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
     plan = _kernel_plan(src, args, notes)
     options = BenchOptions(
-        dtype=args.dtype, seq_len=args.seq_len, batch=args.batch_size, steps=args.steps, compile=True if args.compile else None, max_layers=args.max_layers
+        dtype=args.dtype,
+        seq_len=args.seq_len,
+        batch=args.batch_size,
+        steps=args.steps,
+        compile=True if args.compile else None,
+        max_layers=args.max_layers,
     )
     report = bench(src, plan, device=args.device, options=options)
     if args.calibration_out:
@@ -216,23 +239,43 @@ def _print_notes(data: dict[str, Any]) -> None:
 
 
 def _print_align(data: dict[str, Any]) -> None:
-    rows = [[l["name"], l["cosine"], l["rel_err"], l["max_abs"], l["err_ratio"], "ok" if l["passed"] else "FAIL"] for l in data["layers"]]
-    _table(f"alignment {data['dtype']} vs {data['reference_dtype']} reference", ["tensor", "cosine", "rel_err", "max_abs", "err_ratio", ""], rows)
+    rows = [
+        [l["name"], l["cosine"], l["rel_err"], l["max_abs"], l["err_ratio"], "ok" if l["passed"] else "FAIL"]
+        for l in data["layers"]
+    ]
+    _table(
+        f"alignment {data['dtype']} vs {data['reference_dtype']} reference",
+        ["tensor", "cosine", "rel_err", "max_abs", "err_ratio", ""],
+        rows,
+    )
     failed = [g["name"] for g in data["gradients"] if not g["passed"]]
     print(f"gradients: {len(data['gradients']) - len(failed)}/{len(data['gradients'])} within limits")
     if data.get("parity"):
         p = data["parity"]
-        print(f"loss parity over {p['steps']} steps: max rel diff {p['max_rel_diff']:.3g} (tolerance {p['tolerance']:.3g})")
+        print(
+            f"loss parity over {p['steps']} steps: max rel diff {p['max_rel_diff']:.3g} (tolerance {p['tolerance']:.3g})"
+        )
     _print_notes(data)
     print("PASSED" if data["passed"] else f"FAILED: first divergent {data['first_divergent']}")
 
 
 def _print_bench(data: dict[str, Any]) -> None:
     rows = [
-        [v["name"], v["train_tokens_per_s"], v["mfu"] if v["mfu"] is not None else "-", v["prefill_tokens_per_s"], v["decode_tokens_per_s"], v["peak_memory_bytes"] / 2**30]
+        [
+            v["name"],
+            v["train_tokens_per_s"],
+            v["mfu"] if v["mfu"] is not None else "-",
+            v["prefill_tokens_per_s"],
+            v["decode_tokens_per_s"],
+            v["peak_memory_bytes"] / 2**30,
+        ]
         for v in data["variants"]
     ]
-    _table(f"throughput on {data['device_name']} ({data['dtype']}, {data['batch']}x{data['seq_len']})", ["variant", "train tok/s", "MFU", "prefill tok/s", "decode tok/s", "peak GiB"], rows)
+    _table(
+        f"throughput on {data['device_name']} ({data['dtype']}, {data['batch']}x{data['seq_len']})",
+        ["variant", "train tok/s", "MFU", "prefill tok/s", "decode tok/s", "peak GiB"],
+        rows,
+    )
     _print_notes(data)
     print(f"shapes: {data['shapes_basis']}")
     print(f"{data['verdict'].upper()}: " + "; ".join(data["reasons"]))
@@ -240,8 +283,14 @@ def _print_bench(data: dict[str, Any]) -> None:
 
 def _print_soak(data: dict[str, Any]) -> None:
     losses = data["losses"]
-    print(f"{data['steps_done']}/{data['steps_planned']} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no steps run")
-    print(f"step-time CV {data['step_time_cv']}, drift {data['step_time_drift']}, memory slope {data['memory_slope_bytes_per_step']} B/step, leak {data['leak']}")
+    print(
+        f"{data['steps_done']}/{data['steps_planned']} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        if losses
+        else "no steps run"
+    )
+    print(
+        f"step-time CV {data['step_time_cv']}, drift {data['step_time_drift']}, memory slope {data['memory_slope_bytes_per_step']} B/step, leak {data['leak']}"
+    )
     _print_notes(data)
     print("PASSED" if data["passed"] else "FAILED")
 
@@ -250,7 +299,9 @@ def _print_env(data: dict[str, Any]) -> None:
     print(json.dumps(data["versions"]))
     for d in data["devices"]:
         print(f"GPU {d['index']}: {d['name']} sm_{d['capability']} {d['memory_bytes'] / 2**30:.0f} GiB")
-    print(f"copy {data['copy_gbps']} GB/s, matmul {data['matmul_tflops']} TFLOP/s ({data['matmul_dtype']}), all-reduce {data['allreduce_gbps']} GB/s")
+    print(
+        f"copy {data['copy_gbps']} GB/s, matmul {data['matmul_tflops']} TFLOP/s ({data['matmul_dtype']}), all-reduce {data['allreduce_gbps']} GB/s"
+    )
     for p in data["problems"]:
         print(f"problem: {p}")
     for u in data["unchecked"]:

@@ -16,7 +16,14 @@ from adapt.core.errors import BadInput
 
 # Order matters: each stage may read the typed results of the stages before it.
 STAGE_NAMES: tuple[str, ...] = (
-    "intake", "operators", "plan", "environment", "alignment", "generation", "throughput", "soak"
+    "intake",
+    "operators",
+    "plan",
+    "environment",
+    "alignment",
+    "generation",
+    "throughput",
+    "soak",
 )
 REPORT_STAGE = "report"  # always runs last; listed in --stages/--skip for completeness
 DTYPES = ("fp32", "bf16", "fp16")

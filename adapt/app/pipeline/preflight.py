@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from adapt.app.pipeline.options import STAGE_NAMES, RunOptions
 from adapt.core.errors import BadInput
 from adapt.core.inputs import check_with_transformers
-from adapt.app.pipeline.options import STAGE_NAMES, RunOptions
 
 # What each stage reads from earlier stages: a selection without them cannot run.  Mirrors
 # ``Stage.needs`` in adapt.app.pipeline.stages, which imports torch-heavy code this module must not load.

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapt.core.errors import BadInput
-from adapt.core.interrupts import Terminated, deferred_interrupts
 from adapt.app.pipeline.options import STAGE_NAMES, DeviceDescription, RunOptions, max_positions
 from adapt.app.pipeline.preflight import (
     check_options,
@@ -31,6 +29,8 @@ from adapt.app.pipeline.stages import (
     to_result_dict,
 )
 from adapt.app.pipeline.store import RunLock, RunStore, StageRecord, source_fingerprint, stage_key
+from adapt.core.errors import BadInput
+from adapt.core.interrupts import Terminated, deferred_interrupts
 from adapt.core.jsonio import adapt_version, atomic_write_json, to_jsonable
 
 REUSABLE = ("passed", "failed")  # statuses whose stored result can stand in for a rerun
@@ -164,7 +164,12 @@ class PipelineRun:
             record.verdict = summary.verdict
             rebuilt = [f"re-ran the cached {n} stage to rebuild its typed result (time included)" for n in self.rebuilt]
             preflight = self.preflight_notes.get(stage.name, [])
-            notes = [*preflight, *ctx.notes, *rebuilt, *(raw.get("notes") or [])]  # the pipeline's notes, then the stage's own
+            notes = [
+                *preflight,
+                *ctx.notes,
+                *rebuilt,
+                *(raw.get("notes") or []),
+            ]  # the pipeline's notes, then the stage's own
             record.summary = {**summary.data, "notes": notes} if notes else summary.data
             self.typed[stage.name] = result
         except KeyboardInterrupt:

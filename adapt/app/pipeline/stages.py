@@ -166,9 +166,8 @@ def _block_done(callback: ProgressCallback, done: int, total: int, label: str, *
 
 
 def _plan(ctx: StageContext) -> Any:
-    from parallel_planner.search import plan_parallel
-
     from adapt.app.clusters import target_cluster
+    from parallel_planner.search import plan_parallel
 
     cluster = target_cluster(ctx.options.cluster)  # bad --cluster is bad input even before planning
     return plan_parallel(ctx.upstream("intake"), cluster, plan_workload(ctx.options), top_k=5)
@@ -272,7 +271,9 @@ def _generation_summary(result: dict[str, Any], options: RunOptions) -> summarie
     """The generation check's own verdict and summary line, with the fields a report table needs."""
     keys = ("verdict", "dtype", "device", "reference_dtype", "seed", "prompt_lengths", "new_tokens", "checks", "ties",
             "first_divergence", "cache_kinds", "applicable")  # fmt: skip
-    return summaries.Summary(bool(result.get("passed")), str(result.get("summary", "")), {k: result.get(k) for k in keys})
+    return summaries.Summary(
+        bool(result.get("passed")), str(result.get("summary", "")), {k: result.get(k) for k in keys}
+    )
 
 
 def _throughput(ctx: StageContext) -> Any:
@@ -282,8 +283,12 @@ def _throughput(ctx: StageContext) -> Any:
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     # a device-chosen batch on a GPU is left to the bench, which sizes the step from free memory
     sized_by_bench = opts.device != "cpu" and "batch_size" in opts.device_chosen
-    bench_options = BenchOptions(dtype=opts.dtype, seq_len=opts.seq_len, batch=None if sized_by_bench else opts.batch_size,
-                                 steps=opts.bench_steps)
+    bench_options = BenchOptions(
+        dtype=opts.dtype,
+        seq_len=opts.seq_len,
+        batch=None if sized_by_bench else opts.batch_size,
+        steps=opts.bench_steps,
+    )
     with candidate(kernel_plan) as transform:
         return bench(ctx.source, kernel_plan, device=opts.device, options=bench_options, transform=transform)
 

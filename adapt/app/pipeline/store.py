@@ -33,6 +33,8 @@ from adapt.core.jsonio import atomic_write_json, atomic_write_text, json_default
 _CONTENT_SUFFIXES = (".json", ".py", ".txt", ".model", ".tiktoken", ".yaml", ".jinja")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+
+
 def source_fingerprint(root: str | os.PathLike, exclude: str | os.PathLike | None = None) -> str:
     """Content hash of a checkpoint directory (or single file): what a cached stage depends on.
 

@@ -337,7 +337,11 @@ def throughput(report: dict[str, Any], options: RunOptions) -> Summary:
     speedups = [
         f"{r['metric']} x{r['speedup']:.2f}" for r in rows if r.get("speedup") is not None and r["unit"] == "tokens/s"
     ]
-    data["verdict"], data["reasons"], data["decode"] = report.get("verdict"), report.get("reasons", []), report.get("decode", [])
+    data["verdict"], data["reasons"], data["decode"] = (
+        report.get("verdict"),
+        report.get("reasons", []),
+        report.get("decode", []),
+    )
     verdict = f"adapted/eager on {data['device_name'] or data['device']}: " + (
         ", ".join(speedups) or "no comparable rates"
     )
