@@ -39,102 +39,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.shapes import SHAPES, build_checkpoint
+
 PEAK_FLOPS = 989e12  # H200 dense bf16
-MODELS: dict[str, dict[str, Any]] = {
-    "llama-1b": {
-        "model_type": "llama",
-        "full": {
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 8192,
-        },
-        "tiny": {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 256,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 256,
-        },
-    },
-    "gemma2-2b": {
-        "model_type": "gemma2",
-        "full": {
-            "hidden_size": 2304,
-            "intermediate_size": 9216,
-            "num_hidden_layers": 26,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 256,
-            "vocab_size": 256000,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 8192,
-            "sliding_window": 4096,
-            "query_pre_attn_scalar": 256,
-            "attn_logit_softcapping": 50.0,
-            "final_logit_softcapping": 30.0,
-        },
-        "tiny": {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "vocab_size": 256,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 256,
-            "sliding_window": 16,
-            "query_pre_attn_scalar": 16,
-            "attn_logit_softcapping": 50.0,
-            "final_logit_softcapping": 30.0,
-        },
-    },
-    "qwen3-moe": {
-        "model_type": "qwen3_moe",
-        "full": {
-            "hidden_size": 2048,
-            "moe_intermediate_size": 768,
-            "intermediate_size": 6144,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 4,
-            "head_dim": 128,
-            "num_experts": 128,
-            "num_experts_per_tok": 8,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "vocab_size": 151936,
-            "tie_word_embeddings": False,
-            "max_position_embeddings": 8192,
-        },
-        "tiny": {
-            "hidden_size": 64,
-            "moe_intermediate_size": 32,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "vocab_size": 256,
-            "tie_word_embeddings": False,
-            "max_position_embeddings": 256,
-        },
-    },
-}
+MODELS = SHAPES  # the reference shapes (benchmarks/shapes.py) this benchmark measures
 VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager", "compile-blocks", "adapt-whole")
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager")
 ADAPT_VARIANTS = {"adapt": None, "adapt-eager": "none", "adapt-whole": "whole"}  # variant -> compile mode override
@@ -147,18 +55,6 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Worker side: one process per (model, job)
 # ---------------------------------------------------------------------------------------------------
-
-
-def build_checkpoint(model_name: str, tiny: bool, path: Path, device: str) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = MODELS[model_name]
-    config = AutoConfig.for_model(spec["model_type"], **spec["tiny" if tiny else "full"])
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
 
 
 def ops_job(ckpt: Path, plan_path: Path, light: bool) -> dict[str, Any]:
@@ -375,7 +271,7 @@ def worker(args: argparse.Namespace) -> int:
             import torch
 
             build_checkpoint(
-                args.model, args.tiny, ckpt, "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+                args.model, ckpt, args.tiny, "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
             )
             result: dict[str, Any] = {"ok": True}
         elif args.job in ("ops-cold", "ops-warm"):

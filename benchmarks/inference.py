@@ -36,17 +36,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.shapes import build_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-                 "tie_word_embeddings": True, "max_position_embeddings": 4096},
-    "gemma2-2b": {"model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000,
-                  "tie_word_embeddings": True, "sliding_window": 4096, "max_position_embeddings": 8192},
-}  # fmt: skip
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "vocab_size": 256}  # fmt: skip
+INFERENCE_SHAPES = ("llama-1b", "gemma2-2b")  # reference shapes from benchmarks/shapes.py
 DECODE_VARIANTS = ("hf-eager", "hf-static-compile", "adapted")
 
 
@@ -63,37 +56,20 @@ def sizes(tiny: bool) -> dict[str, Any]:
 # ---- work done inside one subprocess ----------------------------------------------------------
 
 
-def build_checkpoint(shape: str, tiny: bool, path: Path) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = dict(SHAPES[shape], **(TINY if tiny else {}))
-    if tiny and shape == "gemma2-2b":
-        kwargs["sliding_window"] = 8
-    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-
-
 def make_kernel_plan(path: Path) -> None:
     """The operators stage on the saved checkpoint (its kernels timed on this device), kept for the other children."""
-    import pickle
-
     from operators import run_ops
 
     report = run_ops(str(path), onnx=False, check_patch=False)
-    (path / "kernel-plan.pickle").write_bytes(pickle.dumps(report.plan))
+    (path / "kernel-plan.json").write_text(json.dumps(report.plan.to_dict()))
     patched = [c for c in report.plan.components if c.patch]
     log(f"  kernel plan: {len(patched)} of {len(report.plan.components)} components patched ({report.seconds:.0f} s)")
 
 
 def _kernel_plan(path: Path) -> Any:
-    import pickle
+    from operators.mapping import KernelPlan
 
-    return pickle.loads((path / "kernel-plan.pickle").read_bytes())  # written by make_kernel_plan in this run
+    return KernelPlan.from_dict(json.loads((path / "kernel-plan.json").read_text()))  # written by make_kernel_plan
 
 
 def decode_variant(variant: str, path: Path, tiny: bool) -> dict[str, Any]:
@@ -152,7 +128,9 @@ def alignment_variant(path: Path, tiny: bool) -> dict[str, Any]:
 def child(args: argparse.Namespace) -> None:
     path = Path(args.checkpoint)
     if args.variant == "build":
-        build_checkpoint(args.shape, args.tiny, path)
+        import torch
+
+        build_checkpoint(args.shape, path, args.tiny, "cuda" if torch.cuda.is_available() else "cpu")
         result: dict[str, Any] = {"built": str(path)}
     elif args.variant == "plan":
         make_kernel_plan(path)
@@ -220,7 +198,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     }
     with tempfile.TemporaryDirectory(dir=args.work) as work_dir:
         work = Path(work_dir)
-        for shape in SHAPES:
+        for shape in INFERENCE_SHAPES:
             entry: dict[str, Any] = {}
             results["shapes"][shape] = entry
             checkpoint = work / shape

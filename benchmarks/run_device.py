@@ -20,70 +20,9 @@ import tarfile
 import time
 from pathlib import Path
 
-# Full-size shapes (the public configs' widths) and rehearsal widths for the CPU.
-MODELS: dict[str, dict] = {
-    "llama-1b": dict(
-        model_type="llama",
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    "qwen2-0.5b": dict(
-        model_type="qwen2",
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-    ),
-}
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=256,
-)
+from benchmarks.shapes import build_checkpoint
 
-
-def build_checkpoint(name: str, root: Path, tiny: bool, device: str) -> Path:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(MODELS[name])
-    model_type = fields.pop("model_type")
-    if tiny:
-        fields.update(TINY)
-        fields.pop("rope_scaling", None)
-    config = AutoConfig.for_model(model_type, **fields)
-    path = root / name
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    return path
+MODELS = ("llama-1b", "qwen2-0.5b")  # reference shapes from benchmarks/shapes.py
 
 
 def run_one(name: str, checkpoint: Path, out: Path, device: str, budget_s: float, stages: str | None) -> dict:
@@ -131,7 +70,8 @@ def main() -> int:
     ckpt_root = Path(os.environ.get("TMPDIR", "/tmp")) / "adapt-run-device"
     results = []
     for name in args.models.split(","):
-        checkpoint = build_checkpoint(name, ckpt_root, args.tiny, "cuda" if args.device == "cuda" else "cpu")
+        device = "cuda" if args.device == "cuda" else "cpu"
+        checkpoint = build_checkpoint(name, ckpt_root / name, args.tiny, device)
         results.append(run_one(name, checkpoint, args.out, args.device, args.budget, args.stages))
     tag = "h200" if args.device == "cuda" else args.device
     (args.out / f"run-{tag}-summary.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -91,12 +91,12 @@ CASES = {
         [P16, P16, PI64, P32, P16, P32, I32, I32],
         dict(TOP_K=2, BLOCK_K=2, BLOCK_H=1024),
     ),
-    "grouped_gemm._grouped_mm_kernel": (
+    "gemm._grouped_mm_kernel": (
         "A B C OFFSETS TILE_EXPERT TILE_FIRST N K stride_am stride_ak stride_be stride_bk stride_bn stride_cm",
         [P16, P16, P16, PI64, "*i32", "*i32"] + [I32] * 8,
         dict(FP32_IEEE=False, UPCAST=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
     ),
-    "grouped_gemm._grouped_weight_grad_kernel": (
+    "gemm._grouped_weight_grad_kernel": (
         "X DY DW OFFSETS K N stride_xm stride_dym stride_we stride_wk stride_wn",
         [P16, P16, P16, PI64] + [I32] * 7,
         dict(FP32_IEEE=False, UPCAST=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),

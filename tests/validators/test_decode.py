@@ -94,7 +94,7 @@ def test_benchmark_dry_run_writes_json_and_markdown(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     checkpoint = tmp_path / "llama"
-    bench.build_checkpoint("llama-1b", True, checkpoint)
+    bench.build_checkpoint("llama-1b", checkpoint, True)
     bench.make_kernel_plan(checkpoint)
     entry = {variant: bench.decode_variant(variant, checkpoint, True) for variant in bench.DECODE_VARIANTS}
     entry["generation"] = bench.alignment_variant(checkpoint, True)
