@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.shapes import SHAPES
+
 # The kernel that only adapt's routed-MoE path calls, once per MoE block forward.
 MOE_ROUTE_KERNEL = "moe_route"
 MOE_PROVIDER = "adapt-triton"
@@ -81,72 +83,18 @@ _TINY_SIZES = StageSizes(bench_batch=2, bench_seq=64, soak_batch=2, soak_seq=32,
 
 MODELS = {
     "llama-1b": ValidationModel(
-        model_type="llama",
+        **SHAPES["llama-1b"],  # model_type, full and tiny: the reference shape (benchmarks/shapes.py)
         title="the Llama-3.2-1B shape",
         file_stem="validation-h200",
-        full={
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 8192,
-        },
-        tiny={
-            "hidden_size": 64,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 512,
-            "tie_word_embeddings": True,
-            "max_position_embeddings": 512,
-        },
         sizes=StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=500),
         tiny_sizes=_TINY_SIZES,
         ops_limit_s=240,
         check_patch=False,
     ),
     "qwen3-moe": ValidationModel(
-        model_type="qwen3_moe",
+        **SHAPES["qwen3-moe"],  # model_type, full and tiny: the reference shape (benchmarks/shapes.py)
         title="a reduced Qwen3-30B-A3B shape ({num_hidden_layers} routed layers, {num_experts} experts top-{num_experts_per_tok})",
         file_stem="validation-moe-h200",
-        full={
-            "hidden_size": 2048,
-            "moe_intermediate_size": 768,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 4,
-            "head_dim": 128,
-            "num_experts": 128,
-            "num_experts_per_tok": 8,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "vocab_size": 151936,
-            "tie_word_embeddings": False,
-            "max_position_embeddings": 8192,
-        },
-        tiny={
-            "hidden_size": 64,
-            "moe_intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "vocab_size": 512,
-            "tie_word_embeddings": False,
-            "max_position_embeddings": 512,
-        },
-        # Training 2.5 B parameters at 4 x 2048 tokens; the soak writes two DCP checkpoints of
-        # bf16 weights + AdamW state (about 15 GB each), so it is kept to 100 steps at 256 tokens.
         sizes=StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=100),
         tiny_sizes=_TINY_SIZES,
         ops_limit_s=300,  # a float64 probe of a 604 M-parameter expert bank on the CPU, once per structure
