@@ -16,6 +16,8 @@ what the adapt variants apply, through ``operators.adapt_model``.  Then every va
 * ``adapt``: the plan's kernels and its compilation (the default adapted configuration).
 * ``adapt-eager``: the plan's kernels, not compiled.   * ``adapt-whole``: kernels, whole model compiled.
 * ``compile-blocks``: no kernels, every block compiled (the plan's compile mode on the unpatched model).
+* ``loss-whole``: only the plan's loss head (fused linear cross-entropy), whole model compiled: whether the plan's
+  other kernels help or hurt once Inductor sees the rest.
 
 Same loop for all: bf16 weights, AdamW (fused on CUDA, foreach on CPU), the HF forward with ``labels``,
 ``--warmup`` steps, then ``--steps`` timed steps (CUDA events), tokens/s, MFU (6 x active params +
@@ -43,9 +45,11 @@ from benchmarks.shapes import SHAPES, build_checkpoint
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 MODELS = SHAPES  # the reference shapes (benchmarks/shapes.py) this benchmark measures
-VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager", "compile-blocks", "adapt-whole")
+VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager", "compile-blocks", "adapt-whole", "loss-whole")
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager")
-ADAPT_VARIANTS = {"adapt": None, "adapt-eager": "none", "adapt-whole": "whole"}  # variant -> compile mode override
+# variant -> compile mode override
+ADAPT_VARIANTS = {"adapt": None, "adapt-eager": "none", "adapt-whole": "whole", "loss-whole": "whole"}
+LOSS_HEAD_KIND = "lm_head_cross_entropy"
 
 
 def log(msg: str) -> None:
@@ -144,6 +148,8 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
         from operators.mapping import KernelPlan
 
         plan = KernelPlan.from_dict(json.loads(plan_path.read_text()))
+        if variant == "loss-whole":
+            plan.components = [c for c in plan.components if c.kind == LOSS_HEAD_KIND]
         handle = adapt_model(model, plan, compile_mode=ADAPT_VARIANTS[variant])
         info["patched"] = len(handle.patched)
         info["compile_mode"] = ADAPT_VARIANTS[variant] or plan.compile["mode"]
@@ -477,12 +483,15 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
         )
     lines += ["", "## Timed kernel choices (ms per candidate; margin = runner-up / winner)", ""]
     for model, entry in report["models"].items():
+        groups: dict[tuple[str, str, str], list[str]] = {}
         for choice in (entry.get("ops-cold") or {}).get("choices", []):
             if choice["timings_ms"]:
                 timings = ", ".join(f"{k} {v:.3f}" for k, v in choice["timings_ms"].items())
-                lines.append(
-                    f"- {model} `{choice['module']}` ({choice['kind']}): {choice['kernel']} chosen; {timings}; margin x{choice['margin']}"
-                )
+                key = (choice["kind"], choice["kernel"], f"{timings}; margin x{choice['margin']}")
+                groups.setdefault(key, []).append(choice["module"])
+        for (kind, kernel, timed), modules in groups.items():
+            where = f"`{modules[0]}`" + (f" and {len(modules) - 1} more alike" if len(modules) > 1 else "")
+            lines.append(f"- {model} {where} ({kind}): {kernel} chosen; {timed}")
     profiles = [
         (m, n, v["profile"]) for m, e in report["models"].items() for n, v in e["variants"].items() if v.get("profile")
     ]

@@ -5,8 +5,11 @@ reused buffer; a Triton kernel then makes one online-softmax pass (max, log-sum-
 logit and, for label smoothing, the logit sum) and a second pass that overwrites the logits with
 their gradient in place. Two more GEMMs turn that gradient into this chunk's slice of ``d hidden``
 and accumulate ``d weight``, so the backward pass is only a scale by the incoming gradient.
-The chunk size follows the same memory budget as Liger-Kernel (transient logits about the size of
-``hidden``). ``reduction="none"`` cannot pre-scale per token, so it recomputes the chunks in backward.
+The chunk holds at least ``CHUNK_BUDGET_BYTES`` of logits (more when ``hidden`` itself is larger): every chunk
+rewrites the whole ``d weight`` in its accumulating GEMM, so small chunks (Liger-Kernel keeps the logits about the size
+of ``hidden``, 128 rows for a 128k vocabulary at width 2048) spend more time re-reading ``d weight`` than computing,
+and run their GEMMs at a skinny, inefficient shape.  ``reduction="none"`` cannot pre-scale per token, so it
+recomputes the chunks in backward.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, next_pow2
+from ._utils import next_pow2
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -99,17 +102,24 @@ def _ce_chunk_kernel(
             tl.store(logits + idx, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
-    """Rows per chunk so the transient logits are about as large as the hidden states (Liger's budget)."""
-    growth = cdiv(vocab, hidden)
-    return min(tokens, next_pow2(cdiv(tokens, growth)))
+CHUNK_BUDGET_BYTES = 256 * 2**20  # transient logits per chunk: 1024 rows of a 128k bf16 vocabulary
+CHUNK_ROW_MULTIPLE = 128  # GEMM tile height: a chunk of whole tiles
+
+
+def default_chunk_size(tokens: int, hidden: int, vocab: int, element_bytes: int = 2) -> int:
+    """Rows per chunk: logits of ``max(CHUNK_BUDGET_BYTES, the hidden states' size)``, in whole GEMM tiles."""
+    budget = max(CHUNK_BUDGET_BYTES, tokens * hidden * element_bytes)
+    rows = max(1, budget // (vocab * element_bytes))
+    if rows >= CHUNK_ROW_MULTIPLE:
+        rows -= rows % CHUNK_ROW_MULTIPLE
+    return min(tokens, rows)
 
 
 def run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh, need_dw, need_db):
     """One pass over all token chunks: per-token losses and, if asked, the scaled gradients."""
     tokens, width = hidden.shape
     vocab = weight.shape[0]
-    chunk = opts["chunk_size"] or default_chunk_size(tokens, width, vocab)
+    chunk = opts["chunk_size"] or default_chunk_size(tokens, width, vocab, hidden.element_size())
     logits_dtype = hidden.dtype
     buffer = torch.empty((min(chunk, tokens), vocab), dtype=logits_dtype, device=hidden.device)
     losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)

@@ -126,3 +126,15 @@ def test_flce_without_grad_is_loss_only(reduction):
     ref = reference_loss(h.double(), w.double(), labels, None, -100, 0.05, 1e-3, 4.0, reduction)
     assert loss.grad_fn is None
     assert_close(loss, ref, torch.float32)
+
+
+@pytest.mark.parametrize("tokens,hidden,vocab", [(8192, 2048, 128256), (8192, 2304, 256000), (65536, 8192, 32000)])
+def test_default_chunk_keeps_gemms_in_whole_tiles_and_the_weight_gradient_rereads_few(tokens, hidden, vocab):
+    """Each chunk re-reads the whole weight gradient: chunks hold at least the byte budget (or all tokens)."""
+    from operators.kernels.cross_entropy import CHUNK_BUDGET_BYTES, CHUNK_ROW_MULTIPLE, default_chunk_size
+
+    rows = default_chunk_size(tokens, hidden, vocab)
+    assert rows % CHUNK_ROW_MULTIPLE == 0
+    assert rows * vocab * 2 <= max(CHUNK_BUDGET_BYTES, tokens * hidden * 2)
+    assert rows == tokens or (rows + CHUNK_ROW_MULTIPLE) * vocab * 2 > CHUNK_BUDGET_BYTES
+    assert default_chunk_size(7, hidden, vocab) == 7  # fewer tokens than a chunk: one chunk
