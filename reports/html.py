@@ -66,6 +66,7 @@ def render_html(report: dict[str, Any]) -> str:
     parts += _environment(report)
     parts += _section(report, "alignment", "Alignment", [tables.alignment_table(report)], rows_by_passed=True)
     parts += _section(report, "throughput", "Throughput", [tables.throughput_table(report)])
+    parts += _decode(report)
     parts += _section(report, "soak", "Soak", [tables.soak_facts(report)])
     problems = tables.errors_and_notes(report)
     if problems:
@@ -157,6 +158,15 @@ def _section(
     for note in summary(report, name).get("notes", []):
         out.append(f'<p class="muted">note: {_e(note)}</p>')
     return out
+
+
+def _decode(report: dict[str, Any]) -> list[str]:
+    """The decode rows of the throughput stage, under their own heading, after the stage's notes."""
+    decode = tables.decode_table(report)
+    if decode.empty:
+        return []
+    lines = [f"<p>{_e(line)}</p>" for line in tables.decode_caveats(report)]
+    return ["<h3>Decode</h3>", *lines, _table(decode)]
 
 
 def _environment(report: dict[str, Any]) -> list[str]:

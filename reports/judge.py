@@ -1,12 +1,14 @@
 """Re-judging a finished report against other thresholds: what ``adapt gate`` runs in CI.
 
 Thresholds file (YAML or JSON); every section and key is optional.  A stage without a section
-keeps the verdict it was given when it ran::
+keeps the verdict it was given when it ran; the throughput stage's decode targets are listed as checks
+either way (an inconclusive one passes and says why)::
 
     alignment:              # limits per dtype, or flat keys that apply to the report's dtype
       bf16: {min_cosine: 0.995, max_rel_err: 0.05, max_err_ratio: 1.5, rel_err_floor: 0.01}
     operators: {max_unmapped: 0, max_unsupported: 0, min_fast_flop_share: 0.6}
-    throughput: {min_speedup: 1.0}        # adapted / baseline, every measurement
+    throughput: {min_speedup: 1.0,        # adapted / baseline, every measurement
+                 min_decode_vs_static_compile: 1.0, min_decode_vs_eager: 3.0}  # decode targets, every batch
     soak: {max_step_time_cv: 0.3, allow_leak: false}
     ignore: [throughput]                  # stages whose result does not gate the build
 
@@ -24,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
+from adapt.core.verdicts import DECODE_TARGETS, decode_targets
 from reports.schema import summary
+
+DECODE_TARGET_KEYS = {name.removeprefix("hf-").replace("-", "_"): name for name in DECODE_TARGETS}
 
 _SECTIONS = {
     "alignment": {"min_cosine", "max_rel_err", "max_err_ratio", "rel_err_floor", "allow_dtype_cost"},
     "operators": {"max_unmapped", "max_unsupported", "min_fast_flop_share"},
-    "throughput": {"min_speedup"},
+    "throughput": {"min_speedup", *(f"min_decode_vs_{key}" for key in DECODE_TARGET_KEYS)},
     "soak": {"max_step_time_cv", "allow_leak"},
 }
 _DTYPES = ("fp32", "bf16", "fp16")
@@ -144,6 +149,8 @@ def rejudge(report: dict[str, Any], thresholds: dict[str, Any]) -> GateResult:
             checks += _JUDGES[name](summary(report, name), thresholds[name])
         else:
             checks.append(Check(name, "stage", status == "passed", entry.get("verdict", "")))
+            if name == "throughput":
+                checks += decode_checks(recorded_decode_targets(summary(report, name)))
             if name == "alignment":
                 first_divergent = summary(report, "alignment").get("first_divergent")
     return GateResult(all(c.passed for c in checks), checks, first_divergent)
@@ -244,7 +251,42 @@ def _throughput(tp: dict[str, Any], section: dict[str, Any]) -> list[Check]:
         checks.append(
             Check("throughput", str(row.get("metric")), ok, f"speedup={speedup} (min {section.get('min_speedup')})")
         )
+    recorded = {key: row.get(f"min_vs_{key}") for row in recorded_decode_targets(tp) for key in DECODE_TARGET_KEYS}
+    minima = {
+        name: float(section.get(f"min_decode_vs_{key}", recorded.get(key) or DECODE_TARGETS[name]))
+        for key, name in DECODE_TARGET_KEYS.items()
+    }
+    on_gpu = str(tp.get("device", "")).startswith("cuda")
+    return checks + decode_checks(decode_targets(tp.get("decode") or [], on_gpu, minima))
+
+
+def recorded_decode_targets(tp: dict[str, Any]) -> list[dict[str, Any]]:
+    """The decode target rows of a throughput summary; judged from its decode timings when it predates them."""
+    if tp.get("decode_targets"):
+        return tp["decode_targets"]
+    return decode_targets(tp.get("decode") or [], str(tp.get("device", "")).startswith("cuda"))
+
+
+def decode_checks(targets: list[dict[str, Any]]) -> list[Check]:
+    """One check per batch and target: fails only on a measured miss; an inconclusive one passes and says why."""
+    checks = []
+    for row in targets:
+        for key, name in DECODE_TARGET_KEYS.items():
+            verdict = row.get(f"{key}_verdict")
+            if verdict is None:
+                continue
+            ratio = row.get(f"vs_{key}")
+            detail = (
+                f"{verdict}: adapted {_rate(row.get('adapted_tokens_per_s'))} tok/s, {name} "
+                f"{_rate(row.get(f'{key}_tokens_per_s'))} tok/s, "
+                f"ratio {'n/a' if ratio is None else f'{ratio:.3f}'} (min {row.get(f'min_vs_{key}')})"
+            )
+            checks.append(Check("throughput", f"decode batch {row['batch']} vs {name}", verdict != "failed", detail))
     return checks
+
+
+def _rate(value: Any) -> str:
+    return "n/a" if not isinstance(value, (int, float)) else f"{value:,.1f}"
 
 
 def _soak(soak: dict[str, Any], section: dict[str, Any]) -> list[Check]:

@@ -159,7 +159,16 @@ def _section_throughput(report: dict[str, Any]) -> list[str]:
         lines += [f"Measured on a depth-truncated model: {tables._cell(tp['truncated'])}.", ""]
     for caveat in tables.throughput_caveats(report):
         lines += [caveat, ""]
-    return lines + [tables.to_markdown(tables.throughput_table(report))]
+    lines += [tables.to_markdown(tables.throughput_table(report))]
+    decode = tables.decode_table(report)
+    if not decode.empty:
+        lines += [
+            "### Decode",
+            "",
+            *(f"{line}\n" for line in tables.decode_caveats(report)),
+            tables.to_markdown(decode),
+        ]
+    return lines
 
 
 def _section_soak(report: dict[str, Any]) -> list[str]:

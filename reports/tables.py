@@ -288,6 +288,62 @@ def throughput_caveats(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+DECODE_COLUMNS = {  # decode target row key -> column title
+    "batch": "batch",
+    "eager_tokens_per_s": "HF eager tok/s",
+    "static_compile_tokens_per_s": "HF static+compile tok/s",
+    "adapted_tokens_per_s": "adapted tok/s",
+    "vs_static_compile": "adapted / static+compile",
+    "vs_eager": "adapted / eager",
+    "static_compile_verdict": "vs static+compile target",
+    "eager_verdict": "vs eager target",
+    "verdict": "verdict",
+}
+
+
+def decode_targets_of(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The throughput stage's decode target rows (judged from its decode timings for reports that predate them)."""
+    from reports.judge import recorded_decode_targets
+
+    return recorded_decode_targets(summary(report, "throughput"))
+
+
+def decode_table(report: dict[str, Any]) -> pd.DataFrame:
+    """Decode tokens/s per batch on the serving paths (HF eager, HF static cache + compile, adapted), the ratios
+    and the verdict against each target (the minimum ratio in the column's cell: ``passed (min 3x)``)."""
+    rows = []
+    for target in decode_targets_of(report):
+        row = {title: target.get(key) for key, title in DECODE_COLUMNS.items()}
+        for key in ("static_compile", "eager"):
+            if target.get(f"{key}_verdict") is not None:
+                row[DECODE_COLUMNS[f"{key}_verdict"]] = (
+                    f"{target[f'{key}_verdict']} (min {_cell(float(target[f'min_vs_{key}']))}x)"
+                )
+        rows.append(row)
+    return pd.DataFrame(rows, columns=list(DECODE_COLUMNS.values()))
+
+
+def decode_caveats(report: dict[str, Any]) -> list[str]:
+    """How the decode rows were measured, and each batch's reason (why inconclusive, by how much missed)."""
+    tp = summary(report, "throughput")
+    timings = tp.get("decode") or []
+    if not timings:
+        return []
+    first = timings[0]
+    lines = [f"Decode on the serving paths: prompt {first.get('prompt_len')}, {first.get('new_tokens')} new tokens, "
+             "greedy; tokens/s count the tokens after the first, medians over repeats after a warm-up that "
+             "compiles."]  # fmt: skip
+    adapted = [t for t in timings if t.get("variant") == "adapted"]
+    idle = [f"batch {t['batch']} {t['gpu_idle_share']:.0%}" for t in adapted if t.get("gpu_idle_share") is not None]
+    if idle:
+        lines.append("GPU idle share of the adapted decode: " + ", ".join(idle) + ".")
+    spreads = [f"{t['variant']} batch {t['batch']} {t['decode_spread']:.2f}x" for t in timings
+               if isinstance(t.get("decode_spread"), (int, float))]  # fmt: skip
+    if spreads:
+        lines.append("Decode spread over repeats (max/min): " + ", ".join(spreads) + ".")
+    return lines + [t["reason"] for t in decode_targets_of(report) if t.get("reason")]
+
+
 def _ratio(new: Any, old: Any) -> float | None:
     if isinstance(new, (int, float)) and isinstance(old, (int, float)) and old:
         return round(new / old, 3)

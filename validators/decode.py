@@ -17,6 +17,7 @@ import functools
 import inspect
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -142,9 +143,41 @@ class DecodeTiming:
     ms_per_token: float
     tokens: list[list[int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    decode_spread: float | None = None  # slowest / fastest decode over the repeats
+    gpu_idle_share: float | None = None  # of the decode's wall time, from the profiler (CUDA only)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def gpu_idle_share(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Share of ``fn``'s wall time with no kernel running on the GPU (torch profiler, kernel intervals merged
+    across streams).  None off CUDA, or when the profiler saw no kernel, rather than a made-up 100%."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        synchronize(device)
+    wall_us = (time.perf_counter() - start) * 1e6
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if "cuda" in str(getattr(e, "device_type", "")).lower()
+    )
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:  # union of kernel intervals: overlapping streams count once
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return max(0.0, 1.0 - busy / wall_us) if spans and wall_us > 0 else None
+
+
+def _spread(times: list[float]) -> float | None:
+    return max(times) / min(times) if len(times) > 1 and min(times) > 0 else None
 
 
 def _timed(fn, device: torch.device) -> tuple[float, Any]:
@@ -163,13 +196,14 @@ def _timing(
     decode_s: float,
     tokens: torch.Tensor,
     notes: list[str],
+    spread: float | None = None,
 ) -> DecodeTiming:
     batch, prompt_len = ids.shape
     decoded = batch * (new_tokens - 1)
     return DecodeTiming(
         variant=variant, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, prefill_s=prefill_s, decode_s=decode_s,
         prefill_tokens_per_s=batch * prompt_len / prefill_s, decode_tokens_per_s=decoded / decode_s if decode_s > 0 else 0.0,
-        ms_per_token=1e3 * decode_s / max(new_tokens - 1, 1), tokens=tokens.tolist(), notes=notes,
+        ms_per_token=1e3 * decode_s / max(new_tokens - 1, 1), tokens=tokens.tolist(), notes=notes, decode_spread=spread,
     )  # fmt: skip
 
 
@@ -177,20 +211,52 @@ def time_static_decoder(
     variant: str, model: nn.Module, ids: torch.Tensor, new_tokens: int, compile: bool | None = None, repeats: int = 3
 ) -> DecodeTiming:
     """Prefill and decode of ``StaticDecoder`` (medians over ``repeats`` after one warm-up that compiles)."""
+    return warm_static_decoder(model, ids, new_tokens, compile).measure(variant, repeats)
+
+
+@dataclass
+class WarmDecoder:
+    """A ``StaticDecoder`` whose step is compiled and captured for one prompt batch, ready to be timed.
+
+    Warming and timing are separate so that a benchmark can compile several decoders (in several
+    processes) at once and time each alone afterwards.
+    """
+
+    decoder: StaticDecoder
+    ids: torch.Tensor
+    new_tokens: int
+
+    def measure(self, variant: str, repeats: int = 3, idle_steps: int = 32) -> DecodeTiming:
+        """Medians over ``repeats``; on CUDA also the GPU idle share over ``idle_steps`` decode steps."""
+        decoder, ids, steps = self.decoder, self.ids, self.new_tokens - 1
+        prefills, decodes, tokens = [], [], None
+        for _ in range(repeats):
+            prefill_s, first = _timed(lambda: decoder.prefill(ids), decoder.device)
+            decode_s, tokens = _timed(functools.partial(decoder.decode, first, ids.shape[1], steps), decoder.device)
+            prefills.append(prefill_s)
+            decodes.append(decode_s)
+        first = decoder.prefill(ids)
+        idle = gpu_idle_share(
+            functools.partial(decoder.decode, first, ids.shape[1], min(idle_steps, steps)), decoder.device
+        )
+        notes = [f"static cache, decode step {'compiled, mode=' + decoder.mode if decoder.compiled else 'eager'}"]
+        timing = _timing(
+            variant, ids, self.new_tokens, statistics.median(prefills), statistics.median(decodes), tokens, notes,
+            _spread(decodes),
+        )  # fmt: skip
+        timing.gpu_idle_share = idle
+        return timing
+
+
+def warm_static_decoder(
+    model: nn.Module, ids: torch.Tensor, new_tokens: int, compile: bool | None = None
+) -> WarmDecoder:
+    """A decoder for ``ids``' batch, after one full generation that compiles and captures the step."""
     if new_tokens < 2:
         raise ValueError("timing decode needs at least 2 new tokens")
     decoder = StaticDecoder(model, ids.shape[0], ids.shape[1] + new_tokens, compile=compile)
-    decoder.generate(ids, new_tokens)  # compiles and captures the graph
-    prefills, decodes, tokens = [], [], None
-    for _ in range(repeats):
-        prefill_s, first = _timed(lambda: decoder.prefill(ids), decoder.device)
-        decode_s, tokens = _timed(
-            functools.partial(decoder.decode, first, ids.shape[1], new_tokens - 1), decoder.device
-        )
-        prefills.append(prefill_s)
-        decodes.append(decode_s)
-    notes = [f"static cache, decode step {'compiled, mode=' + decoder.mode if decoder.compiled else 'eager'}"]
-    return _timing(variant, ids, new_tokens, statistics.median(prefills), statistics.median(decodes), tokens, notes)
+    decoder.generate(ids, new_tokens)
+    return WarmDecoder(decoder, ids, new_tokens)
 
 
 def time_hf_generate(
@@ -201,33 +267,52 @@ def time_hf_generate(
     ``static=True`` asks for ``cache_implementation="static"``, which ``generate`` compiles on a GPU
     (its default compile config); ``static=False`` is the dynamic cache, eager.
     """
+    return warm_hf_generate(model, ids, new_tokens, static).measure(variant, repeats)
+
+
+@dataclass
+class WarmGenerate:
+    """transformers' ``generate`` on one prompt batch, compiled where it compiles, ready to be timed."""
+
+    model: nn.Module
+    ids: torch.Tensor
+    new_tokens: int
+    static: bool
+
+    def run(self, n: int) -> torch.Tensor:
+        ids = self.ids
+        pad = getattr(self.model.generation_config, "pad_token_id", None)
+        kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0 if pad is None else pad,
+                                  "attention_mask": torch.ones_like(ids)}  # fmt: skip
+        if self.static:
+            kwargs["cache_implementation"] = "static"
+        with quiet_transformers(), torch.no_grad():
+            return self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+
+    def measure(self, variant: str, repeats: int = 3) -> DecodeTiming:
+        device, new_tokens = self.ids.device, self.new_tokens
+        prefills, totals, out = [], [], None
+        for _ in range(repeats):
+            prefills.append(_timed(lambda: self.run(1), device)[0])
+            total, out = _timed(lambda: self.run(new_tokens), device)
+            totals.append(total)
+        prefill_s = statistics.median(prefills)
+        decode_s = max(statistics.median(totals) - prefill_s, 1e-9)
+        notes = ["generate(), static cache" + (" (compiled by generate on this device)" if device.type == "cuda" else "")
+                 if self.static else "generate(), dynamic cache, eager"]  # fmt: skip
+        spread = _spread([max(t - prefill_s, 1e-9) for t in totals])
+        return _timing(variant, self.ids, new_tokens, prefill_s, decode_s, out[:, self.ids.shape[1] :], notes, spread)
+
+
+def warm_hf_generate(model: nn.Module, ids: torch.Tensor, new_tokens: int, static: bool) -> WarmGenerate:
+    """``generate`` warmed for ``ids``: with a static cache, one full-length call sizes the cache (later shorter
+    calls reuse its length) and compiles the decode step; the dynamic cache needs only a short call."""
     if new_tokens < 2:
         raise ValueError("timing decode needs at least 2 new tokens")
-    device = ids.device
-    pad = getattr(model.generation_config, "pad_token_id", None)
-    kwargs: dict[str, Any] = {
-        "do_sample": False,
-        "pad_token_id": 0 if pad is None else pad,
-        "attention_mask": torch.ones_like(ids),
-    }
-    if static:
-        kwargs["cache_implementation"] = "static"
-
-    def run(n: int) -> torch.Tensor:
-        with quiet_transformers(), torch.no_grad():
-            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-
-    run(1), run(new_tokens)  # warm-up: a static cache of each length compiles its own graph
-    prefills, totals, out = [], [], None
-    for _ in range(repeats):
-        prefills.append(_timed(lambda: run(1), device)[0])
-        total, out = _timed(lambda: run(new_tokens), device)
-        totals.append(total)
-    prefill_s = statistics.median(prefills)
-    decode_s = max(statistics.median(totals) - prefill_s, 1e-9)
-    notes = ["generate(), static cache" + (" (compiled by generate on this device)" if device.type == "cuda" else "") if static
-             else "generate(), dynamic cache, eager"]  # fmt: skip
-    return _timing(variant, ids, new_tokens, prefill_s, decode_s, out[:, ids.shape[1] :], notes)
+    warm = WarmGenerate(model, ids, new_tokens, static)
+    warm.run(1)
+    warm.run(new_tokens if static else min(new_tokens, 8))
+    return warm
 
 
 def decode_comparison(

@@ -5,7 +5,9 @@ on CUDA); tokens/s come from the trainer's own step timings after warm-up.  The 
 and, on CUDA, ``torch.compile`` of the unpatched model; the adapted model is the kernel plan with its
 compilation (``operators.adapt_model``).  The adapted model is judged against the best baseline per
 part (train, prefill, decode): slower than it by more than ``SLOWER_TOLERANCE`` fails the stage and
-says where.  On CUDA the shapes are realistic unless given (``cuda_shapes``); on a CPU the verdict is
+says where.  On CUDA decode is judged on the serving paths instead (``validators.decode``, prompt 512,
+256 new tokens, batch 1 and 8): the adapted static-cache decoder against HF ``generate`` with the dynamic
+cache (eager) and with the static cache compiled, against the targets ``adapt.core.verdicts.DECODE_TARGETS``.  On CUDA the shapes are realistic unless given (``cuda_shapes``); on a CPU the verdict is
 "inconclusive" (a toy shape times the host, not kernels), and on CUDA a figure whose training step
 leaves the GPU idle more than ``HOST_BOUND_IDLE`` of the time is marked host-bound.  MFU divides
 achieved training FLOP/s (``ModelSpec``'s per-token FLOPs at the measured sequence length) by the
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from adapt.core.errors import BadInput
+from adapt.core.verdicts import decode_targets
 from adapt.model.skeleton import quiet_transformers
 from validators.align import kernel_plan_transform
 from validators.alignment import check_device
@@ -46,6 +49,7 @@ MEMORY_FRACTION = 0.6  # of the free device memory the training step is sized to
 SPREAD_TARGET = 0.05  # step-time coefficient of variation a conclusive figure needs
 CPU_SEQ, CPU_BATCH, CPU_STEPS, CUDA_STEPS = 256, 2, 6, 20
 BASELINES = ("eager", "compiled")
+DECODE_PROMPT, DECODE_NEW_TOKENS = 512, 256
 
 
 @dataclass
@@ -65,6 +69,8 @@ class BenchOptions:
     memory_fraction: float = MEMORY_FRACTION
     # Decode against HF eager and HF static+compile at these batches (None: 1 and 8 on CUDA, none on a CPU).
     decode_batches: tuple[int, ...] | None = None
+    decode_prompt: int = DECODE_PROMPT  # shortened where the model's positions cannot hold prompt + new tokens
+    decode_new_tokens: int = DECODE_NEW_TOKENS
 
 
 @dataclass
@@ -105,6 +111,7 @@ class ThroughputReport:
     reasons: list[str] = field(default_factory=list)  # why the verdict, part by part
     shapes_basis: str = ""
     decode: list[dict[str, Any]] = field(default_factory=list)  # validators.decode.DecodeTiming rows
+    decode_targets: list[dict[str, Any]] = field(default_factory=list)  # adapt.core.verdicts.decode_targets rows
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -225,7 +232,8 @@ def bench(
     if decode_batches:
         from validators.decode import decode_comparison
 
-        timings = decode_comparison(src, patch, device, dtype, decode_batches, options.seq_len)
+        prompt, new_tokens = decode_shape(options, spec.max_position_embeddings, notes)
+        timings = decode_comparison(src, patch, device, dtype, decode_batches, prompt, new_tokens)
         decode = [{k: v for k, v in t.to_dict().items() if k != "tokens"} for t in timings]  # rates, not token lists
     verdict, reasons = judge(results, device, options, decode)
     finite = all(r.train_tokens_per_s > 0 and all(map(_finite, r.losses)) for r in results)
@@ -252,7 +260,17 @@ def bench(
         reasons=reasons,
         shapes_basis=basis,
         decode=decode,
+        decode_targets=decode_targets(decode, on_cuda),
     )
+
+
+def decode_shape(options: BenchOptions, max_positions: int | None, notes: list[str]) -> tuple[int, int]:
+    """(prompt, new tokens) of the decode comparison: the options' own, the prompt shortened to fit the positions."""
+    prompt, new_tokens = options.decode_prompt, options.decode_new_tokens
+    if max_positions and prompt + new_tokens > max_positions:
+        prompt = max(1, max_positions - new_tokens)
+        notes.append(f"decode prompt shortened to {prompt} tokens: the model holds {max_positions} positions")
+    return prompt, new_tokens
 
 
 def _choose_shapes(options: BenchOptions, spec, dtype: torch.dtype, device: str, on_cuda: bool) -> str:
@@ -309,41 +327,30 @@ def best_baseline_ratios(variants: list[VariantResult]) -> dict[str, tuple[str, 
     return out
 
 
-def decode_ratios(rows: list[dict[str, Any]]) -> dict[str, tuple[str, float]]:
-    """Per batch, (best other decode path, adapted / it) from the serving comparison (HF eager, HF static cache
-    + compile, the adapted static-cache decoder): the decode a user would serve with, not the training loop's."""
-    out = {}
-    for batch in sorted({r["batch"] for r in rows}):
-        at = {
-            r["variant"]: r["decode_tokens_per_s"] for r in rows if r["batch"] == batch and r["decode_tokens_per_s"] > 0
-        }
-        others = [(rate, name) for name, rate in at.items() if name != "adapted"]
-        if "adapted" in at and others:
-            rate, name = max(others)
-            out[f"decode at batch {batch}"] = (name, at["adapted"] / rate)
-    return out
-
-
 def judge(
     variants: list[VariantResult], device: str, options: BenchOptions, decode: list[dict[str, Any]] | None = None
 ) -> tuple[str, list[str]]:
     """Passed, failed or inconclusive, with the reasons: a part slower than the best baseline fails.  A host-bound
-    baseline is said, but only the adapted model's own host-bound or noisy timing makes the verdict inconclusive."""
+    baseline is said, but only the adapted model's own host-bound or noisy timing makes the verdict inconclusive.
+    Decode rows of the serving comparison replace the training loop's decode, judged against the decode targets."""
+    on_cuda = device.startswith("cuda")
     reasons, doubts = [], []
     ratios = best_baseline_ratios(variants)
-    if decode and decode_ratios(decode):
-        ratios.pop("decode", None)  # the serving comparison judges decode
-        ratios.update(decode_ratios(decode))
+    targets = decode_targets(decode or [], on_cuda)
+    if targets:
+        ratios.pop("decode", None)
     slower = [
         f"{part} x{ratio:.2f} of {name}" for part, (name, ratio) in ratios.items() if ratio < 1 - SLOWER_TOLERANCE
     ]
+    slower += [t["reason"] for t in targets if t["verdict"] == "failed"]
+    doubts += [t["reason"] for t in targets if t["verdict"] == "inconclusive" and on_cuda]
     for v in variants:
         if v.host_bound:
             line = f"{v.name} is host-bound: the GPU sat idle {v.gpu_idle_share:.0%} of its training step"
             (doubts if v.name == "adapted" else reasons).append(line)
         if v.step_time_cv is not None and v.step_time_cv > SPREAD_TARGET:
             doubts.append(f"{v.name}'s step time varies by {v.step_time_cv:.1%} (more than {SPREAD_TARGET:.0%})")
-    if not device.startswith("cuda"):
+    if not on_cuda:
         return "inconclusive", [
             f"on a CPU at batch {options.batch} x {options.seq_len} the rates time the host, not the kernels",
             *([f"slower than the best baseline: {', '.join(slower)}"] if slower else []),
@@ -351,11 +358,11 @@ def judge(
             *reasons,
         ]
     if slower:
-        return "failed", [f"adapted is slower than the best baseline: {', '.join(slower)}", *doubts, *reasons]
+        return "failed", [f"adapted misses: {', '.join(slower)}", *doubts, *reasons]
     if doubts:
         return "inconclusive", [*doubts, *reasons]
     compared = ", ".join(f"{p} x{r:.2f} of {n}" for p, (n, r) in ratios.items())
-    return "passed", [f"adapted vs best baseline: {compared}", *reasons]
+    return "passed", [f"adapted vs best baseline: {compared}", *(t["reason"] for t in targets), *reasons]
 
 
 def _finite(x: float) -> bool:

@@ -53,3 +53,62 @@ def verdict(
     return (
         within_limits or no_worse_than_dtype
     ) and rel_err <= limits.max_err_ratio * baseline_rel_err + limits.rel_err_floor
+
+
+# The decode targets: adapted decode tokens/s over each HF generate path, at every batch measured.
+DECODE_TARGETS: dict[str, float] = {"hf-static-compile": 1.0, "hf-eager": 3.0}
+DECODE_HOST_BOUND_IDLE = 0.3  # GPU idle share of the adapted decode above which its rate is the host's
+
+
+def decode_targets(
+    rows: list[dict[str, Any]],
+    on_gpu: bool,
+    minima: dict[str, float] | None = None,
+    host_bound_idle: float = DECODE_HOST_BOUND_IDLE,
+) -> list[dict[str, Any]]:
+    """Per batch, the adapted decode rate against each HF path's, judged against ``minima`` (``DECODE_TARGETS``).
+
+    ``rows`` are decode timings (``variant``, ``batch``, ``decode_tokens_per_s``, optional ``gpu_idle_share``).
+    A target is inconclusive where either rate is missing, on a CPU (the host is timed, not the kernels) and
+    where the adapted decode left the GPU idle more than ``host_bound_idle`` of the time; a batch fails when
+    any of its targets fails, else is inconclusive when any is.  Plain Python: ``adapt gate`` re-judges with it.
+    """
+    minima = dict(DECODE_TARGETS if minima is None else minima)
+    out = []
+    for batch in sorted({int(r["batch"]) for r in rows}):
+        at = {r["variant"]: r for r in rows if int(r["batch"]) == batch}
+        rate = {name: float(r.get("decode_tokens_per_s") or 0.0) for name, r in at.items()}
+        adapted = at.get("adapted") or {}
+        idle = adapted.get("gpu_idle_share")
+        doubt = (
+            "measured on a CPU, which times the host, not the kernels"
+            if not on_gpu
+            else f"the adapted decode left the GPU idle {idle:.0%} of the time (host-bound)"
+            if isinstance(idle, (int, float)) and idle > host_bound_idle
+            else None
+        )
+        row: dict[str, Any] = {"batch": batch, "adapted_tokens_per_s": rate.get("adapted")}
+        verdicts, reasons = [], []
+        for baseline, minimum in minima.items():
+            key = baseline.removeprefix("hf-").replace("-", "_")
+            ratio = (
+                rate["adapted"] / rate[baseline] if rate.get("adapted", 0) > 0 and rate.get(baseline, 0) > 0 else None
+            )
+            if ratio is None:
+                missing = [n for n in ("adapted", baseline) if rate.get(n, 0) <= 0]
+                verdict, why = "inconclusive", f"{' and '.join(missing)} not measured"
+            elif doubt:
+                verdict, why = "inconclusive", f"x{ratio:.2f} of {baseline} (min x{minimum:g}), but {doubt}"
+            else:
+                verdict = "passed" if ratio >= minimum else "failed"
+                why = f"x{ratio:.2f} of {baseline} (min x{minimum:g})"
+            row |= {f"{key}_tokens_per_s": rate.get(baseline), f"vs_{key}": ratio, f"min_vs_{key}": minimum,
+                    f"{key}_verdict": verdict}  # fmt: skip
+            verdicts.append(verdict)
+            reasons.append(f"{why}: {verdict}")
+        row["verdict"] = (
+            "failed" if "failed" in verdicts else "inconclusive" if "inconclusive" in verdicts else "passed"
+        )
+        row["reason"] = f"decode at batch {batch}: " + "; ".join(reasons)
+        out.append(row)
+    return out

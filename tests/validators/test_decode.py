@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,12 +76,13 @@ def test_compiled_decode_step_gives_the_eager_tokens(zoo, fresh_seed):
 
 def test_timings_split_prefill_and_decode(zoo, fresh_seed):
     model, ids = model_and_prompts(zoo, "llama")
-    adapted = time_static_decoder("adapted", model, ids, 6, compile=False, repeats=1)
-    eager = time_hf_generate("hf-eager", model, ids, 6, static=False, repeats=1)
+    adapted = time_static_decoder("adapted", model, ids, 6, compile=False, repeats=2)
+    eager = time_hf_generate("hf-eager", model, ids, 6, static=False, repeats=2)
     for timing in (adapted, eager):
         assert timing.prefill_s > 0 and timing.decode_s > 0 and timing.decode_tokens_per_s > 0
         assert timing.decode_tokens_per_s == pytest.approx(2 * 5 / timing.decode_s)
         assert [len(row) for row in timing.tokens] == [6, 6]
+        assert timing.decode_spread >= 1.0 and timing.gpu_idle_share is None  # the profiler's share is CUDA's
     assert adapted.tokens == eager.tokens
     with pytest.raises(ValueError):
         time_static_decoder("adapted", model, ids, 1, compile=False)
@@ -87,30 +90,23 @@ def test_timings_split_prefill_and_decode(zoo, fresh_seed):
 
 @pytest.mark.slow
 def test_benchmark_dry_run_writes_json_and_markdown(tmp_path):
-    """benchmarks/inference.py at toy sizes, in process: every decode variant, generation alignment, both files."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_inference", Path(__file__).parents[2] / "benchmarks" / "inference.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    checkpoint = tmp_path / "llama"
-    bench.build_checkpoint("llama-1b", checkpoint, True)
-    bench.make_kernel_plan(checkpoint)
-    entry = {variant: bench.decode_variant(variant, checkpoint, True) for variant in bench.DECODE_VARIANTS}
-    entry["generation"] = bench.alignment_variant(checkpoint, True)
-    results = {
-        "sizes": bench.sizes(True),
-        "shapes": {"llama-1b": entry},
-        "budget_s": 0,
-        "environment": bench.environment(),
-    }
-    bench.write(tmp_path, "inference-tiny", results)
+    """benchmarks/inference.py --tiny on one shape: every step in its own process, rows, targets, both files."""
+    repo = Path(__file__).parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)}
+    cmd = [sys.executable, str(repo / "benchmarks" / "inference.py"), "--out", str(tmp_path), "--tiny",
+           "--shapes", "llama-1b", "--parallel", "2", "--budget-s", "500", "--work", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     data = json.loads((tmp_path / "inference-tiny.json").read_text())
-    rows = data["shapes"]["llama-1b"]["adapted"]["rows"]
-    assert [r["batch"] for r in rows] == [1, 2] and all(r["decode_tokens_per_s"] > 0 for r in rows)
-    assert data["shapes"]["llama-1b"]["generation"]["verdict"] in ("passed", "inconclusive")
+    entry = data["shapes"]["llama-1b"]
+    for variant in ("hf-eager", "hf-static-compile", "adapted"):
+        rows = entry[variant]["rows"]
+        assert [r["batch"] for r in rows] == [1, 2] and all(r["decode_tokens_per_s"] > 0 for r in rows)
+    assert [(t["batch"], t["verdict"]) for t in entry["targets"]] == [(1, "inconclusive"), (2, "inconclusive")]
+    assert all(t["vs_static_compile"] > 0 and t["vs_eager"] > 0 for t in entry["targets"])  # measured, on a CPU
+    assert entry["generation"]["verdict"] in ("passed", "inconclusive")
     table = (tmp_path / "inference-tiny.md").read_text()
-    assert "| llama-1b | 1 |" in table and "error" not in table
+    assert "| llama-1b | 1 |" in table and "not measured" not in table
 
 
 def test_decode_comparison_runs_every_variant_on_the_same_prompts(zoo):

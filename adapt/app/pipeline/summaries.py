@@ -337,10 +337,11 @@ def throughput(report: dict[str, Any], options: RunOptions) -> Summary:
     speedups = [
         f"{r['metric']} x{r['speedup']:.2f}" for r in rows if r.get("speedup") is not None and r["unit"] == "tokens/s"
     ]
-    data["verdict"], data["reasons"], data["decode"] = (
+    data["verdict"], data["reasons"], data["decode"], data["decode_targets"] = (
         report.get("verdict"),
         report.get("reasons", []),
         report.get("decode", []),
+        report.get("decode_targets", []),
     )
     verdict = f"adapted/eager on {data['device_name'] or data['device']}: " + (
         ", ".join(speedups) or "no comparable rates"
