@@ -34,7 +34,8 @@ from parallel_planner.published import (  # noqa: E402
     load_published_runs,
     planning_speed,
 )
-from parallel_planner.search import plan_parallel, replan_with_measurements  # noqa: E402
+from parallel_planner.replan import replan_with_measurements  # noqa: E402
+from parallel_planner.search import plan_parallel  # noqa: E402
 from parallel_planner.timing import Efficiency  # noqa: E402
 from parallel_planner.workload import Workload  # noqa: E402
 

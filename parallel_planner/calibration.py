@@ -1,15 +1,21 @@
 """Measurements of the target machine that replace the time model's assumptions: the loop closes here.
 
-Format (JSON; every section optional but at least one)::
+Format (JSON; every section optional but at least one of blocks, runs, gemm_efficiency, dispatch)::
 
-    {"device": "NVIDIA H200", "dtype": "bf16",
+    {"schema": "adapt.calibration", "schema_version": 1,     # optional; checked when present
+     "device": "NVIDIA H200", "dtype": "bf16",              # what was measured, in which element type
      "gemm_efficiency": 0.79,                 # achieved bf16 GEMM FLOP/s / dense peak
+     "matmul_tflops": 781.0, "peak_tflops": 989.0,          # the achieved rate and the peak it is a share of
      "dispatch": {"eager_s": 1.2e-5, "dtensor_s": 9e-5, "compiled_s": 3e-6},   # measure_dispatch_costs()
      "runs": [{"gpus": 1, "layout": {"tp": 1, "zero": 3, "mbs": 4}, "seq_len": 2048, "global_batch": 4,
-               "tokens_per_s": 42892, "peak_memory_gib": 39.5}],
-     "seq_len": 4096, "micro_batch": 1, "hidden_size": 4096,
+               "tokens_per_s": 42892, "step_time_s": 0.191, "peak_memory_gib": 39.5, "mfu": 0.35}],
+     "seq_len": 4096, "micro_batch": 1, "hidden_size": 4096, "tokens": 4096,
      "blocks": [{"index": 0, "forward_s": 0.0012, "backward_s": 0.0025},
                 {"signature": "<BlockSpec.signature()>", "forward_s": ..., "backward_s": ...}]}
+
+``adapt run``'s throughput stage writes this file as ``artifacts/throughput/calibration.json`` (the adapted
+model's training step on this one device as a run, the achieved GEMM rate, per-block timings; see
+``validators.throughput.planner_calibration``) and ``adapt plan --calibration FILE`` reads it.
 
 ``gemm_efficiency`` replaces the catalogue's GEMM ceiling; ``dispatch`` the host cost per operator.
 ``runs`` are whole training steps the throughput stage measured: the planner scales its compute so that
@@ -17,7 +23,8 @@ its prediction of each listed layout meets the measured step (the median over ru
 what no term models (clocks under load, framework overheads) to every other layout.  ``blocks`` are
 per-block timings for one block, one micro-batch of ``micro_batch x seq_len`` tokens, on one GPU
 without model parallelism, matched by ``signature`` or layer ``index``; each rescales its block type.
-Measured peak memory is kept and reported beside the prediction, not folded into the memory model.
+Measured peak memory (``runs[].peak_memory_gib``), ``step_time_s``, ``mfu`` and ``matmul_tflops`` are kept
+and reported beside the prediction, not folded into the models.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from adapt.core.errors import BadInput
 from parallel_planner.cluster import Cluster
 from parallel_planner.profile import ModelProfile
 from parallel_planner.workload import Workload
+
+SCHEMA, SCHEMA_VERSION = "adapt.calibration", 1
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,11 @@ class Calibration:
         return dataclasses.replace(eff, **changes) if changes else eff
 
 
+def measured_on(device: str, gpu) -> bool:
+    """Whether a device name (``NVIDIA H100 80GB HBM3``) is the catalogue GPU type the plan targets."""
+    return gpu.name.lower() in device.lower().replace(" ", "").replace("-", "")
+
+
 def load_calibration(path: str | Path) -> Calibration:
     path = Path(path)
     try:
@@ -82,6 +96,11 @@ def calibration_from_dict(data: dict, source: str = "") -> Calibration:
     where = f"calibration {source}" if source else "calibration"
     if not isinstance(data, dict):
         raise BadInput(f"{where}: expected a JSON object")
+    if data.get("schema", SCHEMA) != SCHEMA or data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise BadInput(
+            f"{where}: schema {data.get('schema')!r} version {data.get('schema_version')!r}; "
+            f"this adapt reads {SCHEMA!r} version {SCHEMA_VERSION}"
+        )
     try:
         blocks = tuple(
             BlockTiming(float(b["forward_s"]), float(b["backward_s"]), b.get("index"), b.get("signature"))
@@ -133,14 +152,32 @@ def calibration_from_dict(data: dict, source: str = "") -> Calibration:
 
 
 def calibration_from_measurements(
-    device: str, gemm_tflops: float | None, peak_tflops: float, dispatch: dict | None, runs: list[dict]
+    device: str,
+    gemm_tflops: float | None,
+    peak_tflops: float | None,
+    dispatch: dict | None,
+    runs: list[dict],
+    *,
+    dtype: str = "bf16",
+    shape: dict | None = None,
+    blocks: list[dict] | None = None,
 ) -> dict:
-    """The calibration JSON the throughput stage writes from what it measured (see the module docstring)."""
-    data: dict = {"device": device, "dtype": "bf16", "runs": list(runs)}
+    """The calibration JSON (see the module docstring) from what was measured: the one writer of the format.
+
+    ``shape`` holds ``seq_len``, ``micro_batch``, ``hidden_size`` and ``tokens`` of the ``blocks`` timings.
+    """
+    data: dict = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "device": device, "dtype": dtype}
+    data.update(shape or {})
+    data["runs"] = list(runs)
     if gemm_tflops:
+        data["matmul_tflops"] = gemm_tflops
+    if gemm_tflops and peak_tflops:
+        data["peak_tflops"] = peak_tflops
         data["gemm_efficiency"] = min(1.0, gemm_tflops / peak_tflops)
     if dispatch:
         data["dispatch"] = {k: v for k, v in dispatch.items() if k in ("eager_s", "dtensor_s", "compiled_s")}
+    if blocks:
+        data["blocks"] = list(blocks)
     return data
 
 
@@ -197,11 +234,43 @@ RUN_DEFAULTS = dict(
 
 def _run_scale(run: dict, profile: ModelProfile, cluster: Cluster, workload: Workload, eff, scale: np.ndarray) -> float:
     """The compute scale at which the model's step for a measured run equals the measured step."""
+    measured = run["global_batch"] * run["seq_len"] / run["tokens_per_s"]
+    low, high = 0.05, 20.0
+    for _ in range(40):  # the step grows with the compute scale: bisect on a log scale
+        mid = (low * high) ** 0.5
+        below = run_step_seconds(run, profile, cluster, workload, eff, scale * mid) < measured
+        low, high = (mid, high) if below else (low, mid)
+    return (low * high) ** 0.5
+
+
+def run_step_seconds(
+    run: dict, profile: ModelProfile, cluster: Cluster, workload: Workload, eff, scale: np.ndarray | None = None
+) -> float:
+    """The time model's step for a measured run's layout, GPUs and shape (``scale``: compute per block type)."""
+    from parallel_planner.timing import step_time
+
+    one, layout, run_cluster, run_workload = _run_layout(run, profile, cluster, workload)
+    return float(step_time(profile, run_cluster, run_workload, one, layout, eff, scale)["step"][0])
+
+
+def run_memory_gib(run: dict, profile: ModelProfile, cluster: Cluster, workload: Workload, memory_model) -> float:
+    """The memory model's fullest stage for a measured run, to report beside its measured peak."""
+    from parallel_planner.catalog import GIB
+    from parallel_planner.memory import memory_breakdown
+
+    one, layout, run_cluster, run_workload = _run_layout(run, profile, cluster, workload)
+    return float(
+        memory_breakdown(profile, run_cluster, run_workload, one, layout, memory_model)["total"][0].max() / GIB
+    )
+
+
+def _run_layout(run: dict, profile: ModelProfile, cluster: Cluster, workload: Workload):
+    """A measured run as one candidate, its layer split, and the cluster and workload it ran on.  The layout
+    is taken as given, whatever the search would enumerate (a bench's micro-batch of 6, ZeRO-0 on one GPU)."""
     import dataclasses
 
     from parallel_planner.knobs import parse_fixed
     from parallel_planner.layout import FIELDS, SPLITS, Candidates, stage_layout
-    from parallel_planner.timing import step_time
 
     knobs = parse_fixed({**RUN_DEFAULTS, **(run.get("layout") or {})})
     knobs.setdefault("sp", int(knobs["tp"] > 1))
@@ -214,13 +283,4 @@ def _run_scale(run: dict, profile: ModelProfile, cluster: Cluster, workload: Wor
         raise BadInput(f"calibration run {run.get('layout')}: the layers do not fill its pipeline")
     run_cluster = dataclasses.replace(cluster, num_gpus=run["gpus"])
     run_workload = dataclasses.replace(workload, seq_len=run["seq_len"], global_batch=run["global_batch"])
-    measured = run["global_batch"] * run["seq_len"] / run["tokens_per_s"]
-
-    def predicted(factor: float) -> float:
-        return float(step_time(profile, run_cluster, run_workload, one, layout, eff, scale * factor)["step"][0])
-
-    low, high = 0.05, 20.0
-    for _ in range(40):  # the step grows with the compute scale: bisect on a log scale
-        mid = (low * high) ** 0.5
-        low, high = (mid, high) if predicted(mid) < measured else (low, mid)
-    return (low * high) ** 0.5
+    return one, layout, run_cluster, run_workload

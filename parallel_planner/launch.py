@@ -64,3 +64,10 @@ def torchrun_command(plan: ParallelPlan, launch: LaunchConfig, train_args: list[
 
 def render(cmd: list[str]) -> str:
     return shlex.join(cmd)
+
+
+def launch_command(plan: ParallelPlan, gpus_per_node: int, source: str) -> str:
+    """The command ``adapt launch`` would print for this plan (``plan.json`` = this answer, saved)."""
+    nodes = max(1, plan.world_size // gpus_per_node)
+    launch = LaunchConfig(nnodes=nodes, rdzv_endpoint="HEAD_NODE:29500" if nodes > 1 else None)
+    return render(torchrun_command(plan, launch, [source, "--plan", "plan.json"]))

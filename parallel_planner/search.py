@@ -24,10 +24,11 @@ import numpy as np
 
 from adapt.core.errors import BadInput
 from adapt.core.spec import ModelSpec
-from parallel_planner.calibration import Calibration, compute_scale
+from parallel_planner.calibration import Calibration, compute_scale, measured_on
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
 from parallel_planner.knobs import NETWORK_KEYS, parse_fixed
+from parallel_planner.launch import launch_command
 from parallel_planner.layout import (
     FIELDS,
     RECOMPUTE,
@@ -140,19 +141,19 @@ def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rej
     ep_options = _divisors(math.gcd(dp * cp, *experts)) if experts else [1]
     if "ep" in fixed and fixed["ep"] not in ep_options:
         rejected[f"ep={fixed['ep']} must divide the experts and dp*cp={dp * cp}"] += 1
+    if "mbs" in fixed and per_rank % fixed["mbs"]:
+        rejected[f"mbs={fixed['mbs']} must divide the sequences per data-parallel rank (global batch / dp)"] += 1
     for ep in ep_options:
         if "ep" in fixed and fixed["ep"] != ep:
             continue
         replicas = _replicas(tp, dp, cp, ep, per_node, workload.training, fixed)
         if not replicas:
             rejected["HSDP needs cp=1 and its shard group (dp/replicate) to divide over ep"] += 1
-        for mbs in (b for b in MICRO_BATCHES if per_rank % b == 0):
-            if "mbs" in fixed and fixed["mbs"] != mbs:
-                continue
+        for mbs in (b for b in ((fixed["mbs"],) if "mbs" in fixed else MICRO_BATCHES) if per_rank % b == 0):
             pairs = [
                 (v, sch)
                 for v, sch in _schedules(
-                    pp, per_rank // mbs, profile.num_layers, workload.training, "schedule" in fixed
+                    pp, per_rank // mbs, profile.num_layers, workload.training, "schedule" in fixed, fixed.get("vpp")
                 )
                 if fixed.get("vpp", v) == v and fixed.get("schedule", sch) == sch
             ]
@@ -223,16 +224,19 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
             yield (pp, vpp, split), Candidates(**cols)
 
 
-def _schedules(pp: int, m: int, layers: int, training: bool, schedule_pinned: bool) -> list[tuple[int, int]]:
+def _schedules(
+    pp: int, m: int, layers: int, training: bool, schedule_pinned: bool, vpp: int | None = None
+) -> list[tuple[int, int]]:
     """(vpp, schedule) pairs.  Interleaved 1F1B holds as many activations as zero-bubble (ZB-H1) with a
-    larger bubble, so the open search skips it; a pinned schedule is still evaluated."""
+    larger bubble, so the open search skips it; a pinned schedule is still evaluated, and so is a pinned
+    ``vpp`` the open search does not try."""
     if pp == 1:
         return [(1, 0)]
     out = [(1, SCHEDULES.index("1f1b"))]
     if not training:
         return out
     interleaved = ("interleaved_1f1b", "zero_bubble") if schedule_pinned else ("zero_bubble",)
-    for v in VIRTUAL_STAGES[1:]:
+    for v in (vpp,) if vpp and vpp > 1 else VIRTUAL_STAGES[1:]:
         if pp * v <= layers + 2 and m % pp == 0:  # interleaving needs whole rounds of pp micro-batches
             out += [(v, SCHEDULES.index(name)) for name in interleaved]
     return out
@@ -300,6 +304,7 @@ def plan_parallel(
 ) -> PlannerResult:
     """Rank the fastest layouts that fit, or evaluate a fixed one (``fixed`` pins knobs, see ``parse_fixed``)."""
     eff = efficiency or Efficiency()
+    rejected, notes = Counter(), []
     pinned = parse_fixed(fixed)
     pinned_network = {k: pinned.pop(k) for k in list(pinned) if k in NETWORK_KEYS}
     network = {NETWORK_KEYS[k]: v for k, v in pinned_network.items()}
@@ -307,17 +312,20 @@ def plan_parallel(
         cluster = with_network(cluster, **network)
     if calibration is not None:
         eff = calibration.apply(eff, cluster)
+        if not measured_on(calibration.device, cluster.gpu):
+            notes.append(f"the calibration was measured on {calibration.device}, not on {cluster.gpu.name.upper()}")
     mm = memory_model or MemoryModel(fused_kernels=eff.fused_kernels)
     product = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "dp", "cp"))
     if cluster.num_gpus % product or (
         all(k in pinned for k in ("tp", "pp", "dp", "cp")) and product != cluster.num_gpus
     ):
-        raise BadInput(f"--fixed: tp*pp*dp*cp = {product} does not lay out {cluster.num_gpus} GPUs")
+        factors = [f"{k}={pinned[k]}" for k in ("tp", "pp", "dp", "cp") if k in pinned]
+        times = " x ".join(factors) + (f" = {product}" if len(factors) > 1 else "")
+        raise BadInput(f"--fixed: {times} does not lay out {cluster.num_gpus} GPUs")
     profile = profile_model(spec)
     scale = compute_scale(calibration, profile, cluster, workload, eff) if calibration else None
     space_overlap = "tp_overlap" in pinned
     usable = mm.usable_bytes(cluster)
-    rejected, notes = Counter(), []
     overlap = eff.runtime == "megatron" or space_overlap
     spaces = (
         SearchSpace(tp_overlap=overlap),
@@ -416,30 +424,49 @@ def _binding(
     return "none: the fastest layout in the space fits"
 
 
-def _blocking_knobs(profile, cluster: Cluster, workload: Workload, pinned: dict, space: SearchSpace) -> list[str]:
-    """The pinned knobs that, each released alone, let some layout exist: the ones that make it impossible."""
-    blocking = []
-    for key in pinned:
-        rest = {k: v for k, v in pinned.items() if k != key}
-        groups, _ = enumerate_candidates(profile, cluster, workload, rest, space)
-        if any(stage_layout(profile, pp, vpp, SPLITS[split]) is not None for (pp, vpp, split) in groups):
-            blocking.append(f"{key}={_knob_name(key, pinned[key])}")
-    return blocking
+def _blocking_knobs(profile, cluster: Cluster, workload: Workload, pinned: dict, space: SearchSpace) -> str:
+    """What makes a pinned layout impossible, as the knobs to release: each one whose release alone admits a
+    layout; else the knobs no layout admits even alone; else a smallest set found by pinning the knobs back one
+    at a time while some layout still exists."""
+    names = {k: f"{k}={_knob_name(k, v)}" for k, v in pinned.items()}
+    alone = [names[k] for k in pinned if _admits(profile, cluster, workload, _without(pinned, (k,)), space)]
+    if alone:
+        return f"releasing {' or '.join(alone)} would admit one"
+    impossible = [names[k] for k, v in pinned.items() if not _admits(profile, cluster, workload, {k: v}, space)]
+    if impossible:
+        return f"{' and '.join(impossible)} admit{'s' if len(impossible) == 1 else ''} no layout even alone"
+    kept: dict = {}
+    for key, value in pinned.items():
+        if _admits(profile, cluster, workload, {**kept, key: value}, space):
+            kept[key] = value
+    released = [names[k] for k in pinned if k not in kept]
+    return f"releasing {', '.join(released)} together would admit one" if kept != pinned else ""
+
+
+def _without(pinned: dict, keys: tuple[str, ...]) -> dict:
+    return {k: v for k, v in pinned.items() if k not in keys}
+
+
+def _admits(profile, cluster: Cluster, workload: Workload, pinned: dict, space: SearchSpace) -> bool:
+    groups, _ = enumerate_candidates(profile, cluster, workload, pinned, space)
+    return any(
+        len(cands) and stage_layout(profile, pp, vpp, SPLITS[split]) is not None
+        for (pp, vpp, split), cands in groups.items()
+    )
 
 
 def _no_layout_message(
-    cluster: Cluster, workload: Workload, rejected: Counter, pinned: dict, blocking: list[str] | None = None
+    cluster: Cluster, workload: Workload, rejected: Counter, pinned: dict, blocking: str = ""
 ) -> str:
     if pinned:  # what the open enumeration skipped for knobs nobody pinned is noise here
         about_pinned = Counter({r: c for r, c in rejected.items() if any(k in r for k in pinned)})
         rejected = about_pinned or rejected
-    reasons = "; ".join(f"{r} ({c})" for r, c in rejected.most_common(3))
-    if pinned and blocking:
-        reasons = (reasons + "; " if reasons else "") + f"releasing {' or '.join(blocking)} would admit one"
+    reasons = "; ".join(f"{r} ({c})" for r, c in rejected.most_common(2 if blocking else 3))
     what = f"the fixed layout {_short(pinned)}" if pinned else f"{cluster.num_gpus} x {cluster.gpu.name}"
-    return f"no valid layout for {what} with global batch {workload.global_batch}: " + (
-        reasons or "the fixed knobs admit no layout"
-    )
+    head = f"no valid layout for {what} with global batch {workload.global_batch}: "
+    if pinned and blocking:  # the knobs first: they are what the user can change
+        return head + blocking + (f" ({reasons})" if reasons else "")
+    return head + (reasons or "the fixed knobs admit no layout")
 
 
 def _ranked(
@@ -497,43 +524,5 @@ def _ranked(
         tokens_per_s_per_gpu=tokens_per_s / cluster.num_gpus,
         mfu=model_flops * tokens_per_s / peak,
         hfu=float(times["hardware_flops_per_token"][0]) * tokens_per_s / peak,
-        torchrun=launch_command(plan, cluster, profile_source) if workload.training else "",
-    )
-
-
-def launch_command(plan: ParallelPlan, cluster: Cluster, source: str) -> str:
-    """The command ``adapt launch`` would print for this plan (``plan.json`` = this answer, saved)."""
-    from parallel_planner.launch import (
-        LaunchConfig,
-        render,
-        torchrun_command,
-    )
-
-    nodes = max(1, plan.world_size // cluster.gpus_per_node)
-    launch = LaunchConfig(nnodes=nodes, rdzv_endpoint="HEAD_NODE:29500" if nodes > 1 else None)
-    return render(torchrun_command(plan, launch, [source, "--plan", "plan.json"]))
-
-
-def replan_with_measurements(
-    spec: ModelSpec,
-    cluster: Cluster,
-    workload: Workload,
-    measurements: dict,
-    fixed: dict | str | None = None,
-    top_k: int = 5,
-    efficiency: Efficiency | None = None,
-) -> PlannerResult:
-    """The plan again once the throughput stage has measured this machine (``measurements`` in the
-    calibration JSON format, e.g. from ``calibration.calibration_from_measurements``): what ``adapt run``
-    shows beside the plan made before any measurement."""
-    from parallel_planner.calibration import calibration_from_dict
-
-    return plan_parallel(
-        spec,
-        cluster,
-        workload,
-        fixed=fixed,
-        top_k=top_k,
-        efficiency=efficiency,
-        calibration=calibration_from_dict(measurements, "throughput stage"),
+        torchrun=launch_command(plan, cluster.gpus_per_node, profile_source) if workload.training else "",
     )

@@ -63,6 +63,7 @@ def render_html(report: dict[str, Any]) -> str:
             tables.ranked_plans(report),
         ],
     )
+    parts += _calibrated_plan(report)
     parts += _environment(report)
     parts += _section(report, "alignment", "Alignment", [tables.alignment_table(report)], rows_by_passed=True)
     parts += _section(report, "throughput", "Throughput", [tables.throughput_table(report)])
@@ -167,6 +168,18 @@ def _decode(report: dict[str, Any]) -> list[str]:
         return []
     lines = [f"<p>{_e(line)}</p>" for line in tables.decode_caveats(report)]
     return ["<h3>Decode</h3>", *lines, _table(decode)]
+
+
+def _calibrated_plan(report: dict[str, Any]) -> list[str]:
+    """The plan before and after this machine's measurements, under the plan section."""
+    entry = stage(report, "replan")
+    if entry is None or entry["status"] in ("skipped", "pending"):
+        return []
+    out = ["<h3>Before and after calibration</h3>"]
+    if not summary(report, "replan"):
+        return out + [f'<p class="muted">No result: stage {_e(entry["status"])}: {_e(entry.get("verdict", ""))}</p>']
+    out += [f"<p>{_e(line)}</p>" for line in tables.calibration_lines(report)]
+    return out + [_table(tables.plan_calibration(report)), _table(tables.calibration_runs(report))]
 
 
 def _environment(report: dict[str, Any]) -> list[str]:

@@ -117,6 +117,23 @@ def _section_plan(report: dict[str, Any]) -> list[str]:
     if command:
         lines += ["Launch (the plan is saved beside this report):", "", "```", command, "```", ""]
     lines += ["Ranked alternatives:", "", tables.to_markdown(tables.ranked_plans(report))]
+    return lines + _section_calibrated_plan(report)
+
+
+def _section_calibrated_plan(report: dict[str, Any]) -> list[str]:
+    """The plan before and after the throughput stage's measurements of this machine (the replan stage)."""
+    entry = stage(report, "replan")
+    if entry is None or entry["status"] in ("skipped", "pending"):
+        return []
+    lines = ["### Before and after calibration", ""]
+    if not summary(report, "replan"):
+        return lines + _not_available(report, "replan")
+    lines += [line for text in tables.calibration_lines(report) for line in (text, "")]
+    comparison, runs = tables.plan_calibration(report), tables.calibration_runs(report)
+    if not comparison.empty:
+        lines += [tables.to_markdown(comparison)]
+    if not runs.empty:
+        lines += ["Measured on this machine, against the prediction:", "", tables.to_markdown(runs)]
     return lines
 
 

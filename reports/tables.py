@@ -225,6 +225,68 @@ def ranked_plans(report: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(summary(report, "plan").get("plans", []))
 
 
+_CALIBRATED = (
+    ("step_time_s", "step time (s)"),
+    ("tokens_per_s", "tokens/s"),
+    ("tokens_per_s_per_gpu", "tokens/s per GPU"),
+    ("mfu", "MFU"),
+    ("memory_gib_per_gpu", "memory per GPU (GiB)"),
+)
+
+
+def plan_calibration(report: dict[str, Any]) -> pd.DataFrame:
+    """The chosen plan before and after this machine's measurements, side by side (empty when not applied)."""
+    replan = summary(report, "replan")
+    before, after = replan.get("before"), replan.get("after")
+    columns = ["figure", "before calibration", "after calibration", "change"]
+    if not before or not after:
+        return pd.DataFrame(columns=columns)
+    old, new = _layout(before), _layout(after)
+    rows = [["layout", old, new, "same" if old == new else "changed"]]
+    rows += [[label, before.get(k), after.get(k), _relative(after.get(k), before.get(k))] for k, label in _CALIBRATED]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def calibration_runs(report: dict[str, Any]) -> pd.DataFrame:
+    """Each measured run: its rate and peak memory beside the model's prediction before and after calibration."""
+    rows = [
+        {
+            "run": f"{r.get('gpus')} GPU, {_knobs(r.get('layout') or {})}, {r.get('global_batch')} x {r.get('seq_len')}",
+            "measured tokens/s": r.get("measured_tokens_per_s"),
+            "predicted before": r.get("before_tokens_per_s"),
+            "predicted after": r.get("after_tokens_per_s"),
+            "measured peak GiB": r.get("measured_peak_memory_gib"),
+            "predicted GiB": r.get("predicted_memory_gib"),
+        }
+        for r in summary(report, "replan").get("measured_runs", [])
+    ]
+    return pd.DataFrame(rows)
+
+
+def calibration_lines(report: dict[str, Any]) -> list[str]:
+    """What the re-plan did with this machine's measurements, or why it left the plan as it was."""
+    replan = summary(report, "replan")
+    if not replan:
+        return []
+    if not replan.get("applied"):
+        return [f"Not calibrated: {replan.get('reason')}."]
+    return [f"The plan again, {replan.get('reason')}.", "What changed: " + "; ".join(replan.get("changes", [])) + "."]
+
+
+def _layout(plan: dict[str, Any]) -> str:
+    keys = ("tp", "pp", "dp", "cp", "ep", "zero", "recompute", "micro_batch", "vpp", "pp_schedule")
+    return " ".join(f"{k}={plan.get(k)}" for k in keys)
+
+
+def _knobs(layout: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in layout.items())
+
+
+def _relative(new: Any, old: Any) -> str:
+    ratio = _ratio(new, old)
+    return "" if ratio is None else f"{ratio - 1:+.1%}"
+
+
 def alignment_table(report: dict[str, Any]) -> pd.DataFrame:
     layers = summary(report, "alignment").get("layers", [])
     cols = ["name", "block", "component", "cosine", "rel_err", "max_abs", "err_ratio", "passed"]

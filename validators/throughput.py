@@ -11,8 +11,9 @@ cache (eager) and with the static cache compiled, against the targets ``adapt.co
 "inconclusive" (a toy shape times the host, not kernels), and on CUDA a figure whose training step
 leaves the GPU idle more than ``HOST_BOUND_IDLE`` of the time is marked host-bound.  MFU divides
 achieved training FLOP/s (``ModelSpec``'s per-token FLOPs at the measured sequence length) by the
-device peak.  Per-block forward and backward times are measured on captured real block inputs and
-emitted in the planner's calibration format.
+device peak.  The measurements are emitted in the planner's calibration format (``planner_calibration``):
+the adapted model's training step as a one-GPU run, the achieved GEMM rate against the datasheet peak, and
+per-block forward and backward times measured on captured real block inputs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from adapt.core.verdicts import decode_targets
 from adapt.model.skeleton import quiet_transformers
 from validators.align import kernel_plan_transform
 from validators.alignment import check_device
+from validators.bench_calibration import block_calibration, device_name, planner_calibration, timed
 from validators.compare import parse_dtype
 from validators.modules import find_blocks, first_tensor
 from validators.session import prepare_run, synchronize
@@ -121,19 +123,19 @@ class ThroughputReport:
         }
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ThroughputReport:
+        """A stored report (``to_dict``) as the pipeline hands it to a later stage."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"variants"}
+        variant_names = {f.name for f in dataclasses.fields(VariantResult)}
+        variants = [VariantResult(**{k: v for k, v in d.items() if k in variant_names}) for d in data["variants"]]
+        return cls(variants=variants, **{k: v for k, v in data.items() if k in names})
+
     def speedup(self, metric: str) -> float | None:
         by_name = {v.name: getattr(v, metric) for v in self.variants}
         if "eager" in by_name and "adapted" in by_name and by_name["eager"]:
             return by_name["adapted"] / by_name["eager"]
         return None
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    import platform
-
-    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
 def peak_flops_for(device: str, dtype: str, override: float | None) -> tuple[float | None, str]:
@@ -212,13 +214,13 @@ def bench(
         notes.append("no kernel plan given: 'adapted' is the unmodified model")
     if compile_mode != "none":
         notes.append(f"adapted = kernel plan + torch.compile ({compile_mode}), as the plan says")
-    results, calibration = [], {}
+    results, blocks = [], {}
     for name in variants_wanted:
         model = load_for_bench(src, dtype, device, options.max_layers, notes)
         if name == "adapted":
             if patch is not None:
                 model = patch(model) or model
-            calibration = block_calibration(model, options, device, spec)
+            blocks = block_calibration(model, options, device, spec)
             if compile_mode != "none":
                 from operators.api import compile_as_planned
 
@@ -235,6 +237,8 @@ def bench(
         prompt, new_tokens = decode_shape(options, spec.max_position_embeddings, notes)
         timings = decode_comparison(src, patch, device, dtype, decode_batches, prompt, new_tokens)
         decode = [{k: v for k, v in t.to_dict().items() if k != "tokens"} for t in timings]  # rates, not token lists
+    datasheet = peak if peak_basis == "given" or "datasheet" in peak_basis else None  # not a rate measured here
+    calibration = planner_calibration(blocks, dataclasses.asdict(results[-1]), options, device, datasheet)
     verdict, reasons = judge(results, device, options, decode)
     finite = all(r.train_tokens_per_s > 0 and all(map(_finite, r.losses)) for r in results)
     if not finite:
@@ -447,24 +451,11 @@ def gpu_idle_share(model: nn.Module, options: BenchOptions, device: str) -> floa
     return max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else 0.0
 
 
-def _timed(fn, device: str, reps: int) -> float:
-    """Median wall time of ``fn`` over ``reps`` runs after one warm-up, synchronising the device."""
-    fn()
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def _inference_rates(model: nn.Module, options: BenchOptions, device: str) -> tuple[float, float, bool]:
     vocab = vocab_size(model)
     ids = batch_for_step(options.seed, 10_000, options.batch, options.seq_len, vocab, device)
-    prefill_s = _timed(lambda: model(input_ids=ids, use_cache=False), device, 3)
+    prefill_s = timed(lambda: model(input_ids=ids, use_cache=False), device, 3)
     out = model(input_ids=ids, use_cache=True)
     cached = getattr(out, "past_key_values", None) is not None
     next_tok = first_tensor(out)[:, -1:].argmax(-1)
@@ -482,54 +473,5 @@ def _inference_rates(model: nn.Module, options: BenchOptions, device: str) -> tu
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        decode_s = _timed(decode, device, 2)
+        decode_s = timed(decode, device, 2)
     return options.batch * options.seq_len / prefill_s, options.batch * options.decode_tokens / decode_s, cached
-
-
-def _time_block(block: nn.Module, args: tuple, kwargs: dict, device: str) -> tuple[float, float]:
-    """Median forward and backward seconds of one block on its captured inputs."""
-    hidden = (args[0] if args else kwargs["hidden_states"]).detach().requires_grad_(True)
-    call_args = (hidden, *args[1:]) if args else ()
-    call_kwargs = kwargs if args else {**kwargs, "hidden_states": hidden}
-
-    def forward():
-        return first_tensor(block(*call_args, **call_kwargs))
-
-    forward_s = _timed(forward, device, 5)
-    grad = torch.randn_like(forward())
-    backward_s = _timed(lambda: torch.autograd.backward(forward(), grad), device, 5) - forward_s
-    return forward_s, max(backward_s, 1e-9)
-
-
-def block_calibration(model: nn.Module, options: BenchOptions, device: str, spec) -> dict[str, Any]:
-    """Forward and backward time of every block on its real inputs, in ``parallel_planner.calibration`` format."""
-    model = model.to(device).train()
-    blocks = find_blocks(model)
-    inputs: dict[int, tuple] = {}
-    handles = [
-        block.register_forward_pre_hook(
-            lambda _m, args, kwargs, i=i: inputs.setdefault(i, (args, kwargs)), with_kwargs=True
-        )
-        for i, block in enumerate(blocks.blocks)
-    ]
-    ids = batch_for_step(options.seed, 20_000, options.batch, options.seq_len, vocab_size(model), device)
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    entries = []
-    for i, block in enumerate(blocks.blocks):
-        forward_s, backward_s = _time_block(block, *inputs[i], device)
-        entries.append({"index": i, "forward_s": forward_s, "backward_s": backward_s})
-    model.zero_grad(set_to_none=True)
-    return {
-        "device": device_name(device),
-        "dtype": options.dtype,
-        "seq_len": options.seq_len,
-        "micro_batch": options.batch,
-        "hidden_size": spec.hidden_size,
-        "tokens": options.batch * options.seq_len,
-        "blocks": entries,
-    }

@@ -29,6 +29,20 @@ def test_full_run_passes_every_stage_and_writes_every_report(example_run):
     assert not list(out.rglob("*.tmp")), "atomic writes left temporary files behind"
 
 
+def test_throughput_writes_the_calibration_and_the_replan_reads_it(example_run):
+    from parallel_planner.calibration import load_calibration
+
+    _, out, _ = example_run
+    cal = load_calibration(out / "artifacts" / "throughput" / "calibration.json")
+    throughput = next(s for s in load(out)["stages"] if s["name"] == "throughput")
+    adapted = next(v for v in throughput["result"]["variants"] if v["name"] == "adapted")
+    assert cal.runs[0]["tokens_per_s"] == adapted["train_tokens_per_s"] and cal.device.startswith("CPU")
+    replan = next(s for s in load(out)["stages"] if s["name"] == "replan")
+    # a CPU measurement says nothing about the GPU cluster the plan targets: the plan stands, saying why
+    assert replan["status"] == "passed" and not replan["result"]["applied"] and replan["result"]["after"] is None
+    assert replan["result"]["device"] == cal.device and "CPU" in replan["summary"]["reason"]
+
+
 def test_second_run_reuses_every_stage(example_run):
     _, out, first_seconds = example_run
     before = load(out)

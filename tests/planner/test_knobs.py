@@ -112,7 +112,7 @@ def test_throughput_measurements_replan_through_the_cli(spec_json, tmp_path, cap
     from adapt.app.cli import main
     from adapt.core.spec import ModelSpec
     from parallel_planner.calibration import calibration_from_measurements
-    from parallel_planner.search import replan_with_measurements
+    from parallel_planner.replan import replan_with_measurements
 
     spec = ModelSpec.from_dict(json.loads(spec_json.read_text()))
     layout = dict(tp=1, pp=1, dp=1, cp=1, zero=1, recompute="none", mbs=4)

@@ -44,6 +44,12 @@ def test_bench_calibration_is_the_planner_format(llama_bench, tmp_path):
     assert [b.index for b in cal.blocks] == [0, 1]
     assert all(b.forward_s > 0 and b.backward_s > 0 for b in cal.blocks)
     assert cal.seq_len == 32 and cal.micro_batch == 2 and cal.hidden_size == 64
+    adapted = llama_bench.variants[-1]
+    (run,) = cal.runs  # the adapted model's training step, as the planner reads a measured run
+    assert run["tokens_per_s"] == adapted.train_tokens_per_s and run["step_time_s"] == adapted.train_step_s
+    assert run["global_batch"] == 2 and run["seq_len"] == 32 and run["layout"]["mbs"] == 2
+    assert run["peak_memory_gib"] == adapted.peak_memory_bytes / 2**30
+    assert cal.dtype == "fp32" and cal.gemm_efficiency is None  # a CPU has no datasheet peak to be a share of
 
 
 def test_bench_depth_truncated_at_real_width(zoo):
@@ -55,7 +61,7 @@ def test_bench_depth_truncated_at_real_width(zoo):
         src, options=BenchOptions(dtype="fp32", seq_len=16, steps=1, warmup=1, decode_tokens=2, max_layers=1)
     )
     assert report.truncated and report.layers_measured == 1 and report.layers_total == 2
-    assert len(report.calibration["blocks"]) == 1
+    assert len(report.calibration["blocks"]) == 1 and report.calibration["runs"] == []  # not the model's step
     assert any("depth-truncated" in note for note in report.notes)
 
 

@@ -23,6 +23,7 @@ STAGE_NAMES: tuple[str, ...] = (
     "alignment",
     "generation",
     "throughput",
+    "replan",
     "soak",
 )
 REPORT_STAGE = "report"  # always runs last; listed in --stages/--skip for completeness

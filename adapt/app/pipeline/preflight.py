@@ -19,6 +19,7 @@ STAGE_NEEDS: dict[str, tuple[str, ...]] = {
     "plan": ("intake",),
     "alignment": ("operators",),
     "throughput": ("operators",),
+    "replan": ("intake", "plan"),
     "soak": ("operators",),
 }
 

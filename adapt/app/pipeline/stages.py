@@ -3,8 +3,8 @@
 Each adapter imports its stage function from the module that defines it (``adapt.model.intake.build_spec``,
 ``operators.run_ops``, ``parallel_planner.search.plan_parallel``, ``validators.environment.
 check_environment``, ``validators.align.align``, ``validators.throughput.bench``,
-``validators.soak.soak``) and calls it with explicit arguments taken from the options and the
-upstream typed results.  The imports sit inside the adapters so that ``adapt --help`` does not pay
+``parallel_planner.replan.replan``, ``validators.soak.soak``) and calls it with explicit arguments taken
+from the options and the upstream typed results.  The imports sit inside the adapters so that ``adapt --help`` does not pay
 for torch, and so that a package that cannot be imported fails only its own stage.
 
 Adding a stage: write its adapter (and, when later stages read its typed result, a loader that
@@ -25,6 +25,8 @@ from typing import Any
 from adapt.app.pipeline import summaries
 from adapt.app.pipeline.options import LOCAL_CLUSTER, RunOptions
 from adapt.app.pipeline.progress import ProgressCallback
+
+CALIBRATION_FILE = "calibration.json"  # the throughput stage's measurements, in its artifacts directory
 
 
 class StageUnavailable(RuntimeError):
@@ -290,7 +292,30 @@ def _throughput(ctx: StageContext) -> Any:
         steps=opts.bench_steps,
     )
     with candidate(kernel_plan) as transform:
-        return bench(ctx.source, kernel_plan, device=opts.device, options=bench_options, transform=transform)
+        report = bench(ctx.source, kernel_plan, device=opts.device, options=bench_options, transform=transform)
+    from adapt.core.jsonio import atomic_write_json
+
+    path = ctx.artifacts / CALIBRATION_FILE
+    atomic_write_json(path, report.calibration)  # what ``adapt plan --calibration`` and the re-plan read
+    ctx.notes.append(f"measurements for the planner written to {path}")
+    return report
+
+
+def _load_throughput(data: dict[str, Any]) -> Any:
+    from validators.throughput import ThroughputReport
+
+    return ThroughputReport.from_dict(data)
+
+
+# ---- re-plan with this machine's measurements ---------------------------------------------------
+
+
+def _replan(ctx: StageContext) -> Any:
+    """The plan again with the throughput stage's measurements, beside the plan made before them."""
+    from parallel_planner.replan import replan
+
+    measured = ctx.optional_upstream("throughput")
+    return replan(ctx.upstream("intake"), ctx.upstream("plan"), measured.calibration if measured else None)
 
 
 def _soak(ctx: StageContext) -> Any:
@@ -388,6 +413,16 @@ STAGES: dict[str, Stage] = {
             execute=_throughput,
             summarise=summaries.throughput,
             description="measure baseline against adapted",
+            load=_load_throughput,
+        ),
+        Stage(
+            "replan",
+            needs=("intake", "plan"),
+            option_keys=(),
+            execute=_replan,
+            summarise=summaries.replan,
+            description="plan again with this machine's measurements",
+            uses=("throughput",),
         ),
         Stage(
             "soak",

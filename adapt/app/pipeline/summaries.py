@@ -200,6 +200,22 @@ def _fmt(value: Any, spec: str) -> str:
     return "?" if number is None else format(number, spec)
 
 
+def replan(result: dict[str, Any], options: RunOptions) -> Summary:
+    """The plan before and after this machine's measurements; a measurement that does not apply passes, saying why."""
+    before, after = result.get("before") or {}, result.get("after")
+    data = {k: result.get(k) for k in ("applied", "reason", "device", "target", "before", "after")}
+    data["changes"] = list(result.get("changes") or [])
+    data["measured_runs"] = list(result.get("measured_runs") or [])
+    if not result.get("applied") or not after:
+        return Summary(True, f"plan unchanged: {result.get('reason')}", data)
+    verdict = (
+        f"{result.get('reason')}; step {_fmt(before.get('step_time_s'), '.3g')} s -> "
+        f"{_fmt(after.get('step_time_s'), '.3g')} s, {_fmt(before.get('tokens_per_s'), ',.0f')} -> "
+        f"{_fmt(after.get('tokens_per_s'), ',.0f')} tok/s; {data['changes'][0] if data['changes'] else ''}"
+    )
+    return Summary(True, verdict, data)
+
+
 # ---- environment ------------------------------------------------------------------------------
 
 
