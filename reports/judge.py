@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
-from adapt.core.verdicts import DECODE_TARGETS, decode_targets
+from adapt.core.verdicts import STAGE_DECODE_MINIMA, decode_targets
 from reports.schema import summary
 
-DECODE_TARGET_KEYS = {name.removeprefix("hf-").replace("-", "_"): name for name in DECODE_TARGETS}
+DECODE_TARGET_KEYS = {name.removeprefix("hf-").replace("-", "_"): name for name in STAGE_DECODE_MINIMA}
 
 _SECTIONS = {
     "alignment": {"min_cosine", "max_rel_err", "max_err_ratio", "rel_err_floor", "allow_dtype_cost"},
@@ -253,7 +253,7 @@ def _throughput(tp: dict[str, Any], section: dict[str, Any]) -> list[Check]:
         )
     recorded = {key: row.get(f"min_vs_{key}") for row in recorded_decode_targets(tp) for key in DECODE_TARGET_KEYS}
     minima = {
-        name: float(section.get(f"min_decode_vs_{key}", recorded.get(key) or DECODE_TARGETS[name]))
+        name: float(section.get(f"min_decode_vs_{key}", recorded.get(key) or STAGE_DECODE_MINIMA[name]))
         for key, name in DECODE_TARGET_KEYS.items()
     }
     on_gpu = str(tp.get("device", "")).startswith("cuda")
@@ -264,7 +264,7 @@ def recorded_decode_targets(tp: dict[str, Any]) -> list[dict[str, Any]]:
     """The decode target rows of a throughput summary; judged from its decode timings when it predates them."""
     if tp.get("decode_targets"):
         return tp["decode_targets"]
-    return decode_targets(tp.get("decode") or [], str(tp.get("device", "")).startswith("cuda"))
+    return decode_targets(tp.get("decode") or [], str(tp.get("device", "")).startswith("cuda"), STAGE_DECODE_MINIMA)
 
 
 def decode_checks(targets: list[dict[str, Any]]) -> list[Check]:

@@ -7,7 +7,7 @@ compilation (``operators.adapt_model``).  The adapted model is judged against th
 part (train, prefill, decode): slower than it by more than ``SLOWER_TOLERANCE`` fails the stage and
 says where.  On CUDA decode is judged on the serving paths instead (``validators.decode``, prompt 512,
 256 new tokens, batch 1 and 8): the adapted static-cache decoder against HF ``generate`` with the dynamic
-cache (eager) and with the static cache compiled, against the targets ``adapt.core.verdicts.DECODE_TARGETS``.  On CUDA the shapes are realistic unless given (``cuda_shapes``); on a CPU the verdict is
+cache (eager) and with the static cache compiled, against ``adapt.core.verdicts.STAGE_DECODE_MINIMA`` (no slower than either).  On CUDA the shapes are realistic unless given (``cuda_shapes``); on a CPU the verdict is
 "inconclusive" (a toy shape times the host, not kernels), and on CUDA a figure whose training step
 leaves the GPU idle more than ``HOST_BOUND_IDLE`` of the time is marked host-bound.  MFU divides
 achieved training FLOP/s (``ModelSpec``'s per-token FLOPs at the measured sequence length) by the
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from adapt.core.errors import BadInput
-from adapt.core.verdicts import decode_targets
+from adapt.core.verdicts import STAGE_DECODE_MINIMA, decode_targets
 from adapt.model.skeleton import quiet_transformers
 from validators.align import kernel_plan_transform
 from validators.alignment import check_device
@@ -264,7 +264,7 @@ def bench(
         reasons=reasons,
         shapes_basis=basis,
         decode=decode,
-        decode_targets=decode_targets(decode, on_cuda),
+        decode_targets=decode_targets(decode, on_cuda, STAGE_DECODE_MINIMA),
     )
 
 
@@ -340,7 +340,7 @@ def judge(
     on_cuda = device.startswith("cuda")
     reasons, doubts = [], []
     ratios = best_baseline_ratios(variants)
-    targets = decode_targets(decode or [], on_cuda)
+    targets = decode_targets(decode or [], on_cuda, STAGE_DECODE_MINIMA)
     if targets:
         ratios.pop("decode", None)
     slower = [

@@ -56,7 +56,10 @@ def verdict(
 
 
 # The decode targets: adapted decode tokens/s over each HF generate path, at every batch measured.
-DECODE_TARGETS: dict[str, float] = {"hf-static-compile": 1.0, "hf-eager": 3.0}
+DECODE_TARGETS: dict[str, float] = {"hf-static-compile": 1.0, "hf-eager": 3.0}  # the inference benchmark's
+# What the throughput stage (and ``adapt gate`` by default) demands: no slower than either HF path.  A model
+# whose eager decode is already bound by the GPU cannot reach 3x eager, and that is no defect of the adaptation.
+STAGE_DECODE_MINIMA: dict[str, float] = {"hf-static-compile": 1.0, "hf-eager": 1.0}
 DECODE_HOST_BOUND_IDLE = 0.3  # GPU idle share of the adapted decode above which its rate is the host's
 
 
