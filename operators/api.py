@@ -3,7 +3,8 @@
 source -> model (real weights, or meta for config-only) -> OpInventory -> Recognition -> KernelPlan
 -> (real weights only) generated-kernel capture, ONNX export, and a patch check: the plan is applied
 to the model, logits and gradients are compared with the unpatched model on fresh inputs, and the
-patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went.
+patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went; ``OpsReport`` and its JSON
+form, both ways, live in ``operators.ops_report``.
 
 ``adapt_model`` is the one way to turn a model into its adapted configuration (the plan's kernels
 patched in, then compiled as the plan says): the trainer, bench, the end-to-end benchmark and

@@ -47,7 +47,7 @@ def test_second_run_rebuilds_the_operators_report_from_the_store(example_copy, t
 
 
 def test_report_round_trips_through_json(zoo):
-    report = operators.run_ops(str(zoo("qwen3_moe")), onnx=False)
+    report = operators.run_ops(str(zoo("qwen3_moe")), onnx=False, check_patch=False)
     data = json.loads(json.dumps(report.to_dict()))
     back = OpsReport.from_dict(data)
     assert back.plan == report.plan and back.recognition == report.recognition and back.target == report.target

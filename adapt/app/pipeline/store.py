@@ -11,7 +11,8 @@ Layout of ``OUT``::
 A record is reused when its ``key`` matches: the key hashes the stage name, the options that
 affect that stage, the content fingerprint of the source, the keys of the upstream stages, the
 adapt version and, for a stage that declares one, its environment (the operators stage: the target
-it plans for, the device's name and the torch/triton/transformers versions).  Any change to one of those recomputes the stage and everything after it.
+it plans for, the device's name and the torch/triton/transformers versions).  Any change to one of
+those recomputes the stage and everything after it.
 Edits to adapt's own code inside one version are not detected: pass ``--force`` after them.
 """
 
