@@ -3,7 +3,8 @@
 source -> model (real weights, or meta for config-only) -> OpInventory -> Recognition -> KernelPlan
 -> (real weights only) generated-kernel capture, ONNX export, and a patch check: the plan is applied
 to the model, logits and gradients are compared with the unpatched model on fresh inputs, and the
-patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went.
+patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went; ``OpsReport`` and its JSON
+form, both ways, live in ``operators.ops_report``.
 
 ``adapt_model`` is the one way to turn a model into its adapted configuration (the plan's kernels
 patched in, then compiled as the plan says): the trainer, bench, the end-to-end benchmark and
@@ -18,7 +19,6 @@ import inspect
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,115 +26,16 @@ import torch
 from torch import nn
 
 from operators.generated import GeneratedKernel, generate
-from operators.inventory import (
-    OnnxReport,
-    OpInventory,
-    example_batch,
-    json_ready,
-    trace_model,
-)
+from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
 from operators.mapping import KernelPlan, plan_kernels
 from operators.meta_trace import trace_meta_model
+from operators.ops_report import OpsReport, PatchCheck
 from operators.patch import PatchHandle, apply_kernel_plan
 from operators.profiles import BackendProfile, load_profile
-from operators.recognition import Recognition, recognise
+from operators.recognition import recognise
 from operators.registry import Target
 
 PATCH_RTOL = 1e-5  # float32 logits/gradients of patched vs unpatched model
-
-
-@dataclass
-class PatchCheck:
-    ran: bool
-    passed: bool = False
-    logits_max_abs_diff: float | None = None
-    grad_max_rel_diff: float | None = None
-    state_dict_unchanged: bool = False
-    reverted_exactly: bool = False
-    attention_kernel_calls: int = 0
-    patched_modules: int = 0
-    residual_fusion: dict[str, int] = field(default_factory=dict)  # pairs, fused and missed norm calls
-    note: str = ""
-
-
-@dataclass
-class OpsReport:
-    source: str
-    profile: BackendProfile
-    target: Target
-    inventory: OpInventory
-    recognition: Recognition
-    plan: KernelPlan
-    onnx: OnnxReport | None
-    generated: list[GeneratedKernel] = field(default_factory=list)
-    patch_check: PatchCheck | None = None
-    seconds: float = 0.0
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per part of the stage
-    onnx_blocks: dict[str, int] | None = None  # blocks in the exported graph, of how many
-
-    def new(self) -> list[dict[str, Any]]:
-        """What this model has that no recognised kind covers, with how it runs."""
-        out = []
-        for c in self.plan.components:
-            if c.kind == "new":
-                out.append(
-                    {"module": c.module, "ops": c.variant.get("ops", []), "status": c.status, "kernel": c.kernel}
-                )
-        listed = {item["module"] for item in out}
-        for r in self.recognition.rejected:  # look-alikes: each one's entry says why no kind claimed it
-            entry = {"rejected_candidate": r["candidate"], "reason": r["reason"]}
-            if r["module"] in listed:
-                next(item for item in out if item["module"] == r["module"]).update(entry)
-            else:
-                out.append({"module": r["module"], **entry, "status": "native"})
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return json_ready(
-            {
-                "source": self.source,
-                "profile": self.profile.to_dict(),
-                "target": self.target.to_dict(),
-                "tracer": self.inventory.tracer,
-                "traced_blocks": self.inventory.traced_blocks,
-                "components": [
-                    {
-                        "module": c.module,
-                        "kind": c.kind,
-                        "provider": c.provider,
-                        "kernel": c.kernel,
-                        "status": c.status,
-                        "confirmed": c.confirmed,
-                        "variant": c.variant,
-                        "note": c.note,
-                        "timings_ms": c.timings,
-                        "margin": c.margin,
-                    }
-                    for c in self.plan.components
-                ],
-                "ops": [
-                    {
-                        "overload": o.overload,
-                        "count": o.count,
-                        "status": o.status,
-                        "core": o.core,
-                        "replacement": o.replacement,
-                        "modules": o.modules,
-                    }
-                    for o in self.plan.ops
-                ],
-                "coverage": self.plan.coverage(),
-                "new": self.new(),
-                "onnx": self.onnx,
-                "onnx_blocks": self.onnx_blocks,
-                "generated": self.generated,
-                "providers": self.plan.providers,
-                "compile": self.plan.compile,
-                "patch_check": self.patch_check,
-                "seconds": round(self.seconds, 3),
-                "phases": {k: round(v, 3) for k, v in self.phases.items()},
-            }
-        )
 
 
 def build_inventory(
@@ -159,6 +60,21 @@ def build_inventory(
     if next(model.parameters()).device.type == "meta":
         return trace_meta_model(model)
     return trace_model(model, seq_len=seq_len, backward=backward)
+
+
+def default_target() -> Target:
+    """This machine, in the dtype ``adapt run`` trains in there."""
+    return Target.here(dtype="bfloat16" if torch.cuda.is_available() else "float32")
+
+
+def ops_environment(target: Target | None = None) -> dict[str, Any]:
+    """What an operators result depends on besides the checkpoint and the options: the target ``run_ops``
+    plans for here, the device's name and the torch/triton/transformers/adapt versions.  A stored result
+    is reused only where this is unchanged (the pipeline puts it in the stage's cache key)."""
+    from operators.timing_cache import environment
+
+    tgt = target or default_target()
+    return {"target": tgt.to_dict(), **environment(tgt.device)}
 
 
 def run_ops(
@@ -189,9 +105,7 @@ def run_ops(
     )
     label = getattr(source, "text", str(src))
     prof = profile if isinstance(profile, BackendProfile) else load_profile(profile)
-    tgt = target or Target.here(
-        dtype="bfloat16" if torch.cuda.is_available() else "float32"
-    )  # what adapt run trains in
+    tgt = target or default_target()
     out = Path(out_dir) if out_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)

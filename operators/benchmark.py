@@ -18,6 +18,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,7 +37,9 @@ def _name(option: KernelOption) -> str:
 
 
 def _key(option_name: str, comp: Component, target: Target, compiled: bool) -> str:
-    variant = {k: v for k, v in comp.variant.items() if not k.endswith("evidence")}
+    """What a timing depends on.  Module paths in the variant (an MoE's router and expert banks) are keyed
+    relative to the component, so the same block at every depth, or in another model, shares one timing."""
+    variant = {k: _relative(v, comp.module) for k, v in comp.variant.items() if not k.endswith("evidence")}
     return make_key(
         "cuda",
         option_name,
@@ -47,6 +50,17 @@ def _key(option_name: str, comp: Component, target: Target, compiled: bool) -> s
         TOKENS,
         "compiled" if compiled else "eager",
     )
+
+
+def _relative(value: Any, base: str) -> Any:
+    """``value`` with every module path inside ``base`` written from ``base`` (``.gate`` for ``base.gate``)."""
+    if isinstance(value, str) and base and value.startswith(base + "."):
+        return value[len(base) :]
+    if isinstance(value, dict):
+        return {k: _relative(v, base) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_relative(v, base) for v in value]
+    return value
 
 
 def fastest(

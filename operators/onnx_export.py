@@ -73,17 +73,32 @@ def export_onnx(model: nn.Module, input_ids: torch.Tensor, out_path: str | Path 
     for function in proto.functions:
         for node in function.node:
             op_types[_qualified(node)] += 1
-    try:
-        onnx.checker.check_model(proto, full_check=False)
-        verdict = "ok"
-    except onnx.checker.ValidationError as err:
-        verdict = str(err).splitlines()[0][:300]
+    verdict, data = _check(proto)
     if out_path is not None:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(proto, str(out_path))
+        if data is not None:
+            Path(out_path).write_bytes(data)
+        else:  # over protobuf's 2 GiB: the weights go beside the graph
+            onnx.save(proto, str(out_path), save_as_external_data=True, location=Path(out_path).name + ".data")
     report = OnnxReport(exported=True, opset=opset, checker=verdict, op_types=dict(sorted(op_types.items())))
     report.seconds = round(time.perf_counter() - start, 3)  # type: ignore[attr-defined]
     return report
+
+
+def _check(proto) -> tuple[str, bytes | None]:
+    """``onnx.checker``'s verdict and the serialised model.  The model is serialised once, for the checker
+    and the file alike: with the weights of the exported blocks and the embedding it is hundreds of MB."""
+    import onnx
+
+    try:
+        data = proto.SerializeToString()
+    except ValueError:  # protobuf cannot hold one message over 2 GiB
+        return "not run: the model with its weights is over protobuf's 2 GiB", None
+    try:
+        onnx.checker.check_model(data, full_check=False)
+    except onnx.checker.ValidationError as err:
+        return str(err).splitlines()[0][:300], data
+    return "ok", data
 
 
 def _qualified(node) -> str:

@@ -160,9 +160,9 @@ def _classify(
     """The component ``rec`` is (or None) and the components found with it (the rotary application)."""
     width = pat.last_dim(rec.input_shapes)
     if pat.is_moe_candidate(inventory, rec):
-        comp = _moe(module, rec, inventory, generator, can_probe)
+        comp = _moe(module, rec, inventory, generator, can_probe, cache)
     elif _expert_list(module) is not None and pat.is_routed(inventory, rec, _expert_count(module)):
-        comp = _moe(module, rec, inventory, generator, can_probe, _expert_list(module))
+        comp = _moe(module, rec, inventory, generator, can_probe, cache, _expert_list(module))
     elif pat.is_attention_candidate(inventory, rec):
         comp = _attention(module, rec, inventory, generator, can_probe, cache)
     elif pat.is_mlp_candidate(inventory, rec):
@@ -407,7 +407,13 @@ def _expert_count(module: nn.Module) -> int:
 
 
 def _moe(
-    module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, expert_list: str | None = None
+    module,
+    rec: ModuleRecord,
+    inv: OpInventory,
+    generator,
+    can_probe: bool,
+    cache: ProbeCache,
+    expert_list: str | None = None,
 ) -> Component:
     router = pat.router_of(inv, rec, _expert_count(module) if expert_list else None)
     router_rec = inv.modules[router[0]]
@@ -432,7 +438,8 @@ def _moe(
     }
     if not can_probe:
         return Component(rec.path, "moe", base, False, "pattern only (meta tensors)")
-    variant = probe_moe(
+    run = functools.partial(
+        probe_moe,
         module,
         rec.path,
         pat.last_dim(rec.input_shapes),
@@ -444,13 +451,16 @@ def _moe(
         generator,
         expert_list,
     )
+    variant, suffix = cache.verdict(("moe", expert_list, *structure_key(module, rec, inv)), rec.path, run)
     if variant is None:
-        return Component(rec.path, "moe", base, False, "routing pattern found, float64 reference did not match")
+        return Component(
+            rec.path, "moe", base, False, "routing pattern found, float64 reference did not match" + suffix
+        )
     variant.pop("kind")
     variant.update(width=base["width"], expert_container=base["expert_container"], experts=experts_at)
     if expert_list:  # no bank to hand a grouped kernel: the experts run as the model wrote them
         variant.update(gate_up_layout="module_list", down_layout="module_list")
-    return Component(rec.path, "moe", variant, True, "float64 match against the generic routed-MoE reference")
+    return Component(rec.path, "moe", variant, True, "float64 match against the generic routed-MoE reference" + suffix)
 
 
 def _residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]:

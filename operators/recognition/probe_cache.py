@@ -106,5 +106,19 @@ class ProbeCache:
             self.probes_run += 1
             self.verdicts[key] = (path, probe())
         first, found = self.verdicts[key]
-        suffix = "" if first == path else f" (probed on {first}: same class, parameters, attributes and traced ops)"
-        return copy.deepcopy(found), suffix
+        if first == path:
+            return copy.deepcopy(found), ""
+        suffix = f" (probed on {first}: same class, parameters, attributes and traced ops)"
+        return _rebased(found, first, path), suffix
+
+
+def _rebased(value: Any, first: str, path: str) -> Any:
+    """A copy of ``value`` with the module paths it names under ``first`` moved to ``path`` (an MoE's router
+    and expert banks belong to the module asking, not to the one the probe ran on)."""
+    if isinstance(value, str) and (value == first or value.startswith(first + ".")):
+        return path + value[len(first) :]
+    if isinstance(value, dict):
+        return {k: _rebased(v, first, path) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebased(v, first, path) for v in value)
+    return copy.deepcopy(value)

@@ -128,6 +128,21 @@ def test_a_new_candidate_is_timed_alone_beside_cached_ones(monkeypatch, tmp_path
     assert choice.provider == "extra" and choice.margin == 2.0
 
 
+def test_the_same_block_at_another_depth_shares_one_timing(monkeypatch, tmp_path):
+    """An MoE variant names its router and expert banks by path: keyed from the component, every depth is one shape."""
+    timed = _fake_cuda(monkeypatch, tmp_path, {"kernels:grouped": 2.0, "native:as traced": 3.0})
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+
+    def moe(depth: int, experts: int = 4) -> Component:
+        paths = {"router": f"{depth}.gate", "gate_up_bank": f"{depth}.experts.gate_up", "shared_experts": None}
+        return Component(str(depth), "moe", {"width": 8, "top_k": 2, "num_experts": experts, **paths}, True)
+
+    first, second = (_choose(moe(d), provider_options(), Profile(), CUDA, model) for d in (0, 1))
+    assert len(timed) == 1 and first.timings == second.timings and second.provider == "kernels"
+    _choose(moe(2, experts=8), provider_options(), Profile(), CUDA, model)  # another shape is timed on its own
+    assert len(timed) == 2
+
+
 def test_compile_is_planned_on_cuda_and_said_to_be_off_elsewhere():
     from operators.mapping import compile_plan
 

@@ -82,3 +82,18 @@ def test_attention_probed_once_per_structure_and_mask(zoo, monkeypatch, name, pr
     assert len(calls) == probes
     assert {c.variant["window"] for c in attention} == windows
     assert sum("probed on" in c.evidence for c in attention) == len(attention) - probes
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_identical_moe_blocks_probed_once_each_keeping_its_own_paths(zoo, monkeypatch, name):
+    """The MoE probe is the costliest; the verdict's router and expert paths move to each block that reuses it."""
+    calls = counting(monkeypatch, "probe_moe")
+    model = load(zoo(name))
+    found = recognition.recognise(model, trace_model(model))
+    moes = [c for c in found.components if c.kind == "moe"]
+    assert len(moes) >= 2 and all(c.confirmed for c in moes) and len(calls) == 1
+    assert sum("probed on" in c.evidence for c in moes) == len(moes) - 1
+    for c in moes:
+        assert c.variant["router"].startswith(c.module + ".")
+        paths = [v for v in c.variant.values() if isinstance(v, str) and v.startswith("model.")]
+        assert paths and all(p.startswith(c.module + ".") for p in paths)

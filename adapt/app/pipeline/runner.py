@@ -138,7 +138,14 @@ class PipelineRun:
             if use in opts.stages and self.records[use].status == "error":
                 return StageRecord(stage.name, "blocked", f"the {use} stage it reads ended in an error")
         upstream = [self.keys[n] for n in (*stage.needs, *stage.uses) if n in self.keys and n in opts.stages]
-        key = stage_key(stage.name, opts.subset(stage.option_keys), self.source.fingerprint, upstream, adapt_version())
+        key = stage_key(
+            stage.name,
+            opts.subset(stage.option_keys),
+            self.source.fingerprint,
+            upstream,
+            adapt_version(),
+            stage.key_environment(),
+        )
         self.keys[stage.name] = key
         stored = self.store.load(stage.name)
         if stored is not None and stored.key == key and stored.status in REUSABLE and not opts.force:

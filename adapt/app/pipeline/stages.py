@@ -60,6 +60,17 @@ class Stage:
     uses: tuple[str, ...] = ()  # upstream stages read when they are part of the run, not required
     # The typed result from its stored ``to_dict()``; None: a later stage that needs it re-runs this one.
     load: Callable[[dict[str, Any]], Any] | None = None
+    # What the result depends on besides the source and the options (this machine, library versions): part of the key.
+    environment: Callable[[], dict[str, Any]] | None = None
+
+    def key_environment(self) -> dict[str, Any] | None:
+        """``environment()`` for the cache key; a stage whose package cannot be imported fails when it runs."""
+        if self.environment is None:
+            return None
+        try:
+            return self.environment()
+        except ImportError as err:
+            return {"unavailable": str(err)}
 
     def run(self, ctx: StageContext) -> Any:
         """``execute``, with a module that cannot be imported reported as this stage being unavailable."""
@@ -97,6 +108,19 @@ def _operators(ctx: StageContext) -> Any:
     from operators import run_ops
 
     return run_ops(ctx.source, profile=ctx.options.profile, out_dir=str(ctx.artifacts))
+
+
+def _load_ops_report(data: dict[str, Any]) -> Any:
+    """The stored operators result as an OpsReport: later stages get its kernel plan without a re-run."""
+    from operators.ops_report import OpsReport
+
+    return OpsReport.from_dict(data)
+
+
+def _operators_environment() -> dict[str, Any]:
+    from operators.api import ops_environment
+
+    return ops_environment()
 
 
 def kernel_plan_of(ops_report: Any) -> Any:
@@ -369,6 +393,8 @@ STAGES: dict[str, Stage] = {
             summarise=summaries.operators,
             description="map every op to a kernel",
             uses=("intake",),  # one anatomy: a model intake cannot read is not mapped as if it were understood
+            load=_load_ops_report,
+            environment=_operators_environment,  # the target and timings belong to this machine and these libraries
         ),
         Stage(
             "plan",

@@ -9,8 +9,10 @@ Layout of ``OUT``::
     OUT/junit.xml
 
 A record is reused when its ``key`` matches: the key hashes the stage name, the options that
-affect that stage, the content fingerprint of the source, the keys of the upstream stages and
-the adapt version.  Any change to one of those recomputes the stage and everything after it.
+affect that stage, the content fingerprint of the source, the keys of the upstream stages, the
+adapt version and, for a stage that declares one, its environment (the operators stage: the target
+it plans for, the device's name and the torch/triton/transformers versions).  Any change to one of
+those recomputes the stage and everything after it.
 Edits to adapt's own code inside one version are not detected: pass ``--force`` after them.
 """
 
@@ -71,12 +73,19 @@ def _safetensors_header(path: Path) -> bytes:
         return fh.read(min(length, _MAX_SAFETENSORS_HEADER))
 
 
-def stage_key(stage: str, options: dict[str, Any], fingerprint: str, upstream: list[str], version: str) -> str:
-    payload = json.dumps(
-        {"stage": stage, "options": options, "source": fingerprint, "upstream": upstream, "adapt": version},
-        sort_keys=True,
-        default=json_default,
-    )
+def stage_key(
+    stage: str,
+    options: dict[str, Any],
+    fingerprint: str,
+    upstream: list[str],
+    version: str,
+    environment: dict[str, Any] | None = None,
+) -> str:
+    """``environment``: what else the stage's result depends on (the machine, library versions), if anything."""
+    inputs = {"stage": stage, "options": options, "source": fingerprint, "upstream": upstream, "adapt": version}
+    if environment is not None:
+        inputs["environment"] = environment
+    payload = json.dumps(inputs, sort_keys=True, default=json_default)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

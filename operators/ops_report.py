@@ -1,0 +1,214 @@
+"""The operators stage's typed result and its JSON form, both ways.
+
+``OpsReport.to_dict()`` is ``ops.json`` and the pipeline's stored stage result; ``OpsReport.from_dict``
+rebuilds the typed report from it, so a stage that reads a stored operators result (alignment, bench,
+soak) gets the same kernel plan without loading, tracing, probing or timing the model again.  What
+the round trip keeps: the profile with its rules, the target, the whole plan, the recognised components
+and rejections, ONNX, generated kernels, the patch check and the phase seconds.  The inventory comes
+back as its summary (tracer, device, input shape, seconds, traced blocks): its per-module records and
+captured inputs stay with the process that traced them; the per-overload decisions are in the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from operators.generated import GeneratedKernel
+from operators.inventory import OnnxReport, OpInventory, json_ready
+from operators.mapping import KernelChoice, KernelPlan, OpDecision
+from operators.profiles import BackendProfile, OpRule
+from operators.recognition import Recognition
+from operators.recognition.component import Component
+from operators.registry import Target
+
+
+@dataclass
+class PatchCheck:
+    ran: bool
+    passed: bool = False
+    logits_max_abs_diff: float | None = None
+    grad_max_rel_diff: float | None = None
+    state_dict_unchanged: bool = False
+    reverted_exactly: bool = False
+    attention_kernel_calls: int = 0
+    patched_modules: int = 0
+    residual_fusion: dict[str, int] = field(default_factory=dict)  # pairs, fused and missed norm calls
+    note: str = ""
+
+
+@dataclass
+class OpsReport:
+    source: str
+    profile: BackendProfile
+    target: Target
+    inventory: OpInventory
+    recognition: Recognition
+    plan: KernelPlan
+    onnx: OnnxReport | None
+    generated: list[GeneratedKernel] = field(default_factory=list)
+    patch_check: PatchCheck | None = None
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per part of the stage
+    onnx_blocks: dict[str, int] | None = None  # blocks in the exported graph, of how many
+
+    def new(self) -> list[dict[str, Any]]:
+        """What this model has that no recognised kind covers, with how it runs."""
+        out = []
+        for c in self.plan.components:
+            if c.kind == "new":
+                out.append(
+                    {"module": c.module, "ops": c.variant.get("ops", []), "status": c.status, "kernel": c.kernel}
+                )
+        listed = {item["module"] for item in out}
+        for r in self.recognition.rejected:  # look-alikes: each one's entry says why no kind claimed it
+            entry = {"rejected_candidate": r["candidate"], "reason": r["reason"]}
+            if r["module"] in listed:
+                next(item for item in out if item["module"] == r["module"]).update(entry)
+            else:
+                out.append({"module": r["module"], **entry, "status": "native"})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        inv = self.inventory
+        return json_ready(
+            {
+                "source": self.source,
+                "profile": self.profile,  # with its rules: the rebuilt report judges ops as this one did
+                "target": self.target.to_dict(),
+                "tracer": inv.tracer,
+                "traced_blocks": inv.traced_blocks,
+                "inventory": {
+                    "tracer": inv.tracer,
+                    "device": inv.device,
+                    "with_backward": inv.with_backward,
+                    "input_shape": inv.input_shape,
+                    "seconds": inv.seconds,
+                    "traced_blocks": inv.traced_blocks,
+                },
+                "components": [
+                    {
+                        "module": c.module,
+                        "kind": c.kind,
+                        "provider": c.provider,
+                        "kernel": c.kernel,
+                        "status": c.status,
+                        "confirmed": c.confirmed,
+                        "variant": c.variant,
+                        "note": c.note,
+                        "timings_ms": c.timings,
+                        "margin": c.margin,
+                        "patch": c.patch,
+                        "backend": c.backend,
+                    }
+                    for c in self.plan.components
+                ],
+                "ops": [
+                    {
+                        "overload": o.overload,
+                        "count": o.count,
+                        "status": o.status,
+                        "core": o.core,
+                        "replacement": o.replacement,
+                        "modules": o.modules,
+                        "flops": o.flops,
+                    }
+                    for o in self.plan.ops
+                ],
+                "coverage": self.plan.coverage(),
+                "new": self.new(),
+                "recognition": self.recognition.to_dict(),
+                "onnx": self.onnx,
+                "onnx_blocks": self.onnx_blocks,
+                "generated": self.generated,
+                "providers": self.plan.providers,
+                "compile": self.plan.compile,
+                "patch_check": self.patch_check,
+                "seconds": round(self.seconds, 3),
+                "phases": {k: round(v, 3) for k, v in self.phases.items()},
+            }
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OpsReport:
+        """The typed report back from ``to_dict()`` (see the module docstring for what the inventory keeps)."""
+        profile = _profile(data["profile"])
+        target = Target(**{**data["target"], "compute_capability": _pair(data["target"].get("compute_capability"))})
+        summary = data.get("inventory") or {
+            "tracer": data.get("tracer", ""),
+            "traced_blocks": data.get("traced_blocks"),
+        }
+        inventory = OpInventory(
+            ops=[],
+            modules={},
+            tracer=summary["tracer"],
+            device=summary.get("device", ""),
+            with_backward=bool(summary.get("with_backward", False)),
+            input_shape=list(summary.get("input_shape") or []),
+            seconds=float(summary.get("seconds") or 0.0),
+            traced_blocks=list(summary.get("traced_blocks") or []),
+        )
+        recognised = data.get("recognition") or {}
+        recognition = Recognition(
+            [Component(**c) for c in recognised.get("components", [])], list(recognised.get("rejected", []))
+        )
+        plan = KernelPlan(
+            profile=profile.to_dict(),
+            target=target.to_dict(),
+            components=[_choice(c) for c in data["components"]],
+            ops=[OpDecision(**o) for o in data["ops"]],
+            providers=data.get("providers", {}),
+            compile=data.get("compile") or {"mode": "none", "reason": "not recorded"},
+        )
+        return cls(
+            source=data["source"],
+            profile=profile,
+            target=target,
+            inventory=inventory,
+            recognition=recognition,
+            plan=plan,
+            onnx=OnnxReport(**data["onnx"]) if data.get("onnx") else None,
+            generated=[GeneratedKernel(**g) for g in data.get("generated") or []],
+            patch_check=PatchCheck(**data["patch_check"]) if data.get("patch_check") else None,
+            seconds=float(data.get("seconds") or 0.0),
+            phases=dict(data.get("phases") or {}),
+            onnx_blocks=data.get("onnx_blocks"),
+        )
+
+
+def _choice(data: dict[str, Any]) -> KernelChoice:
+    return KernelChoice(
+        module=data["module"],
+        kind=data["kind"],
+        variant=data["variant"],
+        provider=data["provider"],
+        kernel=data["kernel"],
+        status=data["status"],
+        confirmed=data["confirmed"],
+        patch=bool(data.get("patch", False)),
+        note=data.get("note", ""),
+        timings=data.get("timings_ms") or {},
+        margin=data.get("margin"),
+        backend=data.get("backend"),
+    )
+
+
+def _profile(data: dict[str, Any]) -> BackendProfile:
+    def rules(entries: list[dict[str, Any]]) -> list[OpRule]:
+        return [OpRule(r["pattern"], list(r.get("dtypes") or []), _pair(r.get("opset"))) for r in entries or []]
+
+    return BackendProfile(
+        name=data["name"],
+        device=data["device"],
+        codegen=data["codegen"],
+        compute_capability=data.get("compute_capability"),
+        description=data.get("description", ""),
+        aten=rules(data.get("aten", [])),
+        aten_exclude=list(data.get("aten_exclude") or []),
+        onnx=rules(data.get("onnx", [])),
+    )
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    """JSON turns tuples into lists; compute capabilities and opset ranges are pairs again."""
+    return tuple(value) if value is not None else None  # type: ignore[return-value]
