@@ -92,9 +92,9 @@ def test_decode_is_judged_on_the_serving_paths_against_the_targets_when_they_wer
     rows[-1]["decode_tokens_per_s"] = static8 * 1.1
     verdict, reasons = judge(runs, "cuda", CUDA_OPTIONS, rows)
     assert verdict == "passed" and any("decode at batch 1: x1.19 of hf-static-compile" in r for r in reasons)
-    rows[-1]["gpu_idle_share"] = 0.6  # the adapted decode is host-bound: its figure is the host's
+    rows[-1]["gpu_idle_share"] = 0.6  # a host-bound adapted decode: said, and judged like the paths it is compared to
     verdict, reasons = judge(runs, "cuda", CUDA_OPTIONS, rows)
-    assert verdict == "inconclusive" and any("batch 8" in r and "idle 60%" in r for r in reasons)
+    assert verdict == "passed" and any("batch 8" in r and "idle 60%" in r for r in reasons)
     del rows[1]  # HF static+compile at batch 1 not measured
     rows[-1]["gpu_idle_share"] = 0.0
     verdict, reasons = judge(runs, "cuda", CUDA_OPTIONS, rows)
