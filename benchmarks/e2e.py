@@ -430,6 +430,30 @@ def _brief(result: dict[str, Any]) -> str:
     return f"ok ({result['wall_s']} s)"
 
 
+BF16_EPS = 2.0**-8  # bf16's relative rounding step: a loss this far apart is within one bf16 rounding of it
+
+
+def loss_tracking_lines(report: dict[str, Any]) -> list[str]:
+    """Each variant's losses against eager's, step by step (same weights, same batches): the largest gap, and
+    whether it stays within one bf16 rounding step of the loss."""
+    lines = ["", "## Loss against eager, step by step (same weights and batches)", ""]
+    for model, entry in report["models"].items():
+        reference = (entry["variants"].get("eager") or {}).get("losses")
+        if not reference:
+            continue
+        for name, v in entry["variants"].items():
+            if name == "eager" or not v.get("losses"):
+                continue
+            pairs = list(zip(v["losses"], reference))
+            gap = max(abs(a - b) for a, b in pairs)
+            bound = BF16_EPS * max(abs(b) for _, b in pairs)
+            verdict = "within" if gap <= bound else "BEYOND"
+            lines.append(
+                f"- {model} {name}: {len(pairs)} steps, largest gap {gap:.4f} ({verdict} one bf16 step, {bound:.4f})"
+            )
+    return lines
+
+
 def _stem(args: argparse.Namespace) -> str:
     return "e2e-cpu-tiny" if args.tiny else "e2e-h200"
 
@@ -492,6 +516,7 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
         for (kind, kernel, timed), modules in groups.items():
             where = f"`{modules[0]}`" + (f" and {len(modules) - 1} more alike" if len(modules) > 1 else "")
             lines.append(f"- {model} {where} ({kind}): {kernel} chosen; {timed}")
+    lines += loss_tracking_lines(report)
     profiles = [
         (m, n, v["profile"]) for m, e in report["models"].items() for n, v in e["variants"].items() if v.get("profile")
     ]

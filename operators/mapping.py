@@ -147,8 +147,10 @@ INDUCTOR_OWN_FORWARD = KernelOption(
 
 def compile_plan(target: Target, profile: BackendProfile, mode: str | None = None) -> dict[str, Any]:
     """How the adapted model is compiled.  CUDA with Triton code generation: each repeated block on its own
-    (``module.compile()``), which compiles once for all identical blocks and keeps compile time in seconds;
-    whole-model compilation is the alternative the end-to-end benchmark measures against it."""
+    (``module.compile()``), which compiles once for all identical blocks and keeps compile time in seconds.
+    Whole-model compilation is not timed per model (it costs a full compile, tens of seconds); the end-to-end
+    benchmark (``benchmarks/e2e.py``, variant ``adapt-whole``) measures it, and on the H200 it was slower on a
+    dense and an MoE shape (cuDNN attention's backward ran slower inside the whole-model graph)."""
     if mode is not None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, not {mode!r}")
@@ -162,7 +164,10 @@ def compile_plan(target: Target, profile: BackendProfile, mode: str | None = Non
         return {"mode": "none", "reason": f"the profile's code generator is {profile.codegen!r}, not Triton"}
     return {
         "mode": "blocks",
-        "reason": "CUDA: every repeated block compiled on its own (one compilation serves all identical blocks)",
+        "reason": (
+            "CUDA: every repeated block compiled on its own (one compilation serves all identical blocks; "
+            "measured faster than whole-model compilation in benchmarks/e2e.py)"
+        ),
     }
 
 

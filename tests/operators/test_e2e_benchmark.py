@@ -55,3 +55,20 @@ def test_unknown_variant_is_refused_with_one_line(tmp_path):
         cmd, check=False, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and "unknown model or variant 'nope'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_loss_tracking_flags_a_variant_that_drifts_beyond_one_bf16_step():
+    import random
+
+    from benchmarks.e2e import BF16_EPS, loss_tracking_lines
+
+    eager = [random.uniform(9.0, 12.0) for _ in range(20)]
+    close = [x + random.uniform(-1, 1) * BF16_EPS * 8.0 for x in eager]  # inside one bf16 step of a loss >= 9
+    drifted = list(eager)
+    drifted[random.randrange(20)] += 13.0 * BF16_EPS * 2  # beyond it at any loss here
+    report = {
+        "models": {"m": {"variants": {"eager": {"losses": eager}, "a": {"losses": close}, "b": {"losses": drifted}}}}
+    }
+    lines = [line for line in loss_tracking_lines(report) if line.startswith("- ")]
+    assert [line.split(":")[0] for line in lines] == ["- m a", "- m b"]
+    assert "(within one bf16 step" in lines[0] and "(BEYOND one bf16 step" in lines[1]
