@@ -23,7 +23,6 @@ import dataclasses
 import gc
 import math
 import statistics
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from validators.alignment import check_device
 from validators.bench_calibration import block_calibration, device_name, planner_calibration, timed
 from validators.compare import parse_dtype
 from validators.modules import find_blocks, first_tensor
-from validators.session import prepare_run, synchronize
+from validators.session import prepare_run
 from validators.training import batch_for_step, vocab_size
 
 # Dense 16-bit tensor-core peaks from the vendors' datasheets, for MFU on known parts.
@@ -403,7 +402,7 @@ def _measure(
     tokens_per_s = options.batch * options.seq_len / step_s
     peak_mem = _peak_bytes(device)
     model = run.pmodel.chunks[0]
-    idle = gpu_idle_share(model, options, device) if device.startswith("cuda") else None
+    idle = training_idle_share(model, options, device) if device.startswith("cuda") else None
     model.eval()
     with quiet_transformers():  # transformers >= 5.2x logs a rename notice for past_key_values
         prefill, decode, cached = _inference_rates(model, options, device)
@@ -423,32 +422,18 @@ def _measure(
     )
 
 
-def gpu_idle_share(model: nn.Module, options: BenchOptions, device: str) -> float:
+def training_idle_share(model: nn.Module, options: BenchOptions, device: str) -> float | None:
     """Share of the wall time of one forward+backward with no kernel running on the GPU (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    from validators.decode import gpu_idle_share
     from validators.training import loss_from_output, model_output
 
     vocab = vocab_size(model)
     ids = batch_for_step(options.seed, 30_000, options.batch, options.seq_len, vocab, device)
-    synchronize(device)
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        loss_from_output(model_output(model, ids), ids, vocab).backward()
-        synchronize(device)
-    wall_us = (time.perf_counter() - start) * 1e6
-    model.zero_grad(set_to_none=True)
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if "cuda" in str(getattr(e, "device_type", "")).lower()
+    idle = gpu_idle_share(
+        lambda: loss_from_output(model_output(model, ids), ids, vocab).backward(), torch.device(device)
     )
-    busy, end = 0.0, float("-inf")
-    for lo, hi in spans:  # union of kernel intervals: overlapping streams count once
-        if hi > end:
-            busy += hi - max(lo, end)
-            end = hi
-    return max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else 0.0
+    model.zero_grad(set_to_none=True)
+    return idle
 
 
 @torch.no_grad()
