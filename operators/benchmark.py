@@ -30,6 +30,8 @@ TOKENS = 8192
 MIN_REPS, MAX_REPS = 5, 30
 SPREAD = 0.03  # stop once the interquartile range is within 3% of the median
 BUDGET_S = 1.0  # nor time one candidate for longer than this (after warm-up)
+MAX_SLEEP_MS = 50.0  # the longest the GPU is held busy before one timed call
+TIMING_METHOD = "device-time"  # in every cache key: timings taken another way are not reused (see DeviceTimer)
 
 
 def _name(option: KernelOption) -> str:
@@ -49,6 +51,7 @@ def _key(option_name: str, comp: Component, target: Target, compiled: bool) -> s
         target.training,
         TOKENS,
         "compiled" if compiled else "eager",
+        TIMING_METHOD,
     )
 
 
@@ -99,7 +102,7 @@ def measure(
         if compiled:
             fwd = torch.compile(fwd, fullgraph=False, dynamic=False)
         x = torch.randn(1, TOKENS, comp.variant["width"], device="cuda", dtype=dtype, requires_grad=target.training)
-        timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), cuda_timer)
+        timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), DeviceTimer())
         del mod, fwd
     return timings
 
@@ -111,14 +114,51 @@ def _step(fwd, x, training: bool) -> None:
         out.float().sum().backward()
 
 
-def cuda_timer(fn: Callable[[], None]) -> float:
-    """Milliseconds of one call of ``fn`` by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
+class DeviceTimer:
+    """Milliseconds of device time of one call of ``fn``, by CUDA events around it.
+
+    Before the start event the GPU is kept busy (``torch.cuda._sleep``) for longer than the host takes to
+    enqueue ``fn``'s kernels, so the events time the kernels back to back.  Without it, a candidate whose
+    kernels run faster than the host launches them is timed by its host overhead: small modules then rank
+    by Python and dispatch noise, not by what they cost inside a compiled, GPU-bound training step.  A call
+    whose host time outran the sleep is timed again with a longer one.
+    """
+
+    def __init__(self, device: Any = None, tries: int = 3) -> None:
+        self.device = device if device is not None else torch.cuda
+        self.host_ms = 0.5  # the host's enqueue time of the last call: the next sleep covers twice that
+        self.tries = tries
+        self._cycles_per_ms: float | None = None
+
+    def cycles_per_ms(self) -> float:
+        """GPU sleep cycles per millisecond, measured once."""
+        if self._cycles_per_ms is None:
+            cycles = 1_000_000
+            ms = self._events(lambda: self.device._sleep(cycles))
+            self._cycles_per_ms = cycles / max(ms, 1e-3)
+        return self._cycles_per_ms
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        ms = 0.0
+        for _ in range(self.tries):
+            slept_ms = min(2.0 * self.host_ms, MAX_SLEEP_MS)  # a compiling first call must not set a long sleep
+            self.device.synchronize()
+            self.device._sleep(int(slept_ms * self.cycles_per_ms()))
+            ms = self._events(fn, hold=True)
+            if self.host_ms <= slept_ms:
+                break
+        return ms
+
+    def _events(self, fn: Callable[[], None], hold: bool = False) -> float:
+        start, end = self.device.Event(enable_timing=True), self.device.Event(enable_timing=True)
+        start.record()
+        began = time.perf_counter()
+        fn()
+        if hold:
+            self.host_ms = (time.perf_counter() - began) * 1e3
+        end.record()
+        self.device.synchronize()
+        return start.elapsed_time(end)
 
 
 def time_ms(fn: Callable[[], None], timer: Callable[[Callable[[], None]], float], warmup: int = 2) -> float:
@@ -168,7 +208,7 @@ def attention_backend(variant: dict, target: Target) -> tuple[str | None, dict[s
     shape = [variant.get("num_heads"), variant.get("head_dim"), target.dtype, target.training, ATTENTION_SEQ]
     timings: dict[str, float] = {}
     for name in (DEFAULT_DISPATCH, *SDPA_BACKENDS):
-        key = make_key("cuda", "sdpa", name, shape)
+        key = make_key("cuda", "sdpa", name, shape, TIMING_METHOD)
         ms = cache.get(key)
         if ms is None:
             ms = _time_sdpa(
@@ -208,6 +248,6 @@ def _time_sdpa(backend: str, heads: int, head_dim: int, dtype: torch.dtype, trai
                 run()
 
     try:
-        return time_ms(pinned, cuda_timer)
+        return time_ms(pinned, DeviceTimer())
     except RuntimeError:  # "No available kernel": the backend does not take this shape or dtype here
         return -1.0

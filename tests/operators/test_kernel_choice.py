@@ -7,6 +7,7 @@ the choice says why, and that the cache answers the second time.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -205,3 +206,52 @@ def test_the_sdpa_backend_is_pinned_only_when_it_beats_the_default(monkeypatch, 
     assert "forward" in model[0].__dict__
     handle.revert()
     assert "forward" not in model[0].__dict__
+
+
+class _FakeDevice:
+    """A CUDA stand-in whose events read a virtual GPU clock: kernels run when the host enqueues them, unless
+    a sleep still holds the GPU, in which case they run back to back after it."""
+
+    def __init__(self, kernel_ms: float, host_ms: float) -> None:
+        self.kernel_ms, self.host_ms = kernel_ms, host_ms
+        self.host_clock = self.gpu_free_at = 0.0
+        self.sleeps: list[float] = []
+
+    def synchronize(self) -> None:
+        self.host_clock = max(self.host_clock, self.gpu_free_at)
+
+    def _sleep(self, cycles: int) -> None:
+        self.sleeps.append(cycles / 1000.0)  # 1000 cycles per virtual ms
+        self.gpu_free_at = max(self.gpu_free_at, self.host_clock) + cycles / 1000.0
+
+    def Event(self, enable_timing: bool = True):  # noqa: N802 - torch.cuda's spelling
+        device = self
+
+        class _Event:
+            def record(self) -> None:
+                self.at = max(device.gpu_free_at, device.host_clock)
+                device.gpu_free_at = self.at
+
+            def elapsed_time(self, other) -> float:
+                return other.at - self.at
+
+        return _Event()
+
+    def launch(self) -> None:
+        """One host call: ``host_ms`` of host time enqueuing ``kernel_ms`` of GPU work."""
+        self.host_clock += self.host_ms
+        self.gpu_free_at = max(self.gpu_free_at, self.host_clock) + self.kernel_ms
+
+
+@pytest.mark.parametrize("kernel_ms,host_ms", [(0.1, 1.0), (2.0, 0.3)])
+def test_device_timer_times_the_kernels_not_the_host_that_launches_them(monkeypatch, kernel_ms, host_ms):
+    import time as time_module
+
+    device = _FakeDevice(kernel_ms, host_ms)
+    monkeypatch.setattr(time_module, "perf_counter", lambda: device.host_clock / 1e3)
+    timer = benchmark.DeviceTimer(device)
+    timer._cycles_per_ms = 1000.0
+    plain = benchmark.time_ms(device.launch, lambda fn: timer._events(fn), warmup=1)
+    assert plain == pytest.approx(host_ms + kernel_ms)  # without the sleep the host's enqueue time is timed too
+    assert benchmark.time_ms(device.launch, timer, warmup=1) == pytest.approx(kernel_ms)
+    assert all(ms <= benchmark.MAX_SLEEP_MS for ms in device.sleeps)
