@@ -32,7 +32,7 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, cast: str | None = None) 
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match width {x.shape[-1]}")
 
 
-def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
+def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="round_then_scale", config: RowConfig | None = None):
     """RMSNorm over the last dim: ``x / rms(x) * (offset + weight)`` with the model's casting order."""
     _check_norm(x, weight, cast)
     y, _ = _adapt.rms_norm(
@@ -41,7 +41,7 @@ def rms_norm(x, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | 
     return y
 
 
-def add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, cast="llama", config: RowConfig | None = None):
+def add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, cast="round_then_scale", config: RowConfig | None = None):
     """``s = x + residual`` (rounded to the input dtype) and ``rms_norm(s)`` in one pass: returns (s, normed)."""
     _check_norm(x, weight, cast)
     if residual.shape != x.shape or residual.dtype != x.dtype:

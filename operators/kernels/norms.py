@@ -18,7 +18,11 @@ import triton.language as tl
 
 from ._utils import as_rows, cdiv, check_float, num_programs, row_block, warps_for
 
-CAST_MODES = {"llama": 0, "gemma": 1, "none": 2}
+# The rounding order of an RMSNorm in a narrow dtype, as recognition measures it bit for bit:
+#   round_then_scale: normalise in fp32, round to the input dtype, then multiply by the weight (Llama's order);
+#   scale_then_round: normalise and scale in fp32, round once at the end (Gemma's order);
+#   activation_dtype: the weight (with its offset) stays in the activation dtype.
+CAST_MODES = {"round_then_scale": 0, "scale_then_round": 1, "activation_dtype": 2}
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def _rms_norm_fwd(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    if CAST == 2:  # "none": the weight (with offset) lives in the activation dtype
+    if CAST == 2:  # activation_dtype: the weight (with offset) lives in the activation dtype
         w = w.to(Y.dtype.element_ty).to(tl.float32)
     for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,9 +113,9 @@ def _rms_norm_fwd(
             tl.store(S + rows64[:, None] * N + cols[None, :], x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
-        if CAST == 0:  # llama: normalise in fp32, round to the input dtype, then scale
+        if CAST == 0:  # round_then_scale: normalise in fp32, round to the input dtype, then scale
             y = (xf * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32) * w[None, :]
-        elif CAST == 1:  # gemma: everything in fp32, one rounding at the end
+        elif CAST == 1:  # scale_then_round: everything in fp32, one rounding at the end
             y = xf * rstd[:, None] * w[None, :]
         else:  # none: each elementwise step rounded to the input dtype
             rstd_low = rstd.to(Y.dtype.element_ty).to(tl.float32)

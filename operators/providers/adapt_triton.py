@@ -162,7 +162,7 @@ def _self_test(device: str) -> str | None:
     r = torch.randn(3, 40, generator=gen)
     cases = {
         "rms_norm": (
-            lambda x, w: kernels.rms_norm(x, w, 1e-6, 1.0, "gemma"),
+            lambda x, w: kernels.rms_norm(x, w, 1e-6, 1.0, "scale_then_round"),
             lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w),
             (x, w),
         ),
@@ -172,7 +172,7 @@ def _self_test(device: str) -> str | None:
             (x, w, b),
         ),
         "add_rms_norm": (
-            lambda x, r, w: torch.cat(kernels.add_rms_norm(x, r, w, 1e-6, 0.0, "llama"), -1),
+            lambda x, r, w: torch.cat(kernels.add_rms_norm(x, r, w, 1e-6, 0.0, "round_then_scale"), -1),
             lambda x, r, w: torch.cat(
                 [x + r, (x + r) * torch.rsqrt((x + r).pow(2).mean(-1, keepdim=True) + 1e-6) * w], -1
             ),

@@ -1,7 +1,11 @@
 """Liger-Kernel as an optional external provider (CUDA only, when ``liger_kernel`` is installed).
 
 Only the functional ops are used - never Liger's ``apply_liger_kernel_to_<model>`` table - so a
-component recognised structurally gets Liger's kernel regardless of the model's class names."""
+component recognised structurally gets Liger's kernel regardless of the model's # adapt's rounding orders (operators.kernels.norms.CAST_MODES) in Liger's casting-mode names
+LIGER_CASTING_MODE = {"round_then_scale": "llama", "scale_then_round": "gemma"}
+
+
+class names."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ class LigerProvider:
         if not component.confirmed or not self.available(target)[0]:
             return []
         v = component.variant
-        if component.kind == "rms_norm" and v.get("weight") and v.get("cast") in ("llama", "gemma"):
+        if component.kind == "rms_norm" and v.get("weight") and v.get("cast") in LIGER_CASTING_MODE:
             return [KernelOption(self.name, "LigerRMSNormFunction", "fused", rms_norm_forward, needs_codegen="triton")]
         if component.kind == "gated_mlp" and not v.get("packed") and v.get("activation") in ("silu", "gelu_tanh"):
             return [
@@ -46,8 +50,9 @@ def rms_norm_forward(module: nn.Module, component: Component):
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
     v = component.variant
-    eps, offset, cast, w_name = float(v["eps"]), float(v["offset"]), v["cast"], v["weight"]
-    return lambda x: LigerRMSNormFunction.apply(x, getattr(module, w_name), eps, offset, cast, False)
+    eps, offset, w_name = float(v["eps"]), float(v["offset"]), v["weight"]
+    mode = LIGER_CASTING_MODE[v["cast"]]
+    return lambda x: LigerRMSNormFunction.apply(x, getattr(module, w_name), eps, offset, mode, False)
 
 
 def glu_forward(module: nn.Module, component: Component):

@@ -107,7 +107,7 @@ def rms_norm_forward(module: nn.Module, component: Component):
         if x.dtype == torch.float32 and weight.dtype == torch.float32 and offset == 0.0:
             return F.rms_norm(x, width, weight, eps)
         normed = F.rms_norm(x.float(), width, None, eps)
-        if cast == "gemma":
+        if cast == "scale_then_round":
             return (normed * (offset + weight.float())).to(x.dtype)
         return (offset + weight) * normed.to(x.dtype)
 

@@ -161,10 +161,10 @@ def _weight_bias_assignments(params: dict[str, nn.Parameter]) -> list[tuple[str 
 def _rms_cast(
     module: nn.Module, w_name: str | None, eps: float, offset: float, width: int, generator
 ) -> dict[str, Any]:
-    """Which rounding order the module uses in bf16: ``llama`` (normalise in fp32, cast, then scale)
-    or ``gemma`` (scale in fp32, cast last).  Decided by which emulation reproduces the module bit for bit."""
+    """Which rounding order the module uses in bf16: ``round_then_scale`` (normalise in fp32, round, then scale;
+    Llama's) or ``scale_then_round`` (scale in fp32, round last; Gemma's).  Decided by which emulation reproduces the module bit for bit."""
     if w_name is None:
-        return {"cast": "llama", "cast_evidence": "no weight"}
+        return {"cast": "round_then_scale", "cast_evidence": "no weight"}
     m = copy.deepcopy(module).to(device="cpu", dtype=torch.bfloat16)
     weight = getattr(m, w_name)
     with torch.no_grad():
@@ -174,9 +174,12 @@ def _rms_cast(
         out = m(x).float()
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        llama = (normed.to(torch.bfloat16) * (offset + weight)).float()
-        gemma = (normed * (offset + weight.float())).to(torch.bfloat16).float()
-    mismatches = {"llama": int((out != llama).sum()), "gemma": int((out != gemma).sum())}
+        rounded_first = (normed.to(torch.bfloat16) * (offset + weight)).float()
+        rounded_last = (normed * (offset + weight.float())).to(torch.bfloat16).float()
+    mismatches = {
+        "round_then_scale": int((out != rounded_first).sum()),
+        "scale_then_round": int((out != rounded_last).sum()),
+    }
     best = min(mismatches, key=mismatches.get)
     return {"cast": best, "cast_evidence": f"bf16 mismatches per emulation: {mismatches}"}
 

@@ -14,9 +14,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def reference_rms_norm(x, w, eps, offset, cast, dtype):
     """float64 RMSNorm with the rounding points of each casting order."""
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    if cast == "llama":
+    if cast == "round_then_scale":
         return round_to(x * rstd, dtype) * (offset + w)
-    if cast == "gemma":
+    if cast == "scale_then_round":
         return x * rstd * (offset + w)
     return round_to(x * round_to(rstd, dtype), dtype) * round_to(offset + w, dtype)
 
@@ -36,9 +36,9 @@ def _check_rms(x_in, w_in, offset, cast, dtype, eps=1e-6, config=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cast", ["llama", "gemma", "none"])
+@pytest.mark.parametrize("cast", ["round_then_scale", "scale_then_round", "activation_dtype"])
 def test_rms_norm_odd_shape(dtype, cast):
-    offset = 1.0 if cast == "gemma" else 0.0
+    offset = 1.0 if cast == "scale_then_round" else 0.0
     x = torch.randn(3, 5, 123, device=DEVICE, dtype=dtype)
     w = (torch.randn(123, device=DEVICE) * 0.3 + (0.0 if offset else 1.0)).to(dtype)
     _check_rms(x, w, offset, cast, dtype)
@@ -49,9 +49,9 @@ def test_rms_norm_non_contiguous_rows_and_fp32_weight():
     x = base[:, 10:133]  # row-strided view, width 123
     assert not x.is_contiguous()
     w = torch.randn(123, device=DEVICE, dtype=torch.float32)
-    _check_rms(x, w, 0.0, "llama", torch.bfloat16)
+    _check_rms(x, w, 0.0, "round_then_scale", torch.bfloat16)
     transposed = torch.randn(123, 6, device=DEVICE, dtype=torch.float16).t()  # inner dim strided
-    _check_rms(transposed, torch.randn(123, device=DEVICE, dtype=torch.float16), 0.5, "gemma", torch.float16)
+    _check_rms(transposed, torch.randn(123, device=DEVICE, dtype=torch.float16), 0.5, "scale_then_round", torch.float16)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -59,7 +59,9 @@ def test_persistent_loops_cover_every_tile(prefetch):
     """More tiles than programs: each program loops (and prefetches past the last tile, masked)."""
     config = RowConfig(block_m=2, num_warps=4, programs_per_sm=1, prefetch=prefetch)
     x = torch.randn(4, 9, 40, device=DEVICE, dtype=torch.float16)  # 36 rows -> 18 tiles
-    _check_rms(x, torch.randn(40, device=DEVICE, dtype=torch.float16), 0.0, "llama", torch.float16, config=config)
+    _check_rms(
+        x, torch.randn(40, device=DEVICE, dtype=torch.float16), 0.0, "round_then_scale", torch.float16, config=config
+    )
     x_in, w_in, b_in = (
         torch.randn(37, 40, device=DEVICE),
         torch.randn(40, device=DEVICE),
@@ -78,7 +80,9 @@ def test_persistent_loops_cover_every_tile(prefetch):
 
 def test_rms_norm_real_width():
     x = torch.randn(2, 4096, device=DEVICE, dtype=torch.bfloat16) * 3
-    _check_rms(x, torch.randn(4096, device=DEVICE, dtype=torch.bfloat16), 0.0, "llama", torch.bfloat16, eps=1e-5)
+    _check_rms(
+        x, torch.randn(4096, device=DEVICE, dtype=torch.bfloat16), 0.0, "round_then_scale", torch.bfloat16, eps=1e-5
+    )
 
 
 def test_rms_norm_without_grad_matches():
@@ -86,17 +90,19 @@ def test_rms_norm_without_grad_matches():
     w = torch.randn(33, device=DEVICE)
     y = rms_norm(x, w)
     assert y.grad_fn is None
-    assert_close(y, reference_rms_norm(x.double(), w.double(), 1e-6, 0.0, "llama", torch.float32), torch.float32)
+    assert_close(
+        y, reference_rms_norm(x.double(), w.double(), 1e-6, 0.0, "round_then_scale", torch.float32), torch.float32
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cast", ["llama", "gemma"])
+@pytest.mark.parametrize("cast", ["round_then_scale", "scale_then_round"])
 def test_add_rms_norm(dtype, cast):
     shape = (2, 7, 77)
     x_in = torch.randn(shape, device=DEVICE, dtype=dtype)
     r_in = torch.randn(shape, device=DEVICE, dtype=dtype)
     w_in = torch.randn(77, device=DEVICE, dtype=dtype)
-    offset = 1.0 if cast == "gemma" else 0.0
+    offset = 1.0 if cast == "scale_then_round" else 0.0
     x, r, w = leaf(x_in), leaf(r_in), leaf(w_in)
     x64, r64, w64 = ref_leaf(x_in), ref_leaf(r_in), ref_leaf(w_in)
     total, normed = add_rms_norm(x, r, w, eps=1e-5, offset=offset, cast=cast)

@@ -34,13 +34,17 @@ def cases():
     ids, source, position, offsets = moe_inputs()
     expert_rows = leaf(10, 8)
     bank = leaf(4, 12, 8).transpose(1, 2)  # [E, K=8, N=12] as a transposed view, as the MoE patch passes it
-    yield "rms_norm", adapt.rms_norm, (x, w, 1e-6, 1.0, "gemma", [], True)
-    yield "rms_norm/inference", adapt.rms_norm, (x.detach(), w.detach(), 1e-6, 0.0, "llama", [2, 4, -1, 1], False)
-    yield "add_rms_norm", adapt.add_rms_norm, (x, leaf(3, 2, 24), w, 1e-6, 0.0, "llama", [], True)
+    yield "rms_norm", adapt.rms_norm, (x, w, 1e-6, 1.0, "scale_then_round", [], True)
+    yield (
+        "rms_norm/inference",
+        adapt.rms_norm,
+        (x.detach(), w.detach(), 1e-6, 0.0, "round_then_scale", [2, 4, -1, 1], False),
+    )
+    yield "add_rms_norm", adapt.add_rms_norm, (x, leaf(3, 2, 24), w, 1e-6, 0.0, "round_then_scale", [], True)
     yield (
         "rms_norm_backward",
         adapt.rms_norm_backward,
-        (rows, rows.clone(), rows.clone(), w.detach(), rstd, 0.0, "none", True, []),
+        (rows, rows.clone(), rows.clone(), w.detach(), rstd, 0.0, "activation_dtype", True, []),
     )
     yield "layer_norm", adapt.layer_norm, (x, w, b, 1e-5, [], True)
     yield "layer_norm/no bias", adapt.layer_norm, (x, w, None, 1e-5, [], True)

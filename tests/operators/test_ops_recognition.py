@@ -20,7 +20,8 @@ def test_llama_kinds(zoo):
     norms = by_module(rec, "rms_norm")
     assert set(norms) >= {"model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"}
     assert all(
-        n.variant["offset"] == 0.0 and n.variant["cast"] == "llama" and n.variant["eps"] == 1e-6 for n in norms.values()
+        n.variant["offset"] == 0.0 and n.variant["cast"] == "round_then_scale" and n.variant["eps"] == 1e-6
+        for n in norms.values()
     )
     (mlp,) = [c for c in kinds(rec, "gated_mlp") if c.module == "model.layers.0.mlp"]
     assert mlp.variant["activation"] == "silu" and (mlp.variant["gate"], mlp.variant["up"]) == ("gate_proj", "up_proj")
@@ -50,7 +51,9 @@ def test_identical_mlps_are_probed_once_and_a_different_one_again(zoo):
 def test_gemma2_offset_norm_softcap_and_alternating_windows(zoo):
     _, _, rec = recognised(str(zoo("gemma2")), "eager")
     norms = kinds(rec, "rms_norm")
-    assert len(norms) == 9 and all(n.variant["offset"] == 1.0 and n.variant["cast"] == "gemma" for n in norms)
+    assert len(norms) == 9 and all(
+        n.variant["offset"] == 1.0 and n.variant["cast"] == "scale_then_round" for n in norms
+    )
     assert {c.variant["activation"] for c in kinds(rec, "gated_mlp")} == {"gelu_tanh"}
     attn = by_module(rec, "attention")
     assert attn["model.layers.0.self_attn"].variant["window"] == 16  # sliding layer
