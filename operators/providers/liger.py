@@ -1,11 +1,7 @@
 """Liger-Kernel as an optional external provider (CUDA only, when ``liger_kernel`` is installed).
 
 Only the functional ops are used - never Liger's ``apply_liger_kernel_to_<model>`` table - so a
-component recognised structurally gets Liger's kernel regardless of the model's # adapt's rounding orders (operators.kernels.norms.CAST_MODES) in Liger's casting-mode names
-LIGER_CASTING_MODE = {"round_then_scale": "llama", "scale_then_round": "gemma"}
-
-
-class names."""
+component recognised structurally gets Liger's kernel regardless of the model's class names."""
 
 from __future__ import annotations
 
@@ -15,6 +11,10 @@ from torch import nn
 
 from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
+
+
+# adapt's rounding orders (operators.kernels.norms.CAST_MODES) in Liger's casting-mode names
+LIGER_CASTING_MODE = {"round_then_scale": "llama", "scale_then_round": "gemma"}
 
 
 class LigerProvider:
