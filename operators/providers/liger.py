@@ -12,7 +12,6 @@ from torch import nn
 from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
 
-
 # adapt's rounding orders (operators.kernels.norms.CAST_MODES) in Liger's casting-mode names
 LIGER_CASTING_MODE = {"round_then_scale": "llama", "scale_then_round": "gemma"}
 
