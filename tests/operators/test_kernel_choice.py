@@ -56,7 +56,7 @@ def test_the_models_own_path_wins_when_it_is_faster(monkeypatch, tmp_path):
     choice = _choose(moe, provider_options(), Profile(), CUDA, model)
     assert timed == [["kernels:grouped", "native:as traced"]]
     assert (choice.provider, choice.status, choice.patch) == ("native", "native", False)
-    assert "kernels:grouped 2.500 ms" in choice.note and "native:as traced 1.500 ms" in choice.note
+    assert choice.timings == {"kernels:grouped": 2.5, "native:as traced": 1.5} and choice.margin == pytest.approx(2.5 / 1.5, abs=1e-4)
     again = _choose(moe, provider_options(), Profile(), CUDA, model)  # from the cache: not timed again
     assert len(timed) == 1 and again.provider == "native"
 
@@ -93,7 +93,7 @@ def test_under_compile_a_hand_kernel_must_beat_inductor_on_its_own_forward(monke
     assert timed == [(["adapt:rms_norm", "inductor:own forward, compiled"], True)]
     assert (choice.provider, choice.status, choice.patch) == ("inductor", "native", False)
     assert choice.timings == {"adapt:rms_norm": 0.30, "inductor:own forward, compiled": 0.20}
-    assert choice.margin == 1.5 and "won by x1.50" in choice.note and "inside torch.compile" in choice.note
+    assert choice.margin == 1.5
 
 
 def test_a_hand_kernel_that_beats_inductor_stays_and_eager_timings_are_kept_apart(monkeypatch, tmp_path):
