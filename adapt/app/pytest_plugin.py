@@ -62,21 +62,24 @@ class AdaptAlignment(pytest.Collector):
         return items
 
     def _run(self) -> dict[str, Any]:
-        from adapt.app.pipeline import RunOptions, run_pipeline
+        from adapt.app.pipeline.options import RunOptions
+        from adapt.app.pipeline.runner import run_pipeline
         from adapt.core.errors import AdaptError
 
         opt = self.config.getoption
         out_dir = opt("--adapt-out") or tempfile.mkdtemp(prefix="adapt-pytest-")
-        options = RunOptions(
-            source=opt("--adapt-model"),
-            out_dir=out_dir,
-            stages=list(_STAGES),
-            force=True,
-            trust_remote_code=opt("--adapt-trust-remote-code"),
-            device=opt("--adapt-device"),
-            dtype=opt("--adapt-dtype"),
-            seq_len=opt("--adapt-seq-len"),
-            thresholds=opt("--adapt-thresholds"),
+        options = RunOptions.from_dict(
+            {
+                "source": opt("--adapt-model"),
+                "out_dir": out_dir,
+                "stages": list(_STAGES),
+                "force": True,
+                "trust_remote_code": opt("--adapt-trust-remote-code"),
+                "device": opt("--adapt-device"),
+                "dtype": opt("--adapt-dtype"),
+                "seq_len": opt("--adapt-seq-len"),
+                "thresholds": opt("--adapt-thresholds"),
+            }
         )
         try:
             return run_pipeline(options).report

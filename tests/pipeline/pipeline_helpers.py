@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-from adapt.app.cli import main
+from adapt.app.cli import build_parser, main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama"
 
@@ -28,3 +29,19 @@ def load(out: Path) -> dict:
 
 def statuses(report: dict) -> dict[str, str]:
     return {s["name"]: s["status"] for s in report["stages"]}
+
+
+def leaf_commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command's own parser (``report matrix`` and ``report render`` as two), by name."""
+
+    def subparsers(parser: argparse.ArgumentParser) -> list[argparse._SubParsersAction]:
+        return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+
+    leaves = {}
+    for name, sub in subparsers(build_parser())[0].choices.items():
+        nested = subparsers(sub)
+        if nested:
+            leaves.update({f"{name} {k}": v for k, v in nested[0].choices.items()})
+        else:
+            leaves[name] = sub
+    return leaves

@@ -2,47 +2,30 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
-from pipeline_helpers import EXAMPLE, cli
+from pipeline_helpers import EXAMPLE, cli, leaf_commands
 
 from adapt.app.cli import build_parser
-from adapt.app.commands.flags import DEFAULT_GLOBAL_BATCH, DEFAULT_PLAN_SEQ_LEN
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
-def _leaf_commands() -> dict[str, argparse.ArgumentParser]:
-    leaves = {}
-    for name, sub in _subparsers(build_parser()).items():
-        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
-        if nested:
-            leaves.update({f"{name} {k}": v for k, v in nested[0].choices.items()})
-        else:
-            leaves[name] = sub
-    return leaves
+from adapt.app.pipeline.options import PLAN_GLOBAL_BATCH, PLAN_SEQ_LEN
 
 
 def test_every_command_has_json():
-    missing = [name for name, parser in _leaf_commands().items() if "--json" not in parser._option_string_actions]
+    missing = [name for name, parser in leaf_commands().items() if "--json" not in parser._option_string_actions]
     assert not missing
 
 
 def test_one_spelling_and_default_per_quantity():
     for name in ("run", "align", "bench", "soak"):
-        parser = _leaf_commands()[name]
+        parser = leaf_commands()[name]
         for flag in ("--seq-len", "--batch-size"):  # unset: the device chooses, the same way for every command
             assert parser._option_string_actions[flag].default is None, (name, flag)
     for name in ("run", "plan"):
-        parser = _leaf_commands()[name]
-        assert parser._option_string_actions["--plan-seq-len"].default == DEFAULT_PLAN_SEQ_LEN
+        parser = leaf_commands()[name]
+        assert parser._option_string_actions["--plan-seq-len"].default == PLAN_SEQ_LEN
         assert "--cluster" in parser._option_string_actions
-    assert _leaf_commands()["run"]._option_string_actions["--global-batch"].default == DEFAULT_GLOBAL_BATCH
+    assert leaf_commands()["run"]._option_string_actions["--global-batch"].default == PLAN_GLOBAL_BATCH
     # old spellings still parse, into the same quantity
     args = build_parser("align").parse_args(["align", "x", "--seq", "8", "--batch", "3"])
     assert (args.seq_len, args.batch_size) == (8, 3)

@@ -41,10 +41,11 @@ def test_cpu_defaults_stay_small_and_plan_for_a_gpu_node(positions, seq):
 
 
 def test_given_options_win_and_the_device_fills_the_rest():
-    options = RunOptions(source="m", out_dir="o", seq_len=64, cluster="2xA100")
+    options = RunOptions.from_dict({"source": "m", "out_dir": "o", "seq_len": 64, "cluster": "2xA100"})
     resolved = options.with_device_defaults(H200, 4096)
-    assert (resolved.seq_len, resolved.cluster) == (64, "2xA100")
-    assert (resolved.dtype, resolved.batch_size, resolved.soak_steps) == ("bf16", 2, 40)
+    validation = resolved.validation
+    assert (validation.seq_len, resolved.plan.cluster) == (64, "2xA100")
+    assert (validation.dtype, validation.batch_size, validation.soak_steps) == ("bf16", 2, 40)
     assert set(resolved.device_chosen) == {"dtype", "batch_size", "bench_steps", "soak_steps", "ckpt_every"}
     assert resolved.machine == H200.label() and "H200" in resolved.machine
     assert resolved.to_dict()["device_chosen"] == list(resolved.device_chosen)
@@ -109,8 +110,8 @@ def planned():
     from parallel_planner.search import plan_parallel
 
     spec = build_spec(resolve_source(str(EXAMPLE)))
-    options = RunOptions(source=str(EXAMPLE), out_dir="o").with_device_defaults(CPU, 256)
-    return spec, plan_parallel(spec, target_cluster(options.cluster), plan_workload(options), top_k=3)
+    options = RunOptions.from_dict({"source": str(EXAMPLE), "out_dir": "o"}).with_device_defaults(CPU, 256)
+    return spec, plan_parallel(spec, target_cluster(options.plan.cluster), plan_workload(options), top_k=3)
 
 
 def test_stage_loaders_round_trip_their_results(planned):
@@ -135,7 +136,8 @@ def test_environment_stage_judges_only_a_plan_for_this_machine(planned, tmp_path
     from parallel_planner.search import plan_parallel
 
     spec, remote = planned
-    options = RunOptions(source=str(EXAMPLE), out_dir="o", cluster=cluster).with_device_defaults(CPU, 256)
+    options = RunOptions.from_dict({"source": str(EXAMPLE), "out_dir": "o", "cluster": cluster})
+    options = options.with_device_defaults(CPU, 256)
     # a one-GPU plan stands in for the measured local machine, which this CPU cannot measure
     result = plan_parallel(spec, make_cluster("h200", 1), plan_workload(options)) if judged else remote
     ctx = StageContext(options, None, tmp_path, lambda *a: None, "key", None, lambda name: result)

@@ -11,7 +11,8 @@ import pytest
 from pipeline_broken_kernel import BROKEN_MODULE, broken_apply_kernel_plan
 from pipeline_helpers import EXAMPLE, adapt_run, cli, load, statuses
 
-from adapt.app.pipeline import STAGE_NAMES, source_fingerprint
+from adapt.app.pipeline.options import STAGE_NAMES
+from adapt.app.pipeline.store import source_fingerprint
 from reports import load_report
 
 

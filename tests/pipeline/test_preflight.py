@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from pipeline_helpers import EXAMPLE, cli
 
-from adapt.app.pipeline.options import RunOptions
+from adapt.app.pipeline.options import PlanOptions
 from adapt.app.pipeline.preflight import check_stage_selection, plan_seq_len_notes
 from adapt.core.errors import BadInput
 from parallel_planner.cluster import parse_cluster_option
@@ -75,11 +75,11 @@ def test_a_selection_missing_what_a_stage_needs_is_bad_input():
 
 
 def test_plan_sequence_length_is_capped_at_the_models_positions():
-    options = RunOptions(source="x", out_dir="o", plan_seq_len=4096)
+    options = PlanOptions(plan_seq_len=4096)
     notes = plan_seq_len_notes(options, SimpleNamespace(config_dict={"max_position_embeddings": 256}))
     assert options.plan_seq_len == 256
     expected = "plan sequence length capped at 256, the model's max_position_embeddings (--plan-seq-len asked for 4096)"
     assert notes == [expected]
-    options = RunOptions(source="x", out_dir="o", plan_seq_len=128)
+    options = PlanOptions(plan_seq_len=128)
     assert plan_seq_len_notes(options, SimpleNamespace(config_dict={"max_position_embeddings": 256})) == []
     assert options.plan_seq_len == 128

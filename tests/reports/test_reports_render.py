@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 import matplotlib.image
 import pytest
 
-from adapt.app.pipeline import STAGE_NAMES
+from adapt.app.pipeline.options import STAGE_NAMES
 from reports import validate_report
 from reports.html import render_html
 from reports.junit import render_junit

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from adapt.app.options import add_options
+from adapt.app.pipeline.options import ValidationOptions
 from adapt.core.errors import EXIT_FAILED, EXIT_OK
 
 
@@ -14,7 +16,7 @@ def register(subparsers) -> None:
         help="re-judge a finished report against stricter or looser thresholds (exit 0 pass, 1 fail, 2 bad input)",
     )
     p.add_argument("report", help="report.json (or the run directory holding it)")
-    p.add_argument("--thresholds", help="YAML/JSON thresholds file (see reports.judge for the format)")
+    add_options(p, ValidationOptions, only=("thresholds",))
     p.add_argument("--junit", help="also write the gate's checks as JUnit XML to this file")
     p.add_argument("--json", action="store_true", help="print the gate result as one JSON object")
     p.set_defaults(func=handle)

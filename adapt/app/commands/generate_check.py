@@ -10,7 +10,6 @@ import argparse
 from typing import Any
 
 from adapt.app.commands.validate import (
-    DTYPE_CHOICES,
     _common,
     _emit,
     _kernel_plan,
@@ -26,10 +25,7 @@ def register(sub) -> None:
         "generate-check",
         help="greedy generation vs the unadapted model: tokens, log-probs, KV cache, left-padded batches",
     )
-    _common(parser)
-    parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default=None, help="candidate dtype (default fp32 on cpu, bf16 on cuda)"
-    )
+    _common(parser, ("device", "dtype"))
     parser.add_argument("--prompts", type=int, default=3, help="random prompts (default 3; 2+ for the batch check)")
     parser.add_argument("--prompt-len", type=int, default=12, help="tokens in the longest prompt (default 12)")
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
@@ -51,10 +47,9 @@ def run(args: argparse.Namespace) -> int:
         prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
         reference_dtype=args.reference,
     )  # fmt: skip
-    src, notes = _source(args), []
+    (src, shape), notes = _source(args), []
     plan = _kernel_plan(src, args, notes)
-    dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
-    report = generation_check(src, plan, dtype=dtype, device=args.device, options=options)
+    report = generation_check(src, plan, dtype=shape.dtype, device=shape.device, options=options)
     return _emit(report, args, notes, _print)
 
 

@@ -6,20 +6,17 @@ import argparse
 import json
 import sys
 
-from adapt.core.errors import BadInput
+from adapt.app.options import add_options, build
+from adapt.app.pipeline.options import ModelOptions, PlanOptions, max_positions
 from adapt.core.spec import ModelSpec
 
 
 def add_source_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags every command that reads a checkpoint shares."""
-    parser.add_argument(
-        "source", metavar="SOURCE", help="Hugging Face id org/name[@revision], a directory, or a config.json"
-    )
+    """Flags every command that reads a checkpoint shares: the model options, and ``--config-only``."""
+    add_options(parser, ModelOptions)
     parser.add_argument(
         "--config-only", action="store_true", help="never touch the weights (structure from config.json)"
     )
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own model code to run")
-    parser.add_argument("--allow-pickle", action="store_true", help="accept pickled .bin weights (loaded weights_only)")
 
 
 def resolve_checked(args: argparse.Namespace, config_only: bool | None = None):
@@ -41,22 +38,15 @@ def resolve_checked(args: argparse.Namespace, config_only: bool | None = None):
 def register(sub) -> None:
     parser = sub.add_parser("inspect", help="describe a checkpoint: architecture, parameters, FLOPs, KV cache")
     add_source_flags(parser)
-    parser.add_argument(
-        "--seq-len",
-        "--seq",
-        dest="seq",
-        type=int,
-        default=None,
-        help="sequence length for FLOP accounting (default min(4096, max positions))",
-    )
+    # the spec's FLOP and KV figures are for the sequence a plan targets (`adapt plan` builds the same spec)
+    add_options(parser, PlanOptions, only=("plan_seq_len",), old={"plan_seq_len": ("--seq-len", "--seq")})
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.seq is not None and args.seq < 1:
-        raise BadInput(f"--seq-len is {args.seq}; allowed: an integer >= 1")
-    resolve_checked(args)
+    seq_len = build(PlanOptions, args).plan_seq_len
+    positions = max_positions(resolve_checked(args).config_dict or {})
     from adapt.model.intake import inspect
 
     spec = inspect(
@@ -64,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         config_only=args.config_only,
         trust_remote_code=args.trust_remote_code,
         allow_pickle=args.allow_pickle,
-        seq_len=args.seq,
+        seq_len=min(seq_len, positions or seq_len),
     )
     if args.json:
         json.dump(spec.to_dict(), sys.stdout)

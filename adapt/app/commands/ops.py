@@ -6,19 +6,18 @@ import argparse
 import json
 import sys
 
+from adapt.app.commands.inspect import add_source_flags
+from adapt.app.options import add_options
+from adapt.app.pipeline.options import OperatorOptions
 from adapt.core.errors import CheckFailed
 
 
 def register(sub) -> None:
-    from adapt.app.commands.inspect import add_source_flags
-
     parser = sub.add_parser(
         "ops", help="map every operator of a model to a fused, native, decomposed or generated kernel"
     )
     add_source_flags(parser)
-    parser.add_argument(
-        "--profile", default=None, metavar="NAME|FILE", help="backend profile (default cuda-hopper; or a .yaml file)"
-    )
+    add_options(parser, OperatorOptions)
     parser.add_argument(
         "--out", default=None, metavar="DIR", help="write ops.json, model.onnx and generated kernel sources here"
     )

@@ -10,14 +10,10 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from adapt.app.commands.flags import (
-    CLUSTER_HELP,
-    DEFAULT_CLUSTER,
-    DEFAULT_GLOBAL_BATCH,
-    add_json,
-    add_plan_target,
-)
+from adapt.app.commands.flags import add_json
 from adapt.app.commands.inspect import add_source_flags
+from adapt.app.options import add_options, build
+from adapt.app.pipeline.options import CPU_CLUSTER, PlanOptions
 from adapt.core.errors import BadInput
 from adapt.core.spec import ModelSpec
 
@@ -26,23 +22,23 @@ def register(sub) -> None:
     parser = sub.add_parser("plan", help="search parallel layouts: memory per GPU, step time, tokens/s, MFU")
     add_source_flags(parser)
     cluster = parser.add_argument_group("cluster (a catalogue GPU, a cluster file, or this machine)")
-    cluster.add_argument("--cluster", default=None, help=f"{CLUSTER_HELP} (default {DEFAULT_CLUSTER})")
+    add_options(cluster, PlanOptions, only=("cluster",))
     cluster.add_argument(
         "--gpu", default=None, help="GPU type: a100, h100, h800, h200, b200, mi300x, or 'local' (measured)"
     )
     cluster.add_argument("--gpus", type=int, default=None, help="number of GPUs (with --gpu; default 8)")
     cluster.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
     work = parser.add_argument_group("workload")
-    add_plan_target(work, old_spelling="--seq")
+    add_options(work, PlanOptions, only=("plan_seq_len",), old={"plan_seq_len": ("--seq",)})
     batch = work.add_mutually_exclusive_group()
-    batch.add_argument(
-        "--global-batch", type=int, help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})"
-    )
+    add_options(batch, PlanOptions, only=("plan_global_batch",))
     batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
     batch.add_argument(
-        "--concurrency", type=int, help="--mode inference: sequences served at once (--seq is the context length)"
+        "--concurrency",
+        type=int,
+        help="--mode inference: sequences served at once (default: --global-batch; --plan-seq-len is the context)",
     )
-    work.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    add_options(work, PlanOptions, only=("precision",))
     work.add_argument("--mode", choices=("train", "inference"), default="train")
     work.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="--mode inference: share of GPU memory to use"
@@ -216,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
 
 def check_plan_flags(args: argparse.Namespace) -> None:
     """Every plan flag judged before the model is read: one line naming the flag, its value and what is allowed."""
-    for flag in ("top", "plan_seq_len", "global_batch", "global_batch_tokens", "gpus", "gpus_per_node"):
+    build(PlanOptions, args)  # the tree's own checks: --plan-seq-len, --global-batch, --precision
+    for flag in ("top", "global_batch_tokens", "concurrency", "gpus", "gpus_per_node"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise BadInput(f"--{flag.replace('_', '-')} is {value}; allowed: an integer >= 1")
@@ -253,12 +250,12 @@ def _cluster_and_workload(args: argparse.Namespace):
     elif args.gpu:
         cluster = make_cluster(args.gpu, args.gpus or 8, args.gpus_per_node)
     else:
-        cluster = parse_cluster_option(args.cluster or DEFAULT_CLUSTER) or local_cluster()
+        cluster = parse_cluster_option(args.cluster or CPU_CLUSTER) or local_cluster()
     options = dict(mode=args.mode, precision=args.precision, optimizer=args.optimizer, moe_imbalance=args.moe_imbalance)
     if args.global_batch_tokens:
         workload = Workload.from_tokens(args.plan_seq_len, args.global_batch_tokens, **options)
     else:
-        workload = Workload(args.plan_seq_len, args.global_batch or DEFAULT_GLOBAL_BATCH, **options)
+        workload = Workload(args.plan_seq_len, args.plan_global_batch, **options)
     calibration = load_calibration(args.calibration) if args.calibration else None
     return cluster, workload, calibration
 

@@ -13,18 +13,18 @@ from adapt.core.errors import BadInput
 def _cluster(args: argparse.Namespace) -> Any:
     """The same cluster forms and default as a training plan (``adapt plan --help``)."""
     from adapt.app.clusters import local_cluster, target_cluster
-    from adapt.app.commands.flags import DEFAULT_CLUSTER
+    from adapt.app.pipeline.options import CPU_CLUSTER
     from parallel_planner.cluster import make_cluster
 
     if args.gpu == "local" and not args.cluster:
         return local_cluster()
     if args.gpu:
         return make_cluster(args.gpu, args.gpus or 8, args.gpus_per_node)
-    return target_cluster(args.cluster or DEFAULT_CLUSTER)
+    return target_cluster(args.cluster or CPU_CLUSTER)
 
 
 def run_inference_plan(args: argparse.Namespace, spec_loader: Any) -> int:
-    """Plan serving for ``--seq`` tokens of context and ``--concurrency`` (or ``--global-batch``) sequences."""
+    """Plan serving for ``--plan-seq-len`` tokens of context and ``--concurrency`` (or ``--global-batch``) sequences."""
     try:
         if args.global_batch_tokens is not None or args.fixed or args.calibration:
             raise BadInput("--mode inference takes --concurrency (not --global-batch-tokens, --fixed or --calibration)")
@@ -32,7 +32,7 @@ def run_inference_plan(args: argparse.Namespace, spec_loader: Any) -> int:
 
         cluster = _cluster(args)
         workload = ServingWorkload(
-            context_len=args.plan_seq_len, concurrency=args.concurrency or args.global_batch, precision=args.precision,
+            context_len=args.plan_seq_len, concurrency=args.concurrency or args.plan_global_batch, precision=args.precision,
             kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2, gpu_memory_utilization=args.gpu_memory_utilization,
         )  # fmt: skip
     except BaseException:

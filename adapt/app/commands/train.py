@@ -10,6 +10,8 @@ import socket
 from pathlib import Path
 
 from adapt.app.commands.flags import add_json
+from adapt.app.options import add_options
+from adapt.app.pipeline.options import ModelOptions
 from adapt.core.errors import BadInput
 
 
@@ -51,7 +53,7 @@ def _leave_process_group() -> None:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="checkpoint directory, config.json or Hugging Face id")
+    add_options(p, ModelOptions, only=("source", "trust_remote_code"))
     p.add_argument(
         "--plan",
         required=True,
@@ -91,11 +93,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower)")
     p.add_argument("--metrics", help="write per-step metrics as JSON lines here (rank 0)")
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow the checkpoint's own modelling code",
-    )
 
 
 def register(subparsers) -> None:

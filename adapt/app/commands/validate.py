@@ -3,7 +3,8 @@
 Each prints one JSON object with ``--json`` (else a short table), exits 0 when the stage passed,
 1 when it ran and failed, 2 on bad input.  The candidate is the model with the operators' kernel
 plan applied; ``--no-kernels`` (or an operators package without a planner) validates the
-unmodified model, and the output says so.
+unmodified model, and the output says so.  Device, dtype, shapes and step counts are the options tree's
+(``ValidationOptions``): the same flags and defaults as ``adapt run``, unset ones chosen by the device.
 """
 
 from __future__ import annotations
@@ -13,21 +14,21 @@ import json
 import sys
 from typing import Any
 
-from adapt.app.commands.flags import add_validation_shape
+from adapt.app.commands.flags import add_json
 from adapt.app.commands.inspect import add_source_flags
+from adapt.app.options import add_options, build
+from adapt.app.pipeline.options import PlanOptions, ValidationOptions
 from adapt.core.errors import BadInput
 
-DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+SHAPE = ("device", "dtype", "seq_len", "batch_size")  # what every validation command runs at
 
 
 def register(sub) -> None:
     align = sub.add_parser("align", help="compare the adapted model with a float64 reference, block by block")
-    _common(align)
-    align.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16", help="candidate dtype (default bf16)")
+    _common(align, SHAPE)
     align.add_argument(
         "--streamed", action="store_true", help="one block at a time from the shards (checkpoints bigger than memory)"
     )
-    add_validation_shape(align)
     align.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     align.add_argument("--no-backward", action="store_true", help="skip gradients and the loss-parity run")
     align.add_argument("--parity-steps", type=int, default=4, help="loss-curve parity steps (default 4)")
@@ -42,15 +43,8 @@ def register(sub) -> None:
     bench = sub.add_parser(
         "bench", help="training step, prefill and decode throughput, MFU, memory; adapted vs eager and torch.compile"
     )
-    _common(bench)
-    bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
-    add_validation_shape(bench)  # unset batch on CUDA: as many sequences as fit 60% of free memory
-    bench.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="timed training steps per variant, after 2 warm-up (default: cpu 6, cuda 20)",
-    )
+    # an unset batch on CUDA: as many sequences as fit 60% of free memory
+    _common(bench, (*SHAPE, "bench_steps"), old={"bench_steps": ("--steps",)})
     bench.add_argument(
         "--compile", action="store_true", help="add the torch.compile baseline on a CPU too (always on CUDA)"
     )
@@ -61,30 +55,30 @@ def register(sub) -> None:
     soak = sub.add_parser(
         "soak", help="train for N steps: finite loss, step-time drift, memory leaks, checkpoint/resume"
     )
-    _common(soak)
-    soak.add_argument("--steps", type=int, required=True)
+    _common(soak, (*SHAPE, "soak_steps", "ckpt_every"), old={"soak_steps": ("--steps",)})
     soak.add_argument("--minutes", type=float, default=None, help="stop after this many minutes")
-    soak.add_argument("--ckpt-every", type=int, default=0)
-    soak.add_argument("--ckpt-dir", default=None, help="checkpoint directory; an existing checkpoint there is resumed")
-    soak.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
-    add_validation_shape(soak)
+    soak.add_argument(
+        "--ckpt-dir",
+        default=None,
+        help="checkpoint directory; an existing checkpoint there is resumed (without it: no checkpoints)",
+    )
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--nondeterministic", action="store_true", help="allow nondeterministic kernels")
     soak.set_defaults(func=run_soak)
 
     env = sub.add_parser("env", help="versions, devices, measured copy/matmul/all-reduce rates, problems")
-    env.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default="bf16")
+    add_options(env, ValidationOptions, only=("device",))
+    add_options(env, PlanOptions, only=("precision",))
     env.add_argument("--plan", default=None, help="a ParallelPlan JSON to check against this machine")
-    env.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    env.add_argument("--json", action="store_true")
+    add_json(env)
     env.set_defaults(func=run_env)
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, fields: tuple[str, ...], old: dict | None = None) -> None:
     add_source_flags(parser)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    add_options(parser, ValidationOptions, only=fields, old=old)
     parser.add_argument("--no-kernels", action="store_true", help="validate the unmodified model (no kernel plan)")
-    parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    add_json(parser)
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -94,27 +88,20 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise BadInput(f"--{name.replace('_', '-')} is {value}; allowed: an integer >= 1")
 
 
-def _source(args: argparse.Namespace):
-    from adapt.app.commands.inspect import resolve_checked
+def _source(args: argparse.Namespace) -> tuple[Any, ValidationOptions]:
+    """The source and the validation options, every unset one chosen by the device exactly as ``adapt run`` does.
 
+    The options are checked before the source is read: a bad flag answers at once.
+    """
+    from adapt.app.commands.inspect import resolve_checked
+    from adapt.app.pipeline.options import DeviceDescription, max_positions
+
+    options = build(ValidationOptions, args)
     if args.config_only:
         raise BadInput("validation runs the model: --config-only cannot be used here")
     src = resolve_checked(args)
-    # bench sizes an unset batch on CUDA from free memory itself
-    sized = ("seq_len",) if args.func is run_bench and args.device != "cpu" else ("seq_len", "batch_size")
-    _fill_device_shape(args, getattr(src, "config_dict", {}) or {}, sized)
-    return src
-
-
-def _fill_device_shape(args: argparse.Namespace, config: dict[str, Any], names: tuple[str, ...]) -> None:
-    """Unset ``--seq-len`` / ``--batch-size`` take the device's defaults, exactly as ``adapt run`` chooses them."""
-    from adapt.app.pipeline.options import DeviceDescription, choose_defaults, max_positions
-
-    defaults = choose_defaults(DeviceDescription.of(args.device), max_positions(config))
-    for name in names:
-        if getattr(args, name, None) is None:
-            setattr(args, name, getattr(defaults, name))
-    _positive(args, "seq_len", "batch_size")
+    positions = max_positions(getattr(src, "config_dict", {}) or {})
+    return src, options.with_device_defaults(DeviceDescription.of(options.device), positions)
 
 
 def _kernel_plan(src, args: argparse.Namespace, notes: list[str]) -> Any:
@@ -139,40 +126,41 @@ def _emit(result, args: argparse.Namespace, notes: list[str], summary) -> int:
 
 
 def run_align(args: argparse.Namespace) -> int:
-    _positive(args, "seq_len", "batch_size")
-    src, notes = _source(args), []
-    if args.seq_len < 2:
-        raise BadInput(f"--seq-len is {args.seq_len}; allowed: an integer >= 2 (next-token targets)")
+    (src, shape), notes = _source(args), []
+    if shape.seq_len < 2:
+        raise BadInput(f"--seq-len is {shape.seq_len}; allowed: an integer >= 2 (next-token targets)")
     from validators.align import AlignOptions, align
 
     plan = _kernel_plan(src, args, notes)
     options = AlignOptions(
-        batch=args.batch_size,
-        seq_len=args.seq_len,
+        batch=shape.batch_size,
+        seq_len=shape.seq_len,
         seed=args.seed,
         backward=not args.no_backward,
         parity_steps=args.parity_steps,
         reference_dtype=args.reference,
     )
-    report = align(src, plan, dtype=args.dtype, device=args.device, streamed=args.streamed, options=options)
+    report = align(src, plan, dtype=shape.dtype, device=shape.device, streamed=args.streamed, options=options)
     return _emit(report, args, notes, _print_align)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    _positive(args, "seq_len", "batch_size", "steps", "max_layers")
-    src, notes = _source(args), []
+    _positive(args, "max_layers")
+    (src, shape), notes = _source(args), []
     from validators.throughput import BenchOptions, bench
 
     plan = _kernel_plan(src, args, notes)
+    # a batch the device would choose is left to the bench on a GPU, which sizes the step from free memory
+    sized_by_bench = shape.device != "cpu" and args.batch_size is None
     options = BenchOptions(
-        dtype=args.dtype,
-        seq_len=args.seq_len,
-        batch=args.batch_size,
-        steps=args.steps,
+        dtype=shape.dtype,
+        seq_len=shape.seq_len,
+        batch=None if sized_by_bench else shape.batch_size,
+        steps=shape.bench_steps,
         compile=True if args.compile else None,
         max_layers=args.max_layers,
     )
-    report = bench(src, plan, device=args.device, options=options)
+    report = bench(src, plan, device=shape.device, options=options)
     if args.calibration_out:
         with open(args.calibration_out, "w") as fh:
             json.dump(report.calibration, fh, indent=2)
@@ -180,22 +168,21 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    _positive(args, "steps", "seq_len", "batch_size")
-    if args.ckpt_every < 0:
-        raise BadInput(f"--ckpt-every is {args.ckpt_every}; allowed: an integer >= 0 (0: no checkpoints)")
-    src, notes = _source(args), []
+    (src, shape), notes = _source(args), []
     from validators.soak import soak
 
     plan = _kernel_plan(src, args, notes)
+    # the device's checkpoint interval applies where checkpoints go; an explicit one without a directory is refused
+    no_checkpoints = args.ckpt_dir is None and args.ckpt_every is None
     report = soak(
         src,
         plan,
-        steps=args.steps,
-        ckpt_every=args.ckpt_every,
-        device=args.device,
-        dtype=args.dtype,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
+        steps=shape.soak_steps,
+        ckpt_every=0 if no_checkpoints else shape.ckpt_every,
+        device=shape.device,
+        dtype=shape.dtype,
+        seq_len=shape.seq_len,
+        batch_size=shape.batch_size,
         ckpt_dir=args.ckpt_dir,
         minutes=args.minutes,
         seed=args.seed,
@@ -205,6 +192,7 @@ def run_soak(args: argparse.Namespace) -> int:
 
 
 def run_env(args: argparse.Namespace) -> int:
+    device, precision = build(ValidationOptions, args).device, build(PlanOptions, args).precision
     from parallel_planner.plan import ParallelPlan
 
     plan = None
@@ -217,7 +205,7 @@ def run_env(args: argparse.Namespace) -> int:
         check_environment,  # torch: only once the input is known to be usable
     )
 
-    report = check_environment(plan, precision=args.precision, device=args.device)
+    report = check_environment(plan, precision=precision, device=device)
     return _emit(report, args, [], _print_env)
 
 

@@ -1,4 +1,9 @@
-"""Options of one ``adapt run``: what the user chose, and the defaults the validation device chose.
+"""The options tree of ``adapt``: what the user chose, and the defaults the validation device chose.
+
+``RunOptions`` holds one group per concern (model, run, operators, plan, validation); each field of a group
+carries its flag, help and default (``adapt.app.options.option``), and every command that takes a quantity
+adds its flag from the group that owns it.  A field's name is also its key in report.json and in the
+stage cache (``RunOptions.to_dict``/``subset``).
 
 Every option the device sizes (dtype, validation shapes, step counts, the plan's target cluster)
 is ``None`` until ``RunOptions.with_device_defaults`` fills it from ``choose_defaults``: the one place that
@@ -8,10 +13,14 @@ finishes in seconds; a GPU runs the shapes a user trains at, on the machine it i
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from adapt.app.options import OptionGroup, build, flatten, group, option, replace_flat
 from adapt.core.errors import BadInput
 
 # Order matters: each stage may read the typed results of the stages before it.
@@ -33,6 +42,8 @@ LOCAL_CLUSTER = "local"  # ``--cluster local``: plan for this machine, as the en
 CUDA_SEQ_CAP = 2048  # a training-sized sequence that every model with 2k+ positions can take
 CPU_SEQ = 32
 CPU_CLUSTER = "8xH100"  # a CPU is never the training target: plan for a common GPU node
+PLAN_SEQ_LEN = 4096
+PLAN_GLOBAL_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -119,75 +130,175 @@ def defaults_help() -> str:
 
 
 DEVICE_CHOSEN = tuple(f.name for f in dataclasses.fields(DeviceDefaults))
+BY_DEVICE = "default: chosen by --device, see `adapt run --help`"
+
+
+def comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def default_out_dir(source: str) -> str:
+    name = Path(source.rstrip("/")).name or "model"
+    return str(Path("adapt-runs") / name.replace("@", "_"))
+
+
+@dataclass
+class ModelOptions(OptionGroup):
+    """The checkpoint, and what adapt may run or load from it."""
+
+    source: str = option(
+        positional=True,
+        metavar="SOURCE",
+        help="Hugging Face id org/name[@revision], a checkpoint directory, or a config.json",
+    )
+    trust_remote_code: bool = option(False, help="allow the checkpoint's own modelling code to run")
+    allow_pickle: bool = option(False, help="accept pickled .bin weights (loaded weights_only)")
+
+
+@dataclass
+class RunControl(OptionGroup):
+    """Which stages run, and where their results are written."""
+
+    out_dir: str | None = option(None, flag="--out", help="output directory (default: adapt-runs/<name>)")
+    stages: list[str] = option(
+        list(STAGE_NAMES),
+        type=comma_list,
+        help=f"comma list of stages to run (default: all of {','.join(STAGE_NAMES)})",
+    )
+    force: bool = option(False, help="recompute every selected stage, ignoring stored results")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unknown = [s for s in self.stages if s not in STAGE_NAMES]
+        if unknown:
+            raise BadInput(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGE_NAMES)}")
+        self.stages = [s for s in STAGE_NAMES if s in self.stages]
+
+
+@dataclass
+class OperatorOptions(OptionGroup):
+    """How operators map onto kernels."""
+
+    profile: str | None = option(
+        None,
+        metavar="NAME|FILE",
+        help="backend profile for the operator mapping: a name (cuda-hopper, npu-restricted) or a YAML file "
+        "(default: cuda-hopper)",
+    )
+
+
+@dataclass
+class PlanOptions(OptionGroup):
+    """The cluster the model will be laid out on, and the training workload the plan targets."""
+
+    cluster: str | None = option(
+        None,
+        help=f"target cluster: <N>x<GPU> (e.g. 8xH100), a cluster YAML/TOML file, or '{LOCAL_CLUSTER}' (this "
+        f"machine, measured); default {CPU_CLUSTER}, or {LOCAL_CLUSTER} under `adapt run --device cuda`",
+    )
+    plan_seq_len: int = option(
+        PLAN_SEQ_LEN,
+        type=int,
+        minimum=1,
+        help=f"sequence length the plan and the FLOP figures target (default {PLAN_SEQ_LEN}, capped at the "
+        "model's max positions)",
+    )
+    plan_global_batch: int = option(
+        PLAN_GLOBAL_BATCH,
+        flag="--global-batch",
+        type=int,
+        minimum=1,
+        help=f"sequences per optimizer step the plan targets (default {PLAN_GLOBAL_BATCH})",
+    )
+    precision: str = option(
+        "bf16",
+        choices=("bf16", "fp8"),
+        help="training precision the plan and the environment check assume (default bf16)",
+    )
+
+
+@dataclass
+class ValidationOptions(OptionGroup):
+    """Validation on this machine: the options left unset are chosen by --device.
+
+    ``with_device_defaults`` fills them from ``choose_defaults``, for ``adapt run`` and the validation commands alike.
+    """
+
+    device: str = option(
+        "cpu", help="device that validates: cpu, cuda or cuda:N (default cpu); it chooses the unset validation defaults"
+    )
+    dtype: str | None = option(None, choices=DTYPES, help=f"candidate dtype ({BY_DEVICE})")
+    seq_len: int | None = option(None, type=int, minimum=1, old=("--seq",), help=f"tokens per sequence ({BY_DEVICE})")
+    batch_size: int | None = option(
+        None, type=int, minimum=1, old=("--batch",), help=f"sequences per batch ({BY_DEVICE})"
+    )
+    bench_steps: int | None = option(
+        None, type=int, minimum=1, help=f"timed steps per throughput measurement ({BY_DEVICE})"
+    )
+    soak_steps: int | None = option(None, type=int, minimum=1, help=f"training steps of the soak ({BY_DEVICE})")
+    ckpt_every: int | None = option(
+        None, type=int, minimum=0, help=f"soak checkpoint interval in steps, 0: none ({BY_DEVICE})"
+    )
+    thresholds: str | None = option(
+        None,
+        metavar="FILE",
+        help="thresholds file (YAML/JSON, see reports.judge for the format); its alignment section also "
+        "judges the alignment and generation stages of `adapt run`",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise BadInput(f"--device is {self.device!r}; allowed: cpu, cuda or cuda:N")
+
+    def with_device_defaults(self, device: DeviceDescription, positions: int | None) -> ValidationOptions:
+        """These options with every unset device-sized one filled from ``choose_defaults``."""
+        return replace_flat(self, **_unset_chosen(self, choose_defaults(device, positions)))
+
+
+def _unset_chosen(options: Any, defaults: DeviceDefaults) -> dict[str, Any]:
+    flat = flatten(options)
+    return {name: getattr(defaults, name) for name in DEVICE_CHOSEN if name in flat and flat[name] is None}
 
 
 @dataclass
 class RunOptions:
-    """Everything that shapes a run.  Fields named in a stage's ``option_keys`` are part of its cache key."""
+    """Everything that shapes a run, as one tree of option groups.
 
-    source: str
-    out_dir: str
-    stages: list[str] = field(default_factory=lambda: list(STAGE_NAMES))
-    force: bool = False
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
-    # operators
-    profile: str | None = None  # backend profile name or file (None: the operators' default for the device)
-    # plan: the cluster the model will be laid out on and the workload
-    cluster: str | None = None  # "<N>x<GPU>" from the catalogue, a cluster YAML/TOML file, or "local"
-    plan_seq_len: int = 4096
-    plan_global_batch: int = 64
-    precision: str = "bf16"  # training precision the plan and environment check assume
-    # validation on this machine; None: chosen by the device (``choose_defaults``)
-    device: str = "cpu"
-    dtype: str | None = None  # candidate dtype for alignment/throughput/soak
-    seq_len: int | None = None
-    batch_size: int | None = None
-    bench_steps: int | None = None
-    soak_steps: int | None = None
-    ckpt_every: int | None = None
-    thresholds: str | None = None  # alignment thresholds file passed to the validators
+    ``to_dict`` flattens it to field names (report.json's ``options``); the fields named in a stage's
+    ``option_keys`` are part of that stage's cache key.
+    """
+
+    model: ModelOptions = group(ModelOptions, required=True)
+    run: RunControl = group(RunControl)
+    operators: OperatorOptions = group(OperatorOptions)
+    plan: PlanOptions = group(PlanOptions)
+    validation: ValidationOptions = group(ValidationOptions)
     # filled by ``with_device_defaults``: the machine the run validates on and which options its device chose
     machine: str | None = None
     device_chosen: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = [s for s in self.stages if s not in STAGE_NAMES]
-        if unknown:
-            raise BadInput(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGE_NAMES)}")
-        self.stages = [s for s in STAGE_NAMES if s in self.stages]
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise BadInput(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise BadInput(f"--device must be cpu or cuda[:N], got {self.device!r}")
-        for name in (
-            "seq_len",
-            "batch_size",
-            "bench_steps",
-            "soak_steps",
-            "ckpt_every",
-            "plan_seq_len",
-            "plan_global_batch",
-        ):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        self.device_chosen = tuple(self.device_chosen)
+        if self.run.out_dir is None:
+            self.run.out_dir = default_out_dir(self.model.source)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | argparse.Namespace) -> RunOptions:
+        """The tree from flat field names: ``adapt run``'s parsed arguments, or ``to_dict``'s output."""
+        return build(cls, values)
 
     def with_device_defaults(self, device: DeviceDescription, positions: int | None) -> RunOptions:
         """These options with every unset device-sized option filled from ``choose_defaults``."""
-        defaults = choose_defaults(device, positions)
-        chosen = tuple(name for name in DEVICE_CHOSEN if getattr(self, name) is None)
-        filled = {name: getattr(defaults, name) for name in chosen}
-        return dataclasses.replace(self, **filled, machine=device.label(), device_chosen=chosen)
+        filled = _unset_chosen(self, choose_defaults(device, positions))
+        return replace_flat(self, **filled, machine=device.label(), device_chosen=tuple(filled))
 
     def subset(self, keys: tuple[str, ...]) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = self.to_dict()
         return {k: data[k] for k in keys}
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["device_chosen"] = list(self.device_chosen)
-        return data
+        return flatten(self)
 
 
 def select_stages(only: list[str] | None, skip: list[str] | None) -> list[str]:

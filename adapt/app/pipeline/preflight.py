@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapt.app.pipeline.options import STAGE_NAMES, RunOptions
+from adapt.app.pipeline.options import STAGE_NAMES, PlanOptions, RunOptions
 from adapt.core.errors import BadInput
 from adapt.core.inputs import check_with_transformers
 
@@ -37,13 +37,14 @@ def check_stage_selection(stages: list[str]) -> None:
 
 def check_options(options: RunOptions) -> None:
     """The options alone (no source read yet): stage selection, cluster and thresholds."""
-    check_stage_selection(options.stages)
-    if options.cluster is not None and ("plan" in options.stages or "environment" in options.stages):
-        _check_cluster(options.cluster)  # None: the device chooses the target once the source is resolved
-    if options.thresholds is not None:
+    stages, cluster, thresholds = options.run.stages, options.plan.cluster, options.validation.thresholds
+    check_stage_selection(stages)
+    if cluster is not None and ("plan" in stages or "environment" in stages):
+        _check_cluster(cluster)  # None: the device chooses the target once the source is resolved
+    if thresholds is not None:
         from reports.judge import load_thresholds
 
-        load_thresholds(options.thresholds)
+        load_thresholds(thresholds)
 
 
 def _check_cluster(text: str) -> None:
@@ -61,7 +62,7 @@ def check_source_config(handle: Any) -> None:
         check_with_transformers(config, str(getattr(handle, "config_path", "config.json")))
 
 
-def plan_seq_len_notes(options: RunOptions, handle: Any) -> list[str]:
+def plan_seq_len_notes(options: PlanOptions, handle: Any) -> list[str]:
     """Cap the plan's sequence length at the model's maximum position, saying so in the plan's notes."""
     config = getattr(handle, "config_dict", None) or {}
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config

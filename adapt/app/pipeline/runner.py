@@ -60,11 +60,10 @@ def resolve(options: RunOptions) -> SourceInfo:
     """Resolve the source (hub id, directory or config.json) and fingerprint its files; imports no torch."""
     from adapt.core.source import resolve_source
 
-    handle = resolve_source(
-        options.source, trust_remote_code=options.trust_remote_code, allow_pickle=options.allow_pickle
-    )
+    model = options.model
+    handle = resolve_source(model.source, trust_remote_code=model.trust_remote_code, allow_pickle=model.allow_pickle)
     path = Path(_local_path(handle))
-    return SourceInfo(options.source, str(path), source_fingerprint(path, exclude=options.out_dir), handle)
+    return SourceInfo(model.source, str(path), source_fingerprint(path, exclude=options.run.out_dir), handle)
 
 
 def _local_path(handle: Any) -> str:
@@ -81,7 +80,7 @@ class PipelineRun:
     def __init__(self, options: RunOptions, progress: RunProgress):
         self.options = options
         self.progress = progress
-        self.store = RunStore(options.out_dir)
+        self.store = RunStore(options.run.out_dir)
         self.source: SourceInfo | None = None
         self.records: dict[str, StageRecord] = {name: StageRecord(name, "pending") for name in STAGE_NAMES}
         self.keys: dict[str, str] = {}
@@ -100,7 +99,7 @@ class PipelineRun:
         return self.typed[name]
 
     def optional_upstream(self, name: str) -> Any:
-        if name not in self.options.stages or self.records[name].status not in REUSABLE:
+        if name not in self.options.run.stages or self.records[name].status not in REUSABLE:
             return None
         return self.upstream(name)
 
@@ -125,19 +124,19 @@ class PipelineRun:
     # ---- one stage ---------------------------------------------------------------------------
     def run_stage(self, stage: Stage) -> StageRecord:
         opts = self.options
-        if stage.name not in opts.stages:
+        if stage.name not in opts.run.stages:
             return StageRecord(stage.name, "skipped", "not selected (--stages/--skip)")
         for need in stage.needs:
-            if need not in opts.stages:
+            if need not in opts.run.stages:
                 return StageRecord(stage.name, "blocked", f"needs the {need} stage, which is not selected")
             if self.records[need].status in NOT_AVAILABLE:
                 return StageRecord(
                     stage.name, "blocked", f"needs the {need} result, which is {self.records[need].status}"
                 )
         for use in stage.uses:  # an optional upstream that ran and errored stops this stage too
-            if use in opts.stages and self.records[use].status == "error":
+            if use in opts.run.stages and self.records[use].status == "error":
                 return StageRecord(stage.name, "blocked", f"the {use} stage it reads ended in an error")
-        upstream = [self.keys[n] for n in (*stage.needs, *stage.uses) if n in self.keys and n in opts.stages]
+        upstream = [self.keys[n] for n in (*stage.needs, *stage.uses) if n in self.keys and n in opts.run.stages]
         key = stage_key(
             stage.name,
             opts.subset(stage.option_keys),
@@ -148,7 +147,7 @@ class PipelineRun:
         )
         self.keys[stage.name] = key
         stored = self.store.load(stage.name)
-        if stored is not None and stored.key == key and stored.status in REUSABLE and not opts.force:
+        if stored is not None and stored.key == key and stored.status in REUSABLE and not opts.run.force:
             stored.cached = True
             return stored
         return self._execute(stage, key)
@@ -203,12 +202,12 @@ class PipelineRun:
         """Check every input, lock the run directory, then run the stages; reports survive Ctrl-C/SIGTERM."""
         check_options(self.options)  # before anything is read, written or imported
         self.source = resolve(self.options)
-        device = DeviceDescription.of(self.options.device)
+        device = DeviceDescription.of(self.options.validation.device)
         positions = max_positions(getattr(self.source.handle, "config_dict", {}))
         self.options = self.options.with_device_defaults(device, positions)
         check_source_config(self.source.handle)
-        self.preflight_notes["plan"] = plan_seq_len_notes(self.options, self.source.handle)
-        with RunLock(self.options.out_dir):
+        self.preflight_notes["plan"] = plan_seq_len_notes(self.options.plan, self.source.handle)
+        with RunLock(self.options.run.out_dir):
             return self._run_stages()
 
     def _run_stages(self) -> RunOutcome:
@@ -224,20 +223,21 @@ class PipelineRun:
                     if not record.cached and record.status not in ("skipped", "blocked"):
                         self.store.save(record)  # never overwrite a stored result with "did not run this time"
                     if name == "plan" and record.status == "passed" and record.result:
-                        atomic_write_json(Path(self.options.out_dir) / PLAN_FILE, record.result)  # what launch reads
-                    write_reports(self._report(build_report), self.options.out_dir, formats=("json",))
+                        # what launch reads
+                        atomic_write_json(Path(self.options.run.out_dir) / PLAN_FILE, record.result)
+                    write_reports(self._report(build_report), self.options.run.out_dir, formats=("json",))
         except KeyboardInterrupt as interrupt:
             if self.records[name].status == "pending":  # the stage that was running
                 signal_name = "SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
                 self.records[name].status = "interrupted"
                 self.records[name].verdict = f"interrupted ({signal_name})"
             with deferred_interrupts():
-                write_reports(self._report(build_report), self.options.out_dir)
+                write_reports(self._report(build_report), self.options.run.out_dir)
             raise
         report = self._report(build_report)
         with deferred_interrupts():
-            write_reports(report, self.options.out_dir)
-        return RunOutcome(self.records, report, exit_code_of(self.records), Path(self.options.out_dir))
+            write_reports(report, self.options.run.out_dir)
+        return RunOutcome(self.records, report, exit_code_of(self.records), Path(self.options.run.out_dir))
 
     def _report(self, build_report) -> dict[str, Any]:
         return build_report(
@@ -255,7 +255,7 @@ def exit_code_of(records: dict[str, StageRecord]) -> int:
 
 
 def run_pipeline(options: RunOptions, progress: RunProgress | None = None) -> RunOutcome:
-    """Run (or resume) the pipeline for ``options``; reports land in ``options.out_dir``."""
+    """Run (or resume) the pipeline for ``options``; reports land in ``options.run.out_dir``."""
     progress = progress or RunProgress(quiet=True)
     with progress:
         return PipelineRun(options, progress).run()

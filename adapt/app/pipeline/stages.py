@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.app.pipeline import summaries
-from adapt.app.pipeline.options import LOCAL_CLUSTER, RunOptions
+from adapt.app.pipeline.options import LOCAL_CLUSTER, RunOptions, ValidationOptions
 from adapt.app.pipeline.progress import ProgressCallback
 
 CALIBRATION_FILE = "calibration.json"  # the throughput stage's measurements, in its artifacts directory
@@ -107,7 +107,7 @@ def _load_spec(data: dict[str, Any]) -> Any:
 def _operators(ctx: StageContext) -> Any:
     from operators import run_ops
 
-    return run_ops(ctx.source, profile=ctx.options.profile, out_dir=str(ctx.artifacts))
+    return run_ops(ctx.source, profile=ctx.options.operators.profile, out_dir=str(ctx.artifacts))
 
 
 def _load_ops_report(data: dict[str, Any]) -> Any:
@@ -195,7 +195,7 @@ def _plan(ctx: StageContext) -> Any:
     from adapt.app.clusters import target_cluster
     from parallel_planner.search import plan_parallel
 
-    cluster = target_cluster(ctx.options.cluster)  # bad --cluster is bad input even before planning
+    cluster = target_cluster(ctx.options.plan.cluster)  # bad --cluster is bad input even before planning
     return plan_parallel(ctx.upstream("intake"), cluster, plan_workload(ctx.options), top_k=5)
 
 
@@ -209,8 +209,9 @@ def plan_workload(options: RunOptions) -> Any:
     """The planner's Workload from the plan options."""
     from parallel_planner.workload import Workload
 
+    plan = options.plan
     return Workload(
-        seq_len=options.plan_seq_len, global_batch=options.plan_global_batch, mode="train", precision=options.precision
+        seq_len=plan.plan_seq_len, global_batch=plan.plan_global_batch, mode="train", precision=plan.precision
     )
 
 
@@ -232,13 +233,13 @@ def _environment(ctx: StageContext) -> Any:
         plan = planner_result.plans[0].plan if planner_result.plans else None
         cluster = planner_result.cluster
         target = PlanTarget(
-            name=opts.cluster,
+            name=opts.plan.cluster,
             gpu=cluster["gpu"]["name"],
             num_gpus=cluster["num_gpus"],
             gpus_per_node=cluster["gpus_per_node"],
-            local=opts.cluster == LOCAL_CLUSTER,
+            local=opts.plan.cluster == LOCAL_CLUSTER,
         )
-    return check_environment(plan, precision=opts.precision, device=opts.device, target=target)
+    return check_environment(plan, precision=opts.plan.precision, device=opts.validation.device, target=target)
 
 
 # ---- validation on this machine ---------------------------------------------------------------
@@ -247,7 +248,7 @@ def _environment(ctx: StageContext) -> Any:
 def _alignment(ctx: StageContext) -> Any:
     from validators.align import AlignOptions, align
 
-    opts = ctx.options
+    opts = ctx.options.validation
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     with candidate(kernel_plan, _block_progress(ctx)) as transform:
         return align(
@@ -267,7 +268,7 @@ def _block_progress(ctx: StageContext) -> tuple[list[str], ProgressCallback] | N
     return ([block.module for block in spec.blocks], ctx.progress) if spec is not None else None
 
 
-def alignment_thresholds(options: RunOptions) -> dict[str, float] | None:
+def alignment_thresholds(options: ValidationOptions) -> dict[str, float] | None:
     """The ``alignment`` section of ``--thresholds`` (the gate's file format) for the run's dtype."""
     if options.thresholds is None:
         return None
@@ -280,7 +281,7 @@ def _generation(ctx: StageContext) -> Any:
     """Greedy generation of the adapted model against the unadapted one: tokens, log-probs, cache, batch."""
     from validators.generation import generation_check
 
-    opts = ctx.options
+    opts = ctx.options.validation
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     with candidate(kernel_plan) as transform:
         return generation_check(
@@ -305,10 +306,10 @@ def _generation_summary(result: dict[str, Any], options: RunOptions) -> summarie
 def _throughput(ctx: StageContext) -> Any:
     from validators.throughput import BenchOptions, bench
 
-    opts = ctx.options
+    opts = ctx.options.validation
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     # a device-chosen batch on a GPU is left to the bench, which sizes the step from free memory
-    sized_by_bench = opts.device != "cpu" and "batch_size" in opts.device_chosen
+    sized_by_bench = opts.device != "cpu" and "batch_size" in ctx.options.device_chosen
     bench_options = BenchOptions(
         dtype=opts.dtype,
         seq_len=opts.seq_len,
@@ -346,11 +347,11 @@ def _soak(ctx: StageContext) -> Any:
     """Checkpoints live under the stage key: an interrupted soak resumes, a changed or forced one starts over."""
     from validators.soak import soak
 
-    opts = ctx.options
+    opts = ctx.options.validation
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
     ckpt_dir = ctx.artifacts / f"checkpoints-{ctx.key}"
     for stale in ctx.artifacts.glob("checkpoints-*"):
-        if stale != ckpt_dir or opts.force:
+        if stale != ckpt_dir or ctx.options.run.force:
             shutil.rmtree(stale)
     with candidate(kernel_plan) as transform:
         return soak(

@@ -161,9 +161,9 @@ def plan(result: dict[str, Any], options: RunOptions) -> Summary:
     data = {
         "cluster": cluster,
         "workload": {
-            "seq_len": options.plan_seq_len,
-            "global_batch": options.plan_global_batch,
-            "precision": options.precision,
+            "seq_len": options.plan.plan_seq_len,
+            "global_batch": options.plan.plan_global_batch,
+            "precision": options.plan.precision,
         },
         "plans": ranked,
         "best": {
@@ -190,9 +190,9 @@ def plan(result: dict[str, Any], options: RunOptions) -> Summary:
 
 def _cluster_label(cluster: dict[str, Any], options: RunOptions) -> str:
     """``--cluster`` as given; ``local`` also names the GPUs it measured (``local (1xH200)``)."""
-    if options.cluster != LOCAL_CLUSTER or not cluster:
-        return str(options.cluster)
-    return f"{options.cluster} ({cluster.get('num_gpus')}x{str(cluster['gpu'].get('name', '?')).upper()})"
+    if options.plan.cluster != LOCAL_CLUSTER or not cluster:
+        return str(options.plan.cluster)
+    return f"{options.plan.cluster} ({cluster.get('num_gpus')}x{str(cluster['gpu'].get('name', '?')).upper()})"
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -237,7 +237,7 @@ def environment(report: dict[str, Any], options: RunOptions) -> Summary:
     }
     passed = bool(report.get("passed", False))
     rate = measured.get("matmul_tflops")
-    verdict = f"{data['device_type'] or options.device}: {len(problems)} problem(s)" + (
+    verdict = f"{data['device_type'] or options.validation.device}: {len(problems)} problem(s)" + (
         f" ({problems[0]})" if problems else ""
     )
     if rate is not None:
@@ -270,8 +270,8 @@ def alignment(report: dict[str, Any], options: RunOptions) -> Summary:
     failed = [layer for layer in layers if not layer["passed"]]
     parity = report.get("parity")
     data = {
-        "dtype": report.get("dtype", options.dtype),
-        "device": report.get("device", options.device),
+        "dtype": report.get("dtype", options.validation.dtype),
+        "device": report.get("device", options.validation.device),
         "reference_dtype": report.get("reference_dtype"),
         "seed": report.get("seed"),
         "first_divergent": report.get("first_divergent"),
@@ -282,7 +282,7 @@ def alignment(report: dict[str, Any], options: RunOptions) -> Summary:
         "layers": layers,
         "gradients": gradients,
         "parity": parity,
-        "shapes": {"seq_len": options.seq_len, "batch_size": options.batch_size},
+        "shapes": {"seq_len": options.validation.seq_len, "batch_size": options.validation.batch_size},
     }
     passed = bool(report.get("passed", False))
     worst = max(layers, key=lambda layer: _num(layer["rel_err"]) or 0.0, default=None)
@@ -337,17 +337,17 @@ def throughput(report: dict[str, Any], options: RunOptions) -> Summary:
             row["speedup"] = new / base
         rows.append(row)
     data = {
-        "device": report.get("device", options.device),
+        "device": report.get("device", options.validation.device),
         "device_name": report.get("device_name"),
-        "dtype": report.get("dtype", options.dtype),
+        "dtype": report.get("dtype", options.validation.dtype),
         "rows": rows,
         "truncated": report.get("truncated"),
         "layers_measured": report.get("layers_measured"),
         "peak_flops_basis": report.get("peak_flops_basis"),
         "calibration": report.get("calibration"),
         "shapes": {
-            "seq_len": report.get("seq_len", options.seq_len),
-            "batch_size": report.get("batch", options.batch_size),
+            "seq_len": report.get("seq_len", options.validation.seq_len),
+            "batch_size": report.get("batch", options.validation.batch_size),
         },
     }
     speedups = [
@@ -378,8 +378,8 @@ def soak(report: dict[str, Any], options: RunOptions) -> Summary:
         for step in report.get("steps", [])
     ]
     data = {
-        "device": report.get("device", options.device),
-        "dtype": report.get("dtype", options.dtype),
+        "device": report.get("device", options.validation.device),
+        "dtype": report.get("dtype", options.validation.dtype),
         "steps": report.get("steps_done"),
         "steps_planned": report.get("steps_planned"),
         "resumed_from": report.get("resumed_from"),
@@ -392,7 +392,7 @@ def soak(report: dict[str, Any], options: RunOptions) -> Summary:
         "memory_slope_bytes_per_step": report.get("memory_slope_bytes_per_step"),
         "leak": report.get("leak"),
         "timeline": timeline,
-        "shapes": {"seq_len": options.seq_len, "batch_size": options.batch_size},
+        "shapes": {"seq_len": options.validation.seq_len, "batch_size": options.validation.batch_size},
     }
     passed = bool(report.get("passed", False))
     slope = _num(data["memory_slope_bytes_per_step"])
