@@ -56,7 +56,9 @@ def test_the_models_own_path_wins_when_it_is_faster(monkeypatch, tmp_path):
     choice = _choose(moe, provider_options(), Profile(), CUDA, model)
     assert timed == [["kernels:grouped", "native:as traced"]]
     assert (choice.provider, choice.status, choice.patch) == ("native", "native", False)
-    assert choice.timings == {"kernels:grouped": 2.5, "native:as traced": 1.5} and choice.margin == pytest.approx(2.5 / 1.5, abs=1e-4)
+    assert choice.timings == {"kernels:grouped": 2.5, "native:as traced": 1.5} and choice.margin == pytest.approx(
+        2.5 / 1.5, abs=1e-4
+    )
     again = _choose(moe, provider_options(), Profile(), CUDA, model)  # from the cache: not timed again
     assert len(timed) == 1 and again.provider == "native"
 
