@@ -57,14 +57,16 @@ ATTENTION_FRACTION = {
 ATTENTION_KERNELS = ("flash2", "flash3", "unfused")
 RUNTIMES = ("torch", "megatron")
 GRAD_CLIP_BYTES = 12  # per local parameter: fp32 gradient read for the norm, then read and written to scale it
-# torch's ring attention (torch.distributed.tensor.experimental.context_parallel, torch 2.11, load-balanced),
-# counted from ``_templated_ring_attention``, its backward and the SDPA wrapper: each ring step adds ~20 aten
-# ops to an attention block's forward and ~27 to its backward (rotation, slicing, the fp32 merge of partial
-# outputs and log-sum-exps, fp32 gradient accumulation), 3 in 5 of them launching a kernel; the wrapper turns
-# q, k, v into DTensors and back and the SDPA forward and backward dispatch through DTensor: ~10 DTensor ops.
-CP_RING_OPS = (20, 27)  # forward, backward, per ring step and attention block
-CP_RING_OPS_PER_STEP = sum(CP_RING_OPS)
-CP_RING_KERNEL_SHARE = 0.6
+# torch's ring attention (torch.distributed.tensor.experimental.context_parallel, load-balanced): aten ops one
+# attention block's ring issues on top of the block's own, as (at cp=2, more per further rank), counted
+# through a dispatch mode on a live 2- and 4-rank ring (gloo, torch 2.13), mean over ranks, and recounted at
+# cp=2 by tests/planner/test_runtime_terms.py: rotation, slicing, the fp32 merge of partial outputs and
+# log-sum-exps, fp32 gradient accumulation; and of those the ones that launch a kernel (not views, splits
+# or waits).  The SDPA wrapper turns q, k, v into DTensors and back, and the SDPA forward and backward
+# dispatch through DTensor: ~10 DTensor ops per block (read off ``_ContextParallel.sdpa_input_fn`` /
+# ``sdpa_output_fn`` and ``_sdpa_handler``).
+CP_RING_OPS = {"forward": (31.5, 23.5), "backward": (50.5, 28.5)}
+CP_RING_KERNELS = {"forward": (16.0, 12.0), "backward": (21.0, 9.0)}
 CP_DTENSOR_OPS = 10
 
 
@@ -190,7 +192,7 @@ def _context_parallel(block: BlockProfile, tokens, tp, cp, attention, comm: Coll
     kernels; the last gradient exchange has nothing left to hide behind.  torch's ring also merges each
     step's partial output in fp32 and accumulates the gradients in fp32 (HBM passes on the compute stream,
     per element of the query/output width ``q`` and the K/V width ``kv``: forward ``12 q + 42 q (cp-1)``,
-    backward ``q (10 + 10 cp) + kv (10 + 22 cp)`` bytes), launching a kernel for 3 in 5 of its operators.
+    backward ``q (10 + 10 cp) + kv (10 + 22 cp)`` bytes), each of its kernels paying its launch.
     With load balancing each rank attends exactly its share of the causal square, which ``attention``
     already holds."""
     zero = np.zeros(len(cp))
@@ -208,18 +210,24 @@ def _context_parallel(block: BlockProfile, tokens, tp, cp, attention, comm: Coll
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
     fwd_bytes = q * (12 + 42 * (cp - 1))
     bwd_bytes = q * (10 + 10 * cp) + kv * (10 + 22 * cp)
-    launch = CP_RING_KERNEL_SHARE * cp * eff.kernel_overhead_s
     ring = cp > 1
-    fwd_work = np.where(ring, fwd_bytes * tokens / tp / hbm + CP_RING_OPS[0] * launch, 0.0)
-    bwd_work = np.where(ring, bwd_bytes * tokens / tp / hbm + CP_RING_OPS[1] * launch, 0.0)
+    fwd_launch = ring_count(CP_RING_KERNELS["forward"], cp) * eff.kernel_overhead_s
+    bwd_launch = ring_count(CP_RING_KERNELS["backward"], cp) * eff.kernel_overhead_s
+    fwd_work = np.where(ring, fwd_bytes * tokens / tp / hbm + fwd_launch, 0.0)
+    bwd_work = np.where(ring, bwd_bytes * tokens / tp / hbm + bwd_launch, 0.0)
     return cp_fwd, cp_bwd, (fwd_work, bwd_work)
 
 
 def _ring_host_ops(block: BlockProfile, cp, eff: Efficiency, training: bool) -> tuple[np.ndarray, np.ndarray]:
     """Operators torch's ring attention issues per block on top of the block's own: (eager, DTensor)."""
     ring = (cp > 1) & block.has_attention & (eff.runtime == "torch")
-    share = 1.0 if training else CP_RING_OPS[0] / CP_RING_OPS_PER_STEP
-    return np.where(ring, CP_RING_OPS_PER_STEP * cp * share, 0.0), np.where(ring, CP_DTENSOR_OPS * share, 0.0)
+    ops = ring_count(CP_RING_OPS["forward"], cp) + training * ring_count(CP_RING_OPS["backward"], cp)
+    return np.where(ring, ops, 0.0), np.where(ring, CP_DTENSOR_OPS * (1 + training) / 2, 0.0)
+
+
+def ring_count(count: tuple[float, float], cp) -> np.ndarray:
+    """A ring count at ``cp`` ranks from its value at two and its growth per further rank."""
+    return count[0] + count[1] * (np.asarray(cp, dtype=np.float64) - 2)
 
 
 def host_seconds_per_op(c: Candidates, eff: Efficiency) -> np.ndarray:

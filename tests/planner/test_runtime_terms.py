@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import time
 
 import pytest
 
 from parallel_planner.cluster import make_cluster
 from parallel_planner.dispatch import DispatchCosts
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import CP_DTENSOR_OPS, CP_RING_OPS_PER_STEP, Efficiency
+from parallel_planner.timing import CP_DTENSOR_OPS, CP_RING_KERNELS, CP_RING_OPS, Efficiency, ring_count
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 
@@ -45,7 +47,8 @@ def test_torch_ring_attention_issues_its_own_operators_per_ring_step():
     plain = run(spec, 2, eff, dp=2, cp=1, mbs=2).time_breakdown["host_per_microbatch"]
     for cp in (2, 4):
         ring = run(spec, cp, eff, dp=1, cp=cp, mbs=cp).time_breakdown["host_per_microbatch"]
-        added = spec.num_layers * (CP_RING_OPS_PER_STEP * cp * host.eager_s + CP_DTENSOR_OPS * host.dtensor_s)
+        ring_ops = ring_count(CP_RING_OPS["forward"], cp) + ring_count(CP_RING_OPS["backward"], cp)
+        added = spec.num_layers * (ring_ops * host.eager_s + CP_DTENSOR_OPS * host.dtensor_s)
         assert ring - plain == pytest.approx(added, rel=1e-9)
     # Megatron's context parallelism (Transformer Engine) is one fused attention call: nothing added.
     megatron = Efficiency(fused_kernels=False, host=host, runtime="megatron")
@@ -95,15 +98,96 @@ def test_data_parallel_communication_hides_behind_compute_when_it_may_overlap():
     assert 0 < hidden["data_parallel_exposed"] < after["data_parallel_exposed"]
 
 
-def test_fsdp2_exposes_the_root_group_so_a_larger_vocabulary_exposes_more():
-    small = decoder_spec(layers=8, vocab=8000)
-    large = decoder_spec(layers=8, vocab=256000)
+def test_fsdp2_ends_of_a_pass_carry_the_root_group_and_a_block():
+    from parallel_planner.layout import stage_layout
+    from parallel_planner.memory import stage_params
+    from parallel_planner.profile import profile_model
+    from parallel_planner.timing import _fsdp2_edge
 
-    def exposed_comm(spec, gpus):
-        return run(spec, gpus, dp=gpus, cp=1, mbs=1, batch=gpus).time_breakdown["data_parallel_exposed"]
+    def edge(spec):
+        profile = profile_model(spec)
+        layout = stage_layout(profile, 1, 1, "balanced")
+        dense, experts = stage_params(profile, layout)
+        block = profile.blocks[0].dense_params
+        root = dense[0] - spec.num_layers * block
+        share = _fsdp2_edge(profile, layout, dense, experts)[0]
+        assert share == pytest.approx((root + block) / dense[0])
+        return share
 
-    # the copies are the same on both meshes per parameter shard; what grows with the root is communication
-    small_comm = exposed_comm(small, 2) - exposed_comm(small, 1) / 2
-    large_comm = exposed_comm(large, 2) - exposed_comm(large, 1) / 2
-    root_share = lambda s: s.vocab_size * s.hidden_size / s.params.total  # noqa: E731
-    assert large_comm / small_comm > root_share(large) / root_share(small) / 4 > 1
+    layers, hidden = random.choice((8, 16)), random.choice((512, 1024))
+    small = edge(decoder_spec(layers=layers, hidden=hidden, heads=hidden // 64, vocab=8000))
+    large = edge(decoder_spec(layers=layers, hidden=hidden, heads=hidden // 64, vocab=128000))
+    assert 1 / (layers + 1) < small < large  # a Megatron bucket's share is one block's
+
+
+VIEWS = {"view", "slice", "split", "squeeze", "unsqueeze", "_wrap_tensor_autograd", "wait_tensor"}
+
+
+def _count_ring(rank: int, port: int, out: str) -> None:
+    """One rank of a live 2-rank load-balanced ring (gloo, CPU flash kernels): its ops forward and backward."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def forward(q, k, v, is_causal=False, **_):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)
+
+    def backward(query, key, value, out, logsumexp, is_causal=False, grad_out=None, **_):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, logsumexp, 0.0, is_causal
+        )
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ring._cp_options.enable_load_balance = True
+    q, k, v = (torch.randn(1, 4, 16, 8, dtype=torch.bfloat16) for _ in range(3))
+    fwd, bwd = Count(), Count()
+    with fwd:
+        o, lse = ring._templated_ring_attention(dist.group.WORLD, 2, forward, q, k, v, is_causal=True)
+    grad = torch.randn_like(o)
+    with bwd:
+        ring._templated_ring_attention_backward(dist.group.WORLD, 2, backward, grad, "grad_out", q, k, v, o, lse, True)
+    counts = [len(fwd.ops), len(bwd.ops), sum(o not in VIEWS for o in fwd.ops), sum(o not in VIEWS for o in bwd.ops)]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(counts, f)
+    dist.destroy_process_group()
+
+
+def test_ring_operator_counts_match_a_live_torch_ring(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # spawned, not forked: a fork of a process that already runs torch's threads can hang in gloo
+    ring = mp.start_processes(_count_ring, args=(port, str(tmp_path / "counts")), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ring.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in ring.processes:
+                process.kill()
+            pytest.fail("the 2-rank ring did not finish in 120 s")
+    ranks = [json.loads((tmp_path / f"counts.{r}").read_text()) for r in range(2)]
+    mean = [sum(r[i] for r in ranks) / 2 for i in range(4)]
+    assert mean == [
+        CP_RING_OPS["forward"][0],
+        CP_RING_OPS["backward"][0],
+        CP_RING_KERNELS["forward"][0],
+        CP_RING_KERNELS["backward"][0],
+    ]
