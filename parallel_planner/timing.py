@@ -8,9 +8,11 @@ unfused, the whole square plus score traffic); norms, activations and residuals 
 as eager modules.  Host: every operator a micro-batch issues costs the CPU a measured dispatch time
 (eager, DTensor, compiled); the slower of host and GPU sets the pace, and a layout whose host time
 exceeds its GPU time is host-bound.  Communication: TP collectives (SP or not, overlapped with GEMMs
-or not) and EP all-to-all sit on the critical path; CP's ring exchange hides behind attention; ZeRO's
-gradient reduction (overlapped with backward or after the flush) and parameter gathers hide behind the
-compute they can overlap with.  The pipeline runs ``m`` micro-batches at the slowest stage's pace plus
+or not) and EP all-to-all sit on the critical path; CP's ring exchange hides behind attention but for
+its last gradient exchange, and torch's ring adds its own fp32 merges and host operators; ZeRO's gradient
+reduction (overlapped with backward or after the flush) and parameter gathers hide behind the compute
+they can overlap with, but for the first gather and last reduction; FSDP2's casts and copies run on
+every mesh.  The pipeline runs ``m`` micro-batches at the slowest stage's pace plus
 the fill/drain bubble of the remaining stages, divided by the virtual stages.  A calibration replaces
 the GEMM ceiling and dispatch costs with measurements and scales compute to measured steps.
 """
@@ -54,6 +56,18 @@ ATTENTION_FRACTION = {
 }
 ATTENTION_KERNELS = ("flash2", "flash3", "unfused")
 RUNTIMES = ("torch", "megatron")
+GRAD_CLIP_BYTES = 12  # per local parameter: fp32 gradient read for the norm, then read and written to scale it
+# torch's ring attention (torch.distributed.tensor.experimental.context_parallel, load-balanced): aten ops one
+# attention block's ring issues on top of the block's own, as (at cp=2, more per further rank), counted
+# through a dispatch mode on a live 2- and 4-rank ring (gloo, torch 2.13), mean over ranks, and recounted at
+# cp=2 by tests/planner/test_runtime_terms.py: rotation, slicing, the fp32 merge of partial outputs and
+# log-sum-exps, fp32 gradient accumulation; and of those the ones that launch a kernel (not views, splits
+# or waits).  The SDPA wrapper turns q, k, v into DTensors and back, and the SDPA forward and backward
+# dispatch through DTensor: ~10 DTensor ops per block (read off ``_ContextParallel.sdpa_input_fn`` /
+# ``sdpa_output_fn`` and ``_sdpa_handler``).
+CP_RING_OPS = {"forward": (31.5, 23.5), "backward": (50.5, 28.5)}
+CP_RING_KERNELS = {"forward": (16.0, 12.0), "backward": (21.0, 9.0)}
+CP_DTENSOR_OPS = 10
 
 
 @dataclass(frozen=True)
@@ -169,6 +183,53 @@ def block_forward_seconds(
     return gemm, attention, elementwise
 
 
+def _context_parallel(block: BlockProfile, tokens, tp, cp, attention, comm: Collectives, cluster: Cluster, eff):
+    """Exposed ring communication (forward, backward) and the ring's own GPU work (forward, backward) of one
+    block under context parallelism; ``attention`` is the block's forward attention seconds.
+
+    The forward passes K and V round the ring, the backward passes them again and sends the K/V gradients
+    back (torch accumulates them in fp32, so twice the bytes).  The exchanges run beside the attention
+    kernels; the last gradient exchange has nothing left to hide behind.  torch's ring also merges each
+    step's partial output in fp32 and accumulates the gradients in fp32 (HBM passes on the compute stream,
+    per element of the query/output width ``q`` and the K/V width ``kv``: forward ``12 q + 42 q (cp-1)``,
+    backward ``q (10 + 10 cp) + kv (10 + 22 cp)`` bytes), each of its kernels paying its launch.
+    With load balancing each rank attends exactly its share of the causal square, which ``attention``
+    already holds."""
+    zero = np.zeros(len(cp))
+    if not block.has_attention:
+        return zero, zero, (zero, zero)
+    kv_bytes = ACT_BYTES * tokens * block.cp_exchange_width / tp
+    torch_ring = eff.runtime == "torch"
+    kv_pass = (cp - 1) * comm.send_recv(kv_bytes, cp, tp)
+    grad_pass = comm.send_recv((2.0 if torch_ring else 1.0) * kv_bytes, cp, tp)
+    cp_fwd = np.maximum(0.0, kv_pass - attention)
+    cp_bwd = np.maximum(0.0, kv_pass + (cp - 1) * grad_pass - 2.5 * attention) + grad_pass
+    if not torch_ring:
+        return cp_fwd, cp_bwd, (zero, zero)
+    q, kv = block.attention_flops_per_ctx / 4, block.cp_exchange_width
+    hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+    fwd_bytes = q * (12 + 42 * (cp - 1))
+    bwd_bytes = q * (10 + 10 * cp) + kv * (10 + 22 * cp)
+    ring = cp > 1
+    fwd_launch = ring_count(CP_RING_KERNELS["forward"], cp) * eff.kernel_overhead_s
+    bwd_launch = ring_count(CP_RING_KERNELS["backward"], cp) * eff.kernel_overhead_s
+    fwd_work = np.where(ring, fwd_bytes * tokens / tp / hbm + fwd_launch, 0.0)
+    bwd_work = np.where(ring, bwd_bytes * tokens / tp / hbm + bwd_launch, 0.0)
+    return cp_fwd, cp_bwd, (fwd_work, bwd_work)
+
+
+def _ring_host_ops(block: BlockProfile, cp, eff: Efficiency, training: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Operators torch's ring attention issues per block on top of the block's own: (eager, DTensor)."""
+    ring = (cp > 1) & block.has_attention & (eff.runtime == "torch")
+    ops = ring_count(CP_RING_OPS["forward"], cp) + training * ring_count(CP_RING_OPS["backward"], cp)
+    return np.where(ring, ops, 0.0), np.where(ring, CP_DTENSOR_OPS * (1 + training) / 2, 0.0)
+
+
+def ring_count(count: tuple[float, float], cp) -> np.ndarray:
+    """A ring count at ``cp`` ranks from its value at two and its growth per further rank."""
+    return count[0] + count[1] * (np.asarray(cp, dtype=np.float64) - 2)
+
+
 def host_seconds_per_op(c: Candidates, eff: Efficiency) -> np.ndarray:
     """CPU seconds to issue one operator: compiled graphs, DTensor under torch's tensor parallelism, eager."""
     if eff.compiled:
@@ -198,6 +259,8 @@ def step_time(
     bwd = np.zeros_like(fwd)
     exposed_comm = np.zeros_like(fwd)
     host_ops = np.zeros(n_types)
+    ring_ops = np.zeros((len(c), n_types))  # torch ring attention's own operators, eager and DTensor
+    ring_dtensor_ops = np.zeros_like(ring_ops)
     for j, block in enumerate(profile.blocks):
         ctx = profile.attention_context(block, workload.seq_len)
         gemm, attention, elementwise = block_forward_seconds(
@@ -231,15 +294,16 @@ def step_time(
         ep_fwd = 0.0
         if block.is_moe:
             ep_fwd = 2 * comm.all_to_all(activation * block.top_k * workload.moe_imbalance / tp, ep, tp)
-        ring = (cp - 1) * comm.send_recv(ACT_BYTES * tokens * block.cp_exchange_width / tp, cp, tp)
-        cp_fwd = np.maximum(0.0, ring - scale[j] * attention)
-        cp_bwd = np.maximum(0.0, 2 * ring - scale[j] * 2.5 * attention)
+        cp_fwd, cp_bwd, ring_work = _context_parallel(block, tokens, tp, cp, scale[j] * attention, comm, cluster, eff)
+        f = f + ring_work[0]
+        b = b + ring_work[1]
         fwd[:, j] = f
         exposed_comm[:, j] = tp_fwd + ep_fwd + cp_fwd
         if workload.training:
             bwd[:, j] = b + recompute + (tp_fwd + ep_fwd) * (1 + full) + cp_bwd + cp_fwd * full
         ops = block.host_ops_fused if eff.fused_kernels else block.host_ops
         host_ops[j] = ops if workload.training else ops / 3
+        ring_ops[:, j], ring_dtensor_ops[:, j] = _ring_host_ops(block, cp, eff, workload.training)
     counts = layout.type_counts.T  # (T, pp)
     head_fwd = gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops(workload.precision), eff)
     head_fwd = head_fwd + 3 * 4 * tokens * profile.vocab / tp / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
@@ -254,7 +318,9 @@ def step_time(
     gpu_stage = stage_fwd + stage_bwd + p2p[:, None]
     # Host: every operator of a micro-batch is issued by the CPU; the embedding, head and loss add ~40.
     stage_ops = host_ops @ counts + HEAD_OPS * (layout.has_head + layout.has_embedding)[None, :] / 2
-    host_stage = host_seconds_per_op(c, eff)[:, None] * stage_ops * (1 + full[:, None] / 3)
+    per_op = host_seconds_per_op(c, eff)[:, None]
+    ring_host = per_op * (ring_ops @ counts) + eff.host.dtensor_s * (ring_dtensor_ops @ counts)
+    host_stage = (per_op * stage_ops + ring_host) * (1 + full[:, None] / 3)
     # Asynchronous launch hides the host behind the GPU (the slower sets the pace).  torch.distributed.pipelining
     # waits on each micro-batch's P2P before issuing the next, so a pipelined torch run pays both in series.
     serial = (c.pp > 1)[:, None] & (eff.runtime == "torch")
@@ -330,29 +396,59 @@ def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, 
     host_copies = 2 * 2 * (dense_gpu / shard + expert_gpu / expert_shard) / (cluster.gpu.pcie_gbps * 1e9)
     per_mb = per_mb + np.where((zero == 3) & (c.offload[:, None] > 0), host_copies, 0.0)
     # What compute cannot cover stays exposed; what it covers still slows it by the SMs NCCL takes.  The
-    # first gather of a pass and the last reduction (one block's and the root's share) have no compute
-    # left beside them.
+    # first gather of a pass and the last reduction have no compute left beside them: under FSDP2 (torch)
+    # those are the root's (embedding, final norm, head) and one block's parameter groups, by their sizes;
+    # Megatron's buckets are about a block's size each.
     edge = 1.0 / (layout.type_counts.sum(axis=1)[None, :] + 1)
+    if eff.runtime == "torch":
+        edge = _fsdp2_edge(profile, layout, dense, experts)[None, :]
     exposed = (
         _exposed(step_grad, hide_bwd, eff, edge)
         + _exposed(step_param, hide_fwd, eff, edge)
         + m[:, None] * _exposed(per_mb, eff.overlap * (stage_fwd + stage_bwd), eff, edge)
     )
     if eff.runtime == "torch":
-        # FSDP2 copies each gathered parameter in (cast shard) and out (into the parameters), ~4 bytes per
-        # parameter per all-gather, and casts bf16 gradients into the fp32 reduce buffer, ~6 bytes per
-        # parameter per reduce-scatter: HBM work on the compute stream.
-        full = dense_gpu + expert_gpu
-        gathers = np.where(zero == 3, 2 * m[:, None], np.where(zero >= 1, 1.0, 0.0))
-        reductions = np.where(zero >= 2, m[:, None], np.where(zero == 1, 1.0, 0.0))
-        copies = (4 * gathers + 6 * reductions) * full / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
-        exposed = exposed + np.where(shard > 1, copies, 0.0)
+        exposed = exposed + _fsdp2_copies(
+            dense_gpu + expert_gpu, shard, zero, m[:, None], (c.pp > 1)[:, None], cluster, eff
+        )
     local = dense_gpu / np.where(zero >= 1, shard, 1) + expert_gpu / np.where(zero >= 1, expert_shard, 1)
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
-    update = local * (18 + 2 * workload.optimizer_state_bytes) / hbm
+    # Adam streams 18 + 2 x state bytes per local parameter; clipping the gradient norm (adapt's trainer and
+    # Megatron-LM both clip) reads the fp32 gradients once for the norm and scales them (read + write).
+    update = local * (18 + GRAD_CLIP_BYTES + 2 * workload.optimizer_state_bytes) / hbm
     offloaded = local * 6 / (cluster.gpu.pcie_gbps * 1e9) + local / eff.cpu_adam_params_per_s
     optimizer = np.where(c.offload[:, None] > 0, offloaded, update)
     return row_max(exposed), row_max(optimizer)
+
+
+def _fsdp2_copies(params, shard, zero, m, pipelined, cluster: Cluster, eff: Efficiency) -> np.ndarray:
+    """HBM seconds of FSDP2's own copies, which adapt's bf16 runs pay on any mesh (a 1-wide one included:
+    the mixed-precision policy needs FSDP2).  Each unshard casts the fp32 shard to bf16 (read 4 + write 2
+    bytes per sharded parameter) and copies the gathered bf16 buffer into the parameters (2 + 2 bytes per
+    parameter); each reduction copies the bf16 gradients into the fp32 reduce buffer (2 + 4), and on a
+    1-wide mesh, with no collective to write the output, copies that buffer into it (4 + 4).  Unshards per
+    step: ZeRO-3 reshards after forward (two per micro-batch), ZeRO-2 after backward (one per micro-batch),
+    ZeRO-0/1 keep the parameters across micro-batches (one); reductions: per micro-batch from ZeRO-2.
+    ``torch.distributed.pipelining`` turns off resharding after backward and gradient sync on all but the
+    last micro-batch: a ZeRO-3 stage gathers once per micro-batch (its backward; the next forward finds
+    the parameters whole) plus once, and reduces once per step."""
+    shard = shard.astype(np.float64)
+    gathers = np.where(zero == 3, 2 * m, np.where(zero == 2, m, 1.0))
+    reductions = np.where(zero >= 2, m, 1.0)
+    gathers = np.where(pipelined, np.where(zero == 3, m + 1, 1.0), gathers)
+    reductions = np.where(pipelined, 1.0, reductions)
+    per_param = gathers * (4 + 6 / shard) + reductions * (6 + 8 * (shard == 1))
+    return per_param * params / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+
+
+def _fsdp2_edge(profile: ModelProfile, layout: StageLayout, dense: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """Share of each stage's parameters in its first gather and last reduction: the root group (embedding,
+    final norm, head, on the stages that hold them) and the largest block group."""
+    block_params = np.array([b.dense_params + b.expert_params for b in profile.blocks], dtype=np.float64)
+    own = layout.type_counts @ np.array([b.dense_params for b in profile.blocks], dtype=np.float64)
+    root = dense - own  # embedding and head on the stage
+    largest = np.max(np.where(layout.type_counts > 0, block_params[None, :], 0.0), axis=1)
+    return np.minimum(1.0, (root + largest) / np.maximum(dense + experts, 1.0))
 
 
 def _exposed(comm: np.ndarray, hidden_by: np.ndarray, eff: Efficiency, edge=0.0) -> np.ndarray:
