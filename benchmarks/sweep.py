@@ -69,6 +69,9 @@ TINY: dict[str, Any] = {
     "num_global_attention_heads": None,
     # Linear attention (gated delta net, KDA): at its default widths its depthwise conv is 8192 channels wide,
     # which a float64 CPU reference runs group by group (seconds per call).
+    "rotary_dim": 8,
+    "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 16,
@@ -122,6 +125,32 @@ def clamped_token_ids(settings: dict[str, Any], vocab: Any) -> dict[str, Any]:
     return clamped
 
 
+DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+SCHEDULE_KEYS = ("layer_types", "layers_block_type", "block_types")
+
+
+def per_layer_trimmed(settings: dict[str, Any], depth: int) -> dict[str, Any]:
+    """Per-layer settings cut to ``depth`` layers: a list with one entry per default layer keeps the first ones, a
+    dict keyed by layer index keeps the layers that remain, and a layer count (``num_kv_shared_layers``) at or
+    above the new depth shrinks in proportion."""
+    before = next((settings[k] for k in DEPTH_KEYS if isinstance(settings.get(k), int)), None)
+    if not before or before <= depth:
+        return {}
+    trimmed: dict[str, Any] = {}
+    for name, value in settings.items():
+        if name in DEPTH_KEYS or name in SCHEDULE_KEYS:
+            continue
+        if isinstance(value, list) and len(value) == before:
+            trimmed[name] = value[:depth]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            kept = {k: v for k, v in value.items() if int(k) < depth}
+            if len(kept) != len(value):
+                trimmed[name] = kept
+        elif name.endswith("_layers") and isinstance(value, int) and not isinstance(value, bool) and value >= depth:
+            trimmed[name] = max(1, round(value * depth / before)) if value < before else depth
+    return trimmed
+
+
 def tiny_config(model_type: str, keep: frozenset[str] = frozenset(), fill_unset: bool = False) -> Any:
     """The model type's default config with every size knob it has shrunk (but those in ``keep``); nested text configs too.
 
@@ -137,19 +166,26 @@ def tiny_config(model_type: str, keep: frozenset[str] = frozenset(), fill_unset:
     overrides.update(
         clamped_token_ids(default.to_dict(), overrides.get("vocab_size", getattr(default, "vocab_size", None)))
     )
+    depth = TINY["num_hidden_layers"]
+    overrides.update({k: v for k, v in per_layer_trimmed(default.to_dict(), depth).items() if k not in overrides})
     sub_name = next((n for n in ("text_config", "language_config") if hasattr(default, n)), None)
     if sub_name and getattr(default, sub_name) is not None:
         sub = getattr(default, sub_name)
         sub_overrides = {k: v for k, v in tiny.items() if v is not None and hasattr(sub, k)}
-        sub_settings = {**sub.to_dict(), **sub_overrides}
+        trimmed = per_layer_trimmed(sub.to_dict(), depth)
+        sub_settings = {
+            **sub.to_dict(),
+            **{k: v for k, v in trimmed.items() if k not in sub_overrides},
+            **sub_overrides,
+        }
         overrides[sub_name] = {**sub_settings, **clamped_token_ids(sub_settings, sub_settings.get("vocab_size"))}
-    for key in ("layer_types", "layers_block_type", "block_types"):
+    for key in SCHEDULE_KEYS:
         if hasattr(default, key):
             overrides[key] = None  # recomputed for the new depth where the config knows how
     try:
         return AutoConfig.for_model(model_type, **overrides)
     except Exception:  # noqa: BLE001 - a config that rejects the cleared schedule keeps its own
-        for key in ("layer_types", "layers_block_type", "block_types"):
+        for key in SCHEDULE_KEYS:
             overrides.pop(key, None)
         return AutoConfig.for_model(model_type, **overrides)
 

@@ -61,3 +61,31 @@ def test_build_saves_a_tiny_checkpoint(model_type, tmp_path, capsys):
     assert 0 < built["params"] < 60_000_000
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == model_type
+
+
+def test_per_layer_settings_are_cut_to_the_tiny_depth():
+    rng = random.Random()
+    before, depth = rng.randint(12, 60), rng.randint(2, 6)
+    shared = rng.randint(depth, before - 1)
+    settings = {
+        "num_hidden_layers": before,
+        "intermediate_size": [rng.randint(64, 512) for _ in range(before)],
+        "per_layer_config": {f"{i:02d}": {"head_dim": 512} for i in range(1, before, 3)},
+        "layer_types": ["full_attention"] * before,  # a schedule is recomputed, not cut
+        "num_kv_shared_layers": shared,
+        "rope_parameters": {"rope_theta": 1e4},
+        "eos_token_id": [1, 2],
+    }
+    trimmed = sweep.per_layer_trimmed(settings, depth)
+    assert trimmed["intermediate_size"] == settings["intermediate_size"][:depth]
+    assert all(int(k) < depth for k in trimmed["per_layer_config"])
+    assert 1 <= trimmed["num_kv_shared_layers"] <= depth
+    assert set(trimmed) == {"intermediate_size", "per_layer_config", "num_kv_shared_layers"}
+    assert sweep.per_layer_trimmed({**settings, "num_hidden_layers": depth}, depth) == {}
+
+
+def test_a_per_layer_model_builds_tiny(tmp_path, capsys):
+    """Gemma 3n: per-layer intermediate sizes and sparsity, shared-KV layers and per-layer-input embeddings."""
+    sweep.build("gemma3n_text", tmp_path)
+    built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < built["params"] < 2_000_000
