@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -60,31 +61,131 @@ TINY: dict[str, Any] = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
+    "o_lora_rank": 16,
+    "index_n_heads": 4,
+    "index_head_dim": 16,
     "sliding_window": 16,
     "attention_window": 16,
     "num_global_attention_heads": None,
+    # Linear attention (gated delta net, KDA): at its default widths its depthwise conv is 8192 channels wide,
+    # which a float64 CPU reference runs group by group (seconds per call).
+    "rotary_dim": 8,
+    "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
 }
 
 
-def tiny_config(model_type: str, keep: frozenset[str] = frozenset()) -> Any:
-    """The model type's default config with every size knob it has shrunk (but those in ``keep``); nested text configs too."""
+# A size a config leaves unset (None) although a module of the model needs it: filled on a retry when
+# the build fails on a None, by the field's name suffix (the longest suffix wins).
+FILL_BY_SUFFIX: dict[str, int] = {
+    "_head_dim": 16,
+    "_heads": 1,
+    "_dim": 16,
+    "_size": 32,
+    "_rank": 16,
+    "_budget": 16,
+    "_ratio": 4,
+}
+
+
+def _int_fields_unset(config: Any) -> dict[str, int]:
+    """Fields annotated as an optional int that hold None, each with the size its name suffix gives."""
+    annotations: dict[str, Any] = {}
+    for cls in reversed(type(config).__mro__):
+        annotations.update(getattr(cls, "__annotations__", {}))
+    filled: dict[str, int] = {}
+    for name, hint in annotations.items():
+        text = hint if isinstance(hint, str) else repr(hint)
+        if getattr(config, name, 0) is not None or not re.search(r"\bint\b", text):
+            continue
+        suffix = max((s for s in FILL_BY_SUFFIX if name.endswith(s)), key=len, default=None)
+        if suffix is not None:
+            filled[name] = FILL_BY_SUFFIX[suffix]
+    return filled
+
+
+def clamped_token_ids(settings: dict[str, Any], vocab: Any) -> dict[str, Any]:
+    """Every ``*_token_id(s)`` in ``settings`` that lies outside a vocabulary of ``vocab``, moved onto its last id."""
+    if not isinstance(vocab, int):
+        return {}
+    clamped: dict[str, Any] = {}
+    for name, value in settings.items():
+        if not re.fullmatch(r".*_token_ids?", name):
+            continue
+        if isinstance(value, int) and value >= vocab:
+            clamped[name] = vocab - 1
+        elif isinstance(value, list) and any(isinstance(v, int) and v >= vocab for v in value):
+            clamped[name] = [min(v, vocab - 1) if isinstance(v, int) else v for v in value]
+    return clamped
+
+
+DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+SCHEDULE_KEYS = ("layer_types", "layers_block_type", "block_types")
+
+
+def per_layer_trimmed(settings: dict[str, Any], depth: int) -> dict[str, Any]:
+    """Per-layer settings cut to ``depth`` layers: a list with one entry per default layer keeps the first ones, a
+    dict keyed by layer index keeps the layers that remain, and a layer count (``num_kv_shared_layers``) at or
+    above the new depth shrinks in proportion."""
+    before = next((settings[k] for k in DEPTH_KEYS if isinstance(settings.get(k), int)), None)
+    if not before or before <= depth:
+        return {}
+    trimmed: dict[str, Any] = {}
+    for name, value in settings.items():
+        if name in DEPTH_KEYS or name in SCHEDULE_KEYS:
+            continue
+        if isinstance(value, list) and len(value) == before:
+            trimmed[name] = value[:depth]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            kept = {k: v for k, v in value.items() if int(k) < depth}
+            if len(kept) != len(value):
+                trimmed[name] = kept
+        elif name.endswith("_layers") and isinstance(value, int) and not isinstance(value, bool) and value >= depth:
+            trimmed[name] = max(1, round(value * depth / before)) if value < before else depth
+    return trimmed
+
+
+def tiny_config(model_type: str, keep: frozenset[str] = frozenset(), fill_unset: bool = False) -> Any:
+    """The model type's default config with every size knob it has shrunk (but those in ``keep``); nested text configs too.
+
+    Token ids land inside the shrunk vocabulary; with ``fill_unset``, optional int sizes left None get a tiny value.
+    """
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
     tiny = {k: v for k, v in TINY.items() if k not in keep}
     overrides = {k: v for k, v in tiny.items() if v is not None and hasattr(default, k)}
+    if fill_unset:
+        overrides.update({k: v for k, v in _int_fields_unset(default).items() if k not in keep and k not in overrides})
+    overrides.update(
+        clamped_token_ids(default.to_dict(), overrides.get("vocab_size", getattr(default, "vocab_size", None)))
+    )
+    depth = TINY["num_hidden_layers"]
+    overrides.update({k: v for k, v in per_layer_trimmed(default.to_dict(), depth).items() if k not in overrides})
     sub_name = next((n for n in ("text_config", "language_config") if hasattr(default, n)), None)
     if sub_name and getattr(default, sub_name) is not None:
         sub = getattr(default, sub_name)
         sub_overrides = {k: v for k, v in tiny.items() if v is not None and hasattr(sub, k)}
-        overrides[sub_name] = {**sub.to_dict(), **sub_overrides}
-    for key in ("layer_types", "layers_block_type", "block_types"):
+        trimmed = per_layer_trimmed(sub.to_dict(), depth)
+        sub_settings = {
+            **sub.to_dict(),
+            **{k: v for k, v in trimmed.items() if k not in sub_overrides},
+            **sub_overrides,
+        }
+        overrides[sub_name] = {**sub_settings, **clamped_token_ids(sub_settings, sub_settings.get("vocab_size"))}
+    for key in SCHEDULE_KEYS:
         if hasattr(default, key):
             overrides[key] = None  # recomputed for the new depth where the config knows how
     try:
         return AutoConfig.for_model(model_type, **overrides)
     except Exception:  # noqa: BLE001 - a config that rejects the cleared schedule keeps its own
-        for key in ("layer_types", "layers_block_type", "block_types"):
+        for key in SCHEDULE_KEYS:
             overrides.pop(key, None)
         return AutoConfig.for_model(model_type, **overrides)
 
@@ -95,13 +196,17 @@ def build(model_type: str, directory: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     keep: set[str] = set()
+    fill_unset = False
     while True:  # a knob the model rejects at this size keeps its default; at most one retry per knob
         torch.manual_seed(0)
         try:
-            model = AutoModelForCausalLM.from_config(tiny_config(model_type, frozenset(keep)))
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type, frozenset(keep), fill_unset))
             break
-        except Exception as err:  # the error names the knob, or the model does not build tiny
+        except Exception as err:  # the error names the knob, or a size is unset, or the model does not build tiny
             named = {k for k in TINY if k not in keep and (f"'{k}'" in str(err) or f"`{k}`" in str(err))}
+            if not named and not fill_unset and "NoneType" in str(err):
+                fill_unset = True
+                continue
             if not named:
                 raise
             keep |= named
@@ -174,8 +279,9 @@ def sweep_one(model_type: str, work: Path, timeout: float) -> dict[str, Any]:
     return row
 
 
-def write_results(rows: list[dict[str, Any]], out: Path) -> None:
-    """sweep.json (every row) and sweep.md (the pass rate and one line per architecture)."""
+def write_results(rows: list[dict[str, Any]], out: Path, partial: str = "") -> None:
+    """sweep.json (every row) and sweep.md (the pass rate and one line per architecture); ``partial`` says which
+    types a partial run covered and why, under the title of both."""
     import torch
     import transformers
 
@@ -191,6 +297,7 @@ def write_results(rows: list[dict[str, Any]], out: Path) -> None:
         "passed_all_stages": len(passed),
         "pass_rate": round(len(passed) / len(built), 4) if built else 0.0,
         "per_stage_passed": {s: sum(r["stages"].get(s, {}).get("status") == "passed" for r in built) for s in STAGES},
+        "partial": partial,
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
@@ -203,6 +310,7 @@ def write_results(rows: list[dict[str, Any]], out: Path) -> None:
         + ", ".join(f"{s} {n}" for s, n in summary["per_stage_passed"].items())
         + ".",
         "",
+        *([f"**Partial run**: {partial}", ""] if partial else []),
         "| model type | intake | operators | alignment | first error |",
         "| --- | --- | --- | --- | --- |",
     ]
@@ -224,6 +332,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per subprocess")
     parser.add_argument("--first", default="", help="comma list of model types to run before the others")
     parser.add_argument("--resume", action="store_true", help="keep rows already in --out/sweep.json")
+    parser.add_argument("--partial", default="", help="for a partial run: which types ran and why (written out)")
     parser.add_argument("--build", nargs=2, metavar=("MODEL_TYPE", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build:
@@ -247,7 +356,7 @@ def main() -> int:
         mark = "pass" if row.get("passed") else ("skip" if not row["built"] else "FAIL")
         print(f"[{index + 1}/{len(names)}] {name}: {mark} {row['error'][:120]}", flush=True)
         merged = {**previous, **{r["model_type"]: r for r in rows}}
-        write_results([merged[k] for k in sorted(merged)], out)
+        write_results([merged[k] for k in sorted(merged)], out, args.partial)
     return 0
 
 

@@ -31,6 +31,7 @@ from validators.alignment import (
     ParityResult,
     check_device,
     finish_report,
+    float64_forward,
     peak_rss_bytes,
     reference_dtype,
 )
@@ -251,10 +252,11 @@ def _forward(model: nn.Module, ids: torch.Tensor, backward: bool, vocab: int, sk
     of the loss without the terms of ``skip_tokens``, flat batch*seq indices)."""
     points = probes(model, find_blocks(model))
     model.zero_grad(set_to_none=True)
-    with torch.set_grad_enabled(backward), record_outputs(points) as rec, record_routing(points) as routing:
-        out = model_output(model, ids)
-    if backward:
-        loss_from_output(out, ids, vocab, skip_tokens).backward()
+    with float64_forward(model):
+        with torch.set_grad_enabled(backward), record_outputs(points) as rec, record_routing(points) as routing:
+            out = model_output(model, ids)
+        if backward:
+            loss_from_output(out, ids, vocab, skip_tokens).backward()
     rec.routing = routing
     return out.detach(), rec
 

@@ -3,13 +3,16 @@ dtype, the device check, and the final verdict (``finish_report``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from adapt.core.errors import BadInput
 from validators.compare import LayerResult, parse_dtype
@@ -81,6 +84,64 @@ def reference_dtype(
         return torch.float64 if requested == "fp64" else torch.float32
     wide_enough = candidate.itemsize < 4 and hidden_size >= FP32_REFERENCE_FROM_WIDTH
     return torch.float32 if wide_enough else torch.float64
+
+
+@contextlib.contextmanager
+def float64_forward(model: torch.nn.Module) -> Iterator[None]:
+    """A float64 model (the reference) runs with float64 as torch's default dtype, so that a tensor it builds from a
+    Python scalar without a dtype (``torch.full((), torch.finfo(x.dtype).min)``, a mask floor) is float64 like the
+    rest, not a float32 that overflows; and its depthwise convs run tap by tap (``Float64DepthwiseConv``)."""
+    param = next(model.parameters(), None)
+    if param is None or param.dtype != torch.float64:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with Float64DepthwiseConv():
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class Float64DepthwiseConv(TorchFunctionMode):
+    """torch's CPU convolution has no fast float64 kernel: a depthwise ``conv1d`` runs group by group, about a
+    second per call (forward and again backward) at the 8192 channels of a gated-delta-net layer.  The same sums,
+    computed as one multiply-add per kernel tap, are exact to float64 rounding and take milliseconds."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.conv1d:
+            out = depthwise_conv1d_by_taps(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def depthwise_conv1d_by_taps(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+) -> torch.Tensor | None:
+    """``conv1d`` of a batched float64 depthwise convolution with stride 1 as a sum over its taps; None for any
+    other convolution (the caller runs torch's own)."""
+    single = [v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v for v in (stride, padding, dilation)]
+    stride, padding, dilation = single
+    if padding == "valid":
+        padding = 0
+    depthwise = input.dim() == 3 and groups == input.shape[1] == weight.shape[0] and weight.shape[1] == 1
+    plain = stride == 1 and isinstance(padding, int) and isinstance(dilation, int)
+    if input.dtype != torch.float64 or not depthwise or not plain:
+        return None
+    padded = torch.nn.functional.pad(input, (padding, padding))
+    length = padded.shape[-1] - dilation * (weight.shape[-1] - 1)
+    taps = [padded[..., j * dilation : j * dilation + length] * weight[:, 0, j, None] for j in range(weight.shape[-1])]
+    out = torch.stack(taps).sum(0)
+    return out if bias is None else out + bias[:, None]
 
 
 def peak_rss_bytes() -> int:

@@ -53,8 +53,9 @@ def _check_level(config: dict[str, Any], where: str) -> None:
         value = config.get(key)
         if value is None:
             continue
-        if not _is_whole(value) or value < 1:
-            raise BadInput(f"{where}: {key} is {value!r}; allowed: an integer >= 1")
+        per_layer = value if isinstance(value, list) and value else [value]  # Gemma 3n: one size per layer
+        if not all(_is_whole(v) and v >= 1 for v in per_layer):
+            raise BadInput(f"{where}: {key} is {value!r}; allowed: an integer >= 1, or a list of them (one per layer)")
     for key, value in config.items():
         if key in _POSITIVE_SIZES or not _size_like(key):
             continue

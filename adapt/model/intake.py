@@ -178,7 +178,10 @@ def _describe_block(
     mixer_owners = [o for o, f in facts.items() if not f.head_dim and (f.convolution or f.recurrence or o in parts.convolutions)
                     and o not in mlp_owners and o not in moe_owners]  # fmt: skip
     mixer_owners += [o for o in parts.convolutions if o not in facts and o not in mixer_owners]
-    attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners and o not in mixer_owners]
+    # An attention reads or writes the residual width; a child whose projections never touch it (hyper-connection
+    # mixing over several residual streams) is no attention and its parameters count as "other".
+    attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners and o not in mixer_owners
+                   and any(hidden in p.shape for p in parts.projections[o])]  # fmt: skip
     module_of = dict(block.named_modules())
 
     # Norms: probe each distinct (class, size) once. Narrow norms inside the attention owner are

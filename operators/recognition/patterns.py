@@ -77,7 +77,9 @@ def is_norm_candidate(rec: ModuleRecord) -> bool:
         return False
     reduces = has_any(rec.ops, ("aten.mean.dim", "aten.var_mean.correction", "aten.sum.dim_IntList"))
     fused = any("layer_norm" in op or "rms_norm" in op for op in rec.ops)
-    root = has_any(rec.ops, ("aten.rsqrt.default", "aten.sqrt.default"))
+    # The root as rsqrt, sqrt, or a power of -0.5 or 0.5 (Gemma 4 writes ``torch.pow(mean_squared, -0.5)``).
+    half_power = "aten.pow.Tensor_Scalar" in rec.ops and any(abs(s) == 0.5 for s in rec.scalars)
+    root = has_any(rec.ops, ("aten.rsqrt.default", "aten.sqrt.default")) or half_power
     return fused or (reduces and root)
 
 

@@ -153,3 +153,24 @@ def test_a_module_whose_forward_needs_more_than_the_hidden_states_is_rejected_no
     assert "missing 1 required positional argument" in rejected["gated"]
     assert "missing 1 required positional argument" in rejected["carry"]
     assert not any(c.confirmed and c.module in ("gated", "carry") for c in result.components)
+
+
+def test_hyper_connection_children_are_not_attention():
+    """Qwen4-Exp mixes four residual streams in children whose projections never touch the model width: intake
+    reads no attention into them (linear-attention layers stay recurrent, the indexed layer keeps its attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(int(torch.randint(0, 2**16, ())))
+    config = AutoConfig.for_model(
+        "qwen4_exp_text", vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, hc_lowrank=16, indexer_n_heads=1, indexer_kv_heads=1,
+        indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    spec = describe_model(model, config)
+    mixers = [b.mixer for b in spec.blocks]
+    assert [b.attention is not None for b in spec.blocks] == [t == "indexed_attention" for t in config.layer_types]
+    assert mixers[0] == "recurrent" and spec.blocks[-1].attention.num_heads == config.num_attention_heads
+    assert all(b.params == sum(p.numel() for p in blk.parameters()) for b, blk in zip(spec.blocks, model.model.layers))

@@ -259,3 +259,16 @@ def test_glu_lookalike_mlp_is_rejected():
     comps, rejected = recognise_mlp(torch.sigmoid)
     assert not [c for c in comps if c.kind in ("gated_mlp", "mlp")]
     assert [r["module"] for r in rejected] == ["1"]
+
+
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_rmsnorm_that_takes_the_root_as_a_power_is_recognised(with_scale):
+    """Gemma 4's norm computes ``x * torch.pow(mean(x^2) + eps, -0.5)``: an RMSNorm, with or without a scale."""
+    from transformers.models.gemma4_unified.modeling_gemma4_unified import Gemma4UnifiedRMSNorm
+
+    eps = 10.0 ** -torch.randint(4, 7, ()).item()
+    comps, rejected = recognise_norm(Gemma4UnifiedRMSNorm(32, eps=eps, with_scale=with_scale))
+    assert [(c.kind, c.variant["eps"], c.variant["weight"]) for c in comps] == [
+        ("rms_norm", eps, "weight" if with_scale else None)
+    ]
+    assert not rejected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from helpers import first_norm, poison_output, scale_norm_output, swap_router_rows
@@ -148,3 +149,19 @@ def test_a_reference_no_more_precise_than_the_candidate_is_not_a_pass(zoo):
     assert report.first_divergent is None and all(layer.passed for layer in report.layers)
     assert not report.passed
     assert any(note.startswith("inconclusive") and "float32" in note for note in report.notes)
+
+
+def test_float64_reference_runs_a_model_that_builds_scalar_tensors_in_the_default_dtype(tmp_path):
+    """XGLM floors its attention scores with ``torch.full((), finfo(float64).min)`` and no dtype: the float64
+    reference must still run in float64 (torch's default dtype follows it), not fall back to float32."""
+    import torch
+    from transformers import XGLMConfig, XGLMForCausalLM
+
+    torch.manual_seed(int.from_bytes(os.urandom(2), "little"))
+    config = XGLMConfig(vocab_size=128, d_model=32, ffn_dim=64, num_layers=2, attention_heads=4)
+    XGLMForCausalLM(config).save_pretrained(tmp_path)
+    report = align(resolve_source(str(tmp_path)), dtype="fp32", options=dataclasses.replace(FAST, parity_steps=0))
+    assert report.reference_dtype == "float64"
+    assert not any("float64 reference failed" in note for note in report.notes)
+    assert report.passed, report.notes
+    assert torch.get_default_dtype() == torch.float32

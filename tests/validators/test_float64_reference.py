@@ -1,0 +1,55 @@
+"""The float64 reference's forward: torch's default dtype follows it, and depthwise convs run tap by tap."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from validators.alignment import depthwise_conv1d_by_taps, float64_forward
+
+
+def _shapes(rng: random.Random) -> tuple[int, int, int, int, int, int]:
+    batch, channels, length = rng.randint(1, 3), rng.randint(2, 48), rng.randint(5, 40)
+    kernel, padding, dilation = rng.randint(1, 5), rng.randint(0, 3), rng.randint(1, 2)
+    return batch, channels, length, kernel, padding, dilation
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_tap_sum_matches_torch_conv1d_forward_and_backward(with_bias):
+    rng = random.Random()
+    batch, channels, length, kernel, padding, dilation = _shapes(rng)
+    x = torch.randn(batch, channels, length, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(channels, 1, kernel, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(channels, dtype=torch.float64, requires_grad=True) if with_bias else None
+    expected = torch.conv1d(x, w, b, 1, padding, dilation, channels)
+    got = depthwise_conv1d_by_taps(x, w, b, (1,), (padding,), (dilation,), channels)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    upstream = torch.randn_like(expected)
+    grads = torch.autograd.grad(expected, [x, w], upstream)
+    torch.testing.assert_close(torch.autograd.grad(got, [x, w], upstream), grads, rtol=1e-12, atol=1e-12)
+
+
+def test_other_convolutions_are_left_to_torch():
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    assert depthwise_conv1d_by_taps(x.float(), torch.randn(8, 1, 3), groups=8) is None  # float32
+    assert depthwise_conv1d_by_taps(x, torch.randn(8, 4, 3, dtype=torch.float64), groups=2) is None  # grouped
+    assert depthwise_conv1d_by_taps(x, torch.randn(8, 1, 3, dtype=torch.float64), stride=2, groups=8) is None
+
+
+def test_a_float64_module_runs_its_conv_by_taps_and_its_scalars_in_float64():
+    rng = random.Random()
+    batch, channels, length, kernel, padding, dilation = _shapes(rng)
+    conv = nn.Conv1d(channels, channels, kernel, padding=padding, dilation=dilation, groups=channels).double()
+    x = torch.randn(batch, channels, length, dtype=torch.float64)
+    with float64_forward(conv):
+        assert torch.get_default_dtype() == torch.float64
+        assert torch.full((), torch.finfo(torch.float64).min).dtype == torch.float64
+        out = conv(x)
+    assert torch.get_default_dtype() == torch.float32
+    by_taps = depthwise_conv1d_by_taps(x, conv.weight, conv.bias, 1, padding, dilation, channels)
+    assert torch.equal(out, by_taps)
+    with float64_forward(conv.float()):
+        assert torch.get_default_dtype() == torch.float32
