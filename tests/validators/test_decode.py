@@ -23,10 +23,16 @@ def model_and_prompts(zoo, name: str, batch: int = 2, length: int = 10):
 
 
 def dynamic_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding on transformers' dynamic cache, step by step: the argmax every step, end-of-sequence
+    included (``generate(min_new_tokens=...)`` would suppress it and pick the runner-up instead)."""
+    from transformers import DynamicCache
+
+    cache, step, out = DynamicCache(config=model.config), ids, []
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             attention_mask=torch.ones_like(ids))  # fmt: skip
-    return out[:, ids.shape[1] :]
+        for _ in range(new_tokens):
+            step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            out.append(step)
+    return torch.cat(out, 1)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3"])
