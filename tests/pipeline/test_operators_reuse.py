@@ -6,7 +6,8 @@ import json
 
 import operators
 import operators.timing_cache
-from adapt.app.pipeline import RunOptions, RunProgress
+from adapt.app.pipeline.options import RunOptions
+from adapt.app.pipeline.progress import RunProgress
 from adapt.app.pipeline.runner import PipelineRun
 from operators import OpsReport
 
@@ -18,7 +19,9 @@ def _run(options: RunOptions) -> PipelineRun:
 
 
 def test_second_run_rebuilds_the_operators_report_from_the_store(example_copy, tmp_path, monkeypatch):
-    options = RunOptions(source=str(example_copy), out_dir=str(tmp_path / "run"), stages=["intake", "operators"])
+    options = RunOptions.from_dict(
+        {"source": str(example_copy), "out_dir": str(tmp_path / "run"), "stages": ["intake", "operators"]}
+    )
     first = _run(options)
     live = first.typed["operators"]
     assert not first.records["operators"].cached and set(live.phases) >= {"trace", "recognise", "plan"}

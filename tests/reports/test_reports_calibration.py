@@ -34,7 +34,7 @@ def _calibrated(report: dict, device: str) -> dict:
     }
     measured = calibration_from_measurements(device, 700.0, 989.0, None, [run])
     raw = to_jsonable(replan(spec, before, measured).to_dict())
-    options = RunOptions(source="x", out_dir="y", cluster=report["options"]["cluster"])
+    options = RunOptions.from_dict({"source": "x", "out_dir": "y", "cluster": report["options"]["cluster"]})
     entry = stage(report, "replan")
     entry["result"], entry["summary"] = raw, STAGES["replan"].summarise(raw, options).data
     return json.loads(json.dumps(report))  # what report.json holds
