@@ -83,3 +83,19 @@ def test_plan_sequence_length_is_capped_at_the_models_positions():
     options = PlanOptions(plan_seq_len=128)
     assert plan_seq_len_notes(options, SimpleNamespace(config_dict={"max_position_embeddings": 256})) == []
     assert options.plan_seq_len == 128
+
+
+def test_stages_report_alone_is_refused_up_front(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli("run", str(EXAMPLE), "--out", str(out), "--stages", "report", "--quiet") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("adapt: error: --stages report alone") and not out.exists()
+
+
+def test_a_stage_refusing_its_input_says_so_in_one_line_even_when_quiet(tmp_path, capsys):
+    """3 GPUs cannot lay out a global batch of 64: the plan stage refuses, the run exits 2 with its reason."""
+    out = tmp_path / "out"
+    assert cli("run", str(EXAMPLE), "--out", str(out), "--stages", "intake,plan", "--cluster", "3xh200", "--quiet") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("adapt: error: plan: no valid layout for 3 x h200")
+    assert (out / "report.json").is_file()  # the stages that ran keep their results

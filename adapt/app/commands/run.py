@@ -75,4 +75,8 @@ def handle(args: argparse.Namespace) -> int:
             f"{outcome.out_dir / 'junit.xml'}",
             highlight=False,
         )
+    bad_input = next((r for r in outcome.report.get("stages", []) if r.get("error_kind") == "BadInput"), None)
+    if outcome.exit_code == 2 and bad_input is not None:  # one readable line, also under --quiet and --json
+        why = str(bad_input.get("error") or bad_input["verdict"]).removeprefix("BadInput: ")
+        print(f"adapt: error: {bad_input['name']}: {why}", file=sys.stderr)
     return outcome.exit_code

@@ -303,6 +303,11 @@ class RunOptions:
 
 def select_stages(only: list[str] | None, skip: list[str] | None) -> list[str]:
     """``--stages`` and ``--skip`` (comma lists) to the ordered list of stages to run."""
+    if only and all(s == REPORT_STAGE for s in only):
+        raise BadInput(
+            f"--stages {REPORT_STAGE} alone selects no stage (the report is written after every run); "
+            f"`adapt report DIR` renders a stored one again"
+        )
     only = [s for s in (only or []) if s != REPORT_STAGE]
     skip = [s for s in (skip or []) if s != REPORT_STAGE]
     for name in [*only, *skip]:
