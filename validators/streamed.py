@@ -25,7 +25,7 @@ from torch import nn
 from adapt.core.errors import BadInput
 from adapt.model.blocks import residual_width
 from adapt.model.skeleton import build_skeleton, loop_experts
-from validators.alignment import AlignmentReport, finish_report, peak_rss_bytes, reference_dtype
+from validators.alignment import AlignmentReport, finish_report, float64_forward, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
 from validators.modules import (
     NonFiniteOutput,
@@ -132,7 +132,7 @@ class _Twin:
         captured: dict[str, torch.Tensor] = {}
         handles = [m.register_forward_hook(_keep_output(captured, p.name)) for p, m in probes]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), float64_forward(module):  # a no-op unless this twin is the float64 reference
                 if guard:
                     with stop_on_nonfinite(module):
                         out = module(*_cast(args, self.dtype, self.device), **_cast(kwargs, self.dtype, self.device))
