@@ -32,6 +32,15 @@ def _signal_inside_checkpoint_write(monkeypatch, signum: int) -> list[int]:
     return calls
 
 
+@pytest.fixture
+def interactive_sigint():
+    """Ctrl-C as a terminal delivers it: Python's default handler.  A suite started as a background job inherits
+    SIGINT ignored (POSIX shells do that to background commands), and then a sent SIGINT would never arrive."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _md_row(markdown: str, name: str) -> str:
     """The Markdown summary table's row of stage ``name``."""
     return next(line for line in markdown.splitlines() if re.match(rf"^\|\s*\**{name}\**\s*\|", line))
@@ -39,7 +48,7 @@ def _md_row(markdown: str, name: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_inside_a_checkpoint_write(tmp_path, monkeypatch, capsys, signum, code):
+def test_signal_inside_a_checkpoint_write(tmp_path, monkeypatch, capsys, interactive_sigint, signum, code):
     out = tmp_path / "run"
     calls = _signal_inside_checkpoint_write(monkeypatch, signum)
     assert adapt_run(EXAMPLE, out, *SOAK) == code
