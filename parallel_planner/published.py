@@ -56,6 +56,28 @@ SOURCE_ARCHITECTURE = {
 }
 # Columns naming how each run executed (see data/published_runs.csv's header); knobs go to --fixed.
 KNOB_COLUMNS = ("sp", "tp_overlap", "grad_overlap", "mbs", "vpp", "split")
+# What a report shows of a planned layout: its parallel degrees and knobs, and its memory per GPU.
+LAYOUT_KEYS = (
+    "tp",
+    "pp",
+    "dp",
+    "cp",
+    "ep",
+    "zero",
+    "recompute",
+    "micro_batch",
+    "vpp",
+    "pp_schedule",
+    "memory_gib_per_gpu",
+)
+
+
+def layout_fields(plan: Any, *figures: str) -> dict[str, Any]:
+    """``plan.to_dict()`` cut to ``LAYOUT_KEYS`` and the named ``figures``."""
+    wanted = (*LAYOUT_KEYS, *figures)
+    return {k: v for k, v in plan.to_dict().items() if k in wanted}
+
+
 SOFTWARE_COLUMNS = ("framework", "attention", "flop_convention")
 
 
@@ -259,26 +281,7 @@ def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bo
             started = time.perf_counter()
             best = plan_parallel(spec, cluster, run.workload(), top_k=1, efficiency=run_eff).best
             row["search_s"] = time.perf_counter() - started
-            row["searched"] = {
-                k: v
-                for k, v in best.to_dict().items()
-                if k
-                in (
-                    "tp",
-                    "pp",
-                    "dp",
-                    "cp",
-                    "ep",
-                    "zero",
-                    "recompute",
-                    "micro_batch",
-                    "vpp",
-                    "pp_schedule",
-                    "memory_gib_per_gpu",
-                    "fits",
-                    "tokens_per_s_per_gpu",
-                )
-            }
+            row["searched"] = layout_fields(best, "fits", "tokens_per_s_per_gpu")
             row["searched_speedup"] = best.tokens_per_s_per_gpu / fixed.tokens_per_s_per_gpu
         out.append(row)
     return out
@@ -389,26 +392,7 @@ def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
                     "cli_cold_s": statistics.median(cold),
                     "cli_cold_min_s": min(cold),
                     "cold_runs": cold_runs,
-                    "best": {
-                        k: v
-                        for k, v in best.to_dict().items()
-                        if k
-                        in (
-                            "tp",
-                            "pp",
-                            "dp",
-                            "cp",
-                            "ep",
-                            "zero",
-                            "recompute",
-                            "micro_batch",
-                            "vpp",
-                            "pp_schedule",
-                            "memory_gib_per_gpu",
-                            "tokens_per_s",
-                            "mfu",
-                        )
-                    },
+                    "best": layout_fields(best, "tokens_per_s", "mfu"),
                 }
             )
     return out
