@@ -13,6 +13,7 @@ Prefill and decode are timed separately, for the adapted path and for transforme
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import statistics
@@ -280,14 +281,18 @@ class WarmGenerate:
     static: bool
 
     def run(self, n: int) -> torch.Tensor:
+        """Greedy for exactly ``n`` tokens, end-of-sequence taken like any other argmax (as the static decoder
+        does): no stop, and no ``min_new_tokens``, which would suppress it and pick the runner-up instead."""
         ids = self.ids
-        pad = getattr(self.model.generation_config, "pad_token_id", None)
-        kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0 if pad is None else pad,
-                                  "attention_mask": torch.ones_like(ids)}  # fmt: skip
+        config = copy.deepcopy(self.model.generation_config)
+        pad = config.pad_token_id
+        # An empty list, not None: generate() refills None from the model's own config and would stop at it.
+        config.eos_token_id, config.do_sample, config.pad_token_id = [], False, 0 if pad is None else pad
+        kwargs: dict[str, Any] = {"attention_mask": torch.ones_like(ids)}
         if self.static:
             kwargs["cache_implementation"] = "static"
         with quiet_transformers(), torch.no_grad():
-            return self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+            return self.model.generate(ids, generation_config=config, max_new_tokens=n, **kwargs)
 
     def measure(self, variant: str, repeats: int = 3) -> DecodeTiming:
         device, new_tokens = self.ids.device, self.new_tokens

@@ -94,6 +94,20 @@ def test_timings_split_prefill_and_decode(zoo, fresh_seed):
         time_static_decoder("adapted", model, ids, 1, compile=False)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_end_of_sequence_is_decoded_like_any_token_by_both_paths(zoo, fresh_seed, static):
+    """A model whose argmax is EOS: generate() must neither stop there nor suppress it for the runner-up."""
+    model, ids = model_and_prompts(zoo, "llama")
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    with torch.no_grad():
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
+        model.lm_head.bias[eos] = 50.0
+    adapted = time_static_decoder("adapted", model, ids, 4, compile=False, repeats=1)
+    hf = time_hf_generate("hf", model, ids, 4, static=static, repeats=1)
+    assert adapted.tokens == hf.tokens == [[eos] * 4] * 2
+
+
 @pytest.mark.slow
 def test_benchmark_dry_run_writes_json_and_markdown(tmp_path):
     """benchmarks/inference.py --tiny on one shape: every step in its own process, rows, targets, both files."""
