@@ -32,6 +32,7 @@ from validators.alignment import (
     check_device,
     finish_report,
     float64_forward,
+    mark_inconclusive,
     peak_rss_bytes,
     reference_dtype,
 )
@@ -62,14 +63,19 @@ from validators.training import (
 CandidateTransform = Callable[[nn.Module], Any]
 
 
-def kernel_plan_transform(kernel_plan: Any, notes: list[str] | None = None) -> CandidateTransform | None:
-    """``operators.apply_kernel_plan`` as a candidate transform (None: no plan); what it patched goes to ``notes``."""
+def kernel_plan_transform(
+    kernel_plan: Any, notes: list[str] | None = None, patched: list[str] | None = None
+) -> CandidateTransform | None:
+    """``operators.apply_kernel_plan`` as a candidate transform (None: no plan); what it patched goes to ``patched``
+    (``"module: provider/kernel"`` entries, once) and, counted per kernel, to ``notes``."""
     if kernel_plan is None:
         return None
     from operators import apply_kernel_plan
 
     def transform(model: nn.Module) -> nn.Module:
         handle = apply_kernel_plan(model, kernel_plan)
+        if patched is not None and not patched:
+            patched.extend(handle.patched)
         if notes is not None:
             kernels = Counter(entry.split(": ", 1)[1] for entry in handle.patched)
             note = f"kernel plan patched {len(handle.patched)} modules: {', '.join(f'{n}x {k}' for k, n in sorted(kernels.items())) or 'none'}"
@@ -96,7 +102,8 @@ def align(
     options = options or AlignOptions()
     limits = thresholds_for(dtype, thresholds)
     notes: list[str] = []
-    transform = transform or kernel_plan_transform(kernel_plan, notes)
+    patched: list[str] = []
+    transform = transform or kernel_plan_transform(kernel_plan, notes, patched)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
     if streamed:
         from validators.streamed import streamed_align
@@ -113,18 +120,20 @@ def align(
             report = _full_align(
                 src, dtype, device, limits, transform, options, int.from_bytes(os.urandom(4), "little")
             )
+            report.input_redraws = redraws
             report.notes.append(
                 f"inputs redrawn {redraws}x: under seed {discarded} more than "
                 f"{MAX_UNDECIDABLE_SHARE:.0%} of the tokens had an undecidable expert choice"
             )
         share = _undecidable_share(report, options)
         if share > MAX_INCONCLUSIVE_SHARE:  # too few tokens judged: a pass would mean nothing
-            report.passed = False
-            report.notes.append(
-                f"inconclusive, so not passed: {share:.0%} of the tokens had an expert choice undecidable in "
-                f"{dtype} (more than {MAX_INCONCLUSIVE_SHARE:.0%}); align in a wider dtype to judge this routing"
+            mark_inconclusive(
+                report,
+                f"{share:.0%} of the tokens had an expert choice undecidable in {dtype} (more than "
+                f"{MAX_INCONCLUSIVE_SHARE:.0%}); align in a wider dtype to judge this routing",
             )
     report.notes[:0] = notes
+    report.patched_modules = patched
     return report
 
 
@@ -186,6 +195,8 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
     tokens = ids.numel()
     flips = routing_flips(ref_rec.routing, base_rec.routing, cand_rec.routing, tokens, limits.max_err_ratio)
     report.notes.extend(flips.notes())
+    report.routing_undecidable = {block: len(tokens) for block, tokens in sorted(flips.excused.items())}
+    report.routing_clear_flips = dict(sorted(flips.clear.items()))
 
     def routed_judge(name, block, component, ref, cand, base):
         excluded = flips.excluded_from(block)
@@ -213,12 +224,12 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
                 row * seq + pos for row, first in _first_positions(undecided, seq).items() for pos in range(first, seq)
             }
             if len(skipped) == ids.numel():
-                report.notes.append(
-                    "inconclusive, so not passed: every loss term sees a token whose expert choice is "
-                    f"undecidable in {dtype_name}; gradients were not compared"
-                )
                 finish_report(report, started)
-                report.passed = False
+                mark_inconclusive(
+                    report,
+                    f"every loss term sees a token whose expert choice is undecidable in {dtype_name}; "
+                    "gradients were not compared",
+                )
                 return report
             for model, inputs in ((reference, ids), (baseline, ids.to(device)), (candidate, ids.to(device))):
                 _forward(model, inputs, True, vocab, skip_tokens=skipped)

@@ -62,6 +62,11 @@ class AlignmentReport:
     layers: list[LayerResult] = field(default_factory=list)
     gradients: list[LayerResult] = field(default_factory=list)
     parity: ParityResult | None = None
+    inconclusive: str | None = None  # why nothing diverged and still no pass can be given
+    patched_modules: list[str] = field(default_factory=list)  # "module: provider/kernel", as the plan installed
+    routing_undecidable: dict[int, int] = field(default_factory=dict)  # block -> tokens left out (near-tied router)
+    routing_clear_flips: dict[int, int] = field(default_factory=dict)  # block -> tokens routed differently, judged
+    input_redraws: int = 0  # fresh inputs drawn again because too many expert choices were undecidable
     peak_rss_bytes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -187,12 +192,19 @@ def finish_report(report: AlignmentReport, started: float) -> None:
             f"(a cost of the dtype, judged by err_ratio only), first: {dtype_limited[0]}"
         )
     parity_ok = report.parity is None or report.parity.passed
-    precise = _reference_more_precise(report)
-    if not precise:
-        report.notes.append(
-            f"inconclusive, so not passed: the reference ran in {report.reference_dtype}, no more precise than "
-            f"the {report.dtype} candidate; its agreement proves nothing"
+    report.passed = first is None and parity_ok and report.nonfinite_module is None and bool(report.layers)
+    if not _reference_more_precise(report):
+        mark_inconclusive(
+            report,
+            f"the reference ran in {report.reference_dtype}, no more precise than the {report.dtype} candidate; "
+            "its agreement proves nothing",
         )
-    report.passed = first is None and parity_ok and precise and report.nonfinite_module is None and bool(report.layers)
     report.seconds = time.perf_counter() - started
     report.peak_rss_bytes = peak_rss_bytes()
+
+
+def mark_inconclusive(report: AlignmentReport, why: str) -> None:
+    """No pass can be given though nothing diverged: say why, as a field and as a note."""
+    report.passed = False
+    report.inconclusive = report.inconclusive or why
+    report.notes.append(f"inconclusive, so not passed: {why}")

@@ -99,6 +99,8 @@ class GenerationReport:
     ties: list[Tie] = field(default_factory=list)
     first_divergence: Divergence | None = None
     cache_kinds: list[str] = field(default_factory=list)
+    patched_modules: list[str] = field(default_factory=list)  # "module: provider/kernel", as the plan installed
+    random_weights: bool = False  # a config-only source: one random draw shared by every instance
     inconclusive: bool = False
     passed: bool = False
     seconds: float = 0.0
@@ -285,7 +287,8 @@ def generation_check(
     options = options or GenerationOptions()
     limits = thresholds_for(dtype, thresholds)
     notes: list[str] = []
-    transform = transform or kernel_plan_transform(kernel_plan, notes)
+    patched: list[str] = []
+    transform = transform or kernel_plan_transform(kernel_plan, notes, patched)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
     ref_dtype = _reference_dtype(device, options.reference_dtype)
     ref_device = "cpu" if ref_dtype == torch.float64 else device
@@ -293,6 +296,7 @@ def generation_check(
     report = GenerationReport(
         source=src.text, dtype=dtype, device=device, reference_dtype=str(ref_dtype).removeprefix("torch."), seed=seed,
         prompt_lengths=lengths, new_tokens=options.new_tokens, thresholds=limits.to_dict(), notes=notes,
+        patched_modules=patched, random_weights=not src.has_weights,
     )  # fmt: skip
     baseline = _load(src, parse_dtype(dtype), device, notes, seed)
     vocab = vocab_size(baseline)

@@ -62,7 +62,6 @@ def test_bench_depth_truncated_at_real_width(zoo):
     )
     assert report.truncated and report.layers_measured == 1 and report.layers_total == 2
     assert len(report.calibration["blocks"]) == 1 and report.calibration["runs"] == []  # not the model's step
-    assert any("depth-truncated" in note for note in report.notes)
 
 
 def test_environment_on_cpu_says_what_it_could_not_check():

@@ -72,7 +72,7 @@ def test_unadapted_model_generates_like_its_reference(zoo, name):
     if name != "custom":  # the custom family's model keeps no KV cache, and says so
         assert {"cache", "batch"} <= checked
     else:
-        assert "no cache" in next(c.note for c in report.checks if c.name == "cache")
+        assert not next(c for c in report.checks if c.name == "cache").checked
 
 
 def test_sixty_four_tokens_with_sliding_window_cache(zoo):
@@ -147,7 +147,7 @@ def test_config_only_source_gets_one_set_of_random_weights(zoo, tmp_path):
     (tmp_path / "config.json").write_text((zoo("qwen2") / "config.json").read_text())
     report = generation_check(resolve_source(str(tmp_path / "config.json")), dtype="fp32", options=FEW)
     assert report.passed, report.summary()
-    assert any("config-only source" in note for note in report.notes)
+    assert report.random_weights
 
 
 def test_cli_exit_codes(zoo, capsys):
@@ -172,4 +172,4 @@ def test_adapted_model_generates_like_its_reference(zoo, name):
     plan = run_ops(src, onnx=False, check_patch=False).plan
     report = generation_check(src, plan, dtype="fp32", options=FEW)
     assert report.passed, report.summary()
-    assert any(note.startswith("kernel plan patched") for note in report.notes)
+    assert report.patched_modules and all(": " in entry for entry in report.patched_modules)

@@ -300,8 +300,8 @@ def alignment(report: dict[str, Any], options: RunOptions) -> Summary:
     parity_failed = bool(parity) and not parity.get("passed")
     if not passed and not (data["nonfinite_module"] or data["first_divergent"] or parity_failed):
         # every count above can read as a pass: say first why it is not one
-        reason = next((n for n in report.get("notes", []) if n.startswith("inconclusive")), "no tensor was judged")
-        verdict = f"not passed ({reason.split(': ', 1)[-1]}); " + verdict
+        reason = report.get("inconclusive") or "no tensor was judged"
+        verdict = f"not passed ({reason}); " + verdict
     return Summary(passed, verdict, data)
 
 
