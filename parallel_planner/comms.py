@@ -2,8 +2,10 @@
 
 Ranks are laid out as ``ParallelPlan.mesh_shape`` says: pp outermost, then dp, cp, tp innermost, so a
 group of ``size`` ranks spaced ``stride`` apart fits in one node when ``size * stride <= gpus_per_node``.
-Groups that span nodes are bounded by each GPU's NIC (rail-optimised fabrics run one ring per rail);
-all-to-all keeps the share of its traffic that stays inside a node on the scale-up link.
+A ring that spans nodes leaves each node through the NICs of the group's members there (NCCL runs one
+channel per NIC, rail-optimised fabrics give each GPU its own): one member per node is bounded by its
+NIC, eight by the node's eight.  All-to-all keeps the share of its traffic that stays inside a node on
+the scale-up link; point-to-point between pipeline stages goes through each rank's own NIC.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class Collectives:
         size_f = np.maximum(size, 1).astype(np.float64)
         steps = size_f - 1
         if kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            # A ring that crosses nodes leaves each node once per channel; NCCL spreads its channels over
+            # the NICs of the group's members there, so a node sends through ``local`` NICs (at most the
+            # node's NVLink share per GPU, which every channel also crosses).
+            bw = np.where(bw < self.intra, np.minimum(self.intra, local * bw), bw)
             scale = 2.0 if kind == "all_reduce" else 1.0
             a, b = scale * steps * alpha, scale * steps / size_f / bw
         elif kind == "all_to_all":

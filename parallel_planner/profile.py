@@ -23,6 +23,7 @@ class GemmShape:
     out_features: int
     tp_sharded: bool = True  # column- or row-parallel; False for small replicated projections (MLA down, router)
     routed: bool = False  # routed-expert GEMM: its M dimension is the tokens each expert receives
+    row_parallel: bool = False  # back to the residual width: TP splits the inner dimension, not the output
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def _attention_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, in
         gemms = [GemmShape(h, a * dq), GemmShape(h, g * (dq + dv))]
         saved = 2 * h + a * dq + g * (dq + dv) + a * dv + 2 * a  # norm in, qkv in, q/k/v, output, fp32 lse
         cache = ring = g * (dq + dv)
-    gemms.append(GemmShape(a * dv, h))
+    gemms.append(GemmShape(a * dv, h, row_parallel=True))
     return gemms, saved, h, cache, ring
 
 
@@ -94,7 +95,7 @@ def _mlp_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int
     if mlp.kind in ("dense_gated", "dense_plain"):
         gated = mlp.kind == "dense_gated"
         f = mlp.intermediate_size
-        gemms = [GemmShape(h, (2 if gated else 1) * f), GemmShape(f, h)]
+        gemms = [GemmShape(h, (2 if gated else 1) * f), GemmShape(f, h, row_parallel=True)]
         return gemms, 2 * h + (3 if gated else 2) * f, h + f, 0, 0
     e, k, f = mlp.num_experts, mlp.top_k, mlp.intermediate_size
     if e <= k:
@@ -102,11 +103,11 @@ def _mlp_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int
     per_expert = _routed_expert_params(block)
     gated = per_expert >= 3 * h * f
     gemms = [GemmShape(h, e, tp_sharded=False)]
-    gemms += [GemmShape(h, (2 if gated else 1) * f, routed=True), GemmShape(f, h, routed=True)]
+    gemms += [GemmShape(h, (2 if gated else 1) * f, routed=True), GemmShape(f, h, routed=True, row_parallel=True)]
     saved, recomputable = 2 * h + 2 * e, h  # norm in, router input, fp32 router logits
     if mlp.shared_intermediate_size:
         fs = mlp.shared_intermediate_size
-        gemms += [GemmShape(h, 2 * fs), GemmShape(fs, h)]
+        gemms += [GemmShape(h, 2 * fs), GemmShape(fs, h, row_parallel=True)]
         saved, recomputable = saved + 3 * fs, recomputable + fs
     # Per routed token: the dispatched input, the expert's up (and gate) output and down input, and its
     # output once more, which the gradient of the routing weight needs.

@@ -78,7 +78,7 @@ def layout_fields(plan: Any, *figures: str) -> dict[str, Any]:
     return {k: v for k, v in plan.to_dict().items() if k in wanted}
 
 
-SOFTWARE_COLUMNS = ("framework", "attention", "flop_convention")
+SOFTWARE_COLUMNS = ("framework", "attention", "dropout", "cp_comm", "flop_convention")
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,8 @@ class PublishedRun:
     reported_pct_peak: float
     framework: str = "megatron"
     attention: str = "flash2"
+    cp_comm: str = "ring"  # "allgather": K/V gathered before attention, exposed (Llama 3, arXiv 2407.21783 sec. 3.3.2)
+    dropout: int = 0  # attention dropout in the run (Megatron-LM's default 0.1; BLOOM and Llama 3 ran without)
     flop_convention: str = "adapt"  # "megatron_recompute": 96Bslh^2(1+s/6h+V/16lh) per step; "adapt": 3x causal fwd
     sp: int = 0
     tp_overlap: int = 0
@@ -115,6 +117,7 @@ class PublishedRun:
     vpp: int = 0
     split: str = ""
     nvlink_domain: int = 0  # 0: the GPU type's node
+    inter_gbps: float = 0.0  # 0: the GPU type's NIC per GPU
     citation: str = ""
 
     @property
@@ -144,12 +147,19 @@ class PublishedRun:
                 layout[key] = getattr(self, key)
         if self.nvlink_domain:
             layout["nvlink_domain"] = self.nvlink_domain
+        if self.inter_gbps:
+            layout["inter_gbps"] = self.inter_gbps
         return layout
 
     def efficiency(self, base: Efficiency | None = None) -> Efficiency:
         """The time model with this run's software: its framework, attention kernel, fused kernels."""
         return dataclasses.replace(
-            base or Efficiency(), runtime=self.framework, attention=self.attention, fused_kernels=True
+            base or Efficiency(),
+            runtime=self.framework,
+            attention=self.attention,
+            fused_kernels=True,
+            attention_dropout=bool(self.dropout),
+            cp_allgather=self.cp_comm == "allgather",
         )
 
     def workload(self) -> Workload:

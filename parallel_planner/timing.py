@@ -56,6 +56,8 @@ ATTENTION_FRACTION = {
 }
 ATTENTION_KERNELS = ("flash2", "flash3", "unfused")
 RUNTIMES = ("torch", "megatron")
+DROPOUT_BYTES = 5  # per attention score and pass: fp16 read and write, 1-byte mask written (read in backward)
+GRAD_ACCUM_BYTES = 10  # per local parameter and micro-batch: 16-bit gradient read, fp32 buffer read and written
 GRAD_CLIP_BYTES = 12  # per local parameter: fp32 gradient read for the norm, then read and written to scale it
 # torch's ring attention (torch.distributed.tensor.experimental.context_parallel, load-balanced): aten ops one
 # attention block's ring issues on top of the block's own, as (at cp=2, more per further rank), counted
@@ -95,6 +97,9 @@ class Efficiency:
     fused_kernels: bool = True
     compiled: bool = False
     host: DispatchCosts = field(default_factory=DispatchCosts)
+    cp_allgather: bool = False  # CP gathers K/V before attention (Llama 3) instead of passing them round a ring
+    attention_dropout: bool = False  # the run drops attention probabilities (Megatron-LM's default 0.1)
+    grad_accum_fused: bool = False  # weight-gradient GEMMs accumulate into the fp32 buffer (Megatron 2022+)
     gemm_scale: float = 1.0  # a calibration's measured / modelled GEMM rate on the target machine (1: none)
 
     def link_model(self) -> LinkModel:
@@ -140,6 +145,17 @@ def attention_seconds(block: BlockProfile, tokens, tp, context: float, seq_len: 
     )
 
 
+def attention_dropout_seconds(block: BlockProfile, tokens, tp, seq_len: int, cluster: Cluster, eff: Efficiency):
+    """Seconds of attention dropout in one pass (forward, or backward) when the unfused kernels run it:
+    a kernel of its own that reads the fp16 probabilities and writes them with a 1-byte mask (5 bytes
+    per score), and in backward reads the gradient and the mask and writes (5).  Flash kernels drop
+    in-kernel, on scores that never reach HBM."""
+    if eff.attention != "unfused" or not eff.attention_dropout or not block.has_attention:
+        return 0.0
+    scores = tokens * seq_len * block.num_heads / tp
+    return DROPOUT_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+
+
 def block_forward_seconds(
     block: BlockProfile,
     tokens,
@@ -161,14 +177,14 @@ def block_forward_seconds(
     gemm = 0.0
     for g in block.gemms:
         shard = tp if g.tp_sharded else 1
+        # column-parallel GEMMs split their output over TP, row-parallel ones their inner dimension
+        k, n = (g.in_features / shard, g.out_features) if g.row_parallel else (g.in_features, g.out_features / shard)
         if g.routed:
             local_experts = block.num_experts / ep
             per_expert = tokens * block.top_k * ep / block.num_experts * np.where(ep > 1, moe_imbalance, 1.0)
-            gemm = gemm + gemm_seconds(
-                per_expert, g.in_features, g.out_features / shard, cluster, peak, eff, local_experts
-            )
+            gemm = gemm + gemm_seconds(per_expert, k, n, cluster, peak, eff, local_experts)
         else:
-            gemm = gemm + gemm_seconds(tokens, g.in_features, g.out_features / shard, cluster, peak, eff)
+            gemm = gemm + gemm_seconds(tokens, k, n, cluster, peak, eff)
     gemm = gemm * block.flops_scale
     attention = attention_seconds(block, tokens, tp, context, seq_len or 2 * context, cluster, eff)
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
@@ -199,6 +215,9 @@ def _context_parallel(block: BlockProfile, tokens, tp, cp, attention, comm: Coll
     if not block.has_attention:
         return zero, zero, (zero, zero)
     kv_bytes = ACT_BYTES * tokens * block.cp_exchange_width / tp
+    if eff.cp_allgather:  # gather every rank's K/V before attention, reduce-scatter their gradients: exposed
+        gathered = kv_bytes * cp
+        return comm.all_gather(gathered, cp, tp), comm.time("reduce_scatter", gathered, cp, tp), (zero, zero)
     torch_ring = eff.runtime == "torch"
     kv_pass = (cp - 1) * comm.send_recv(kv_bytes, cp, tp)
     grad_pass = comm.send_recv((2.0 if torch_ring else 1.0) * kv_bytes, cp, tp)
@@ -276,8 +295,9 @@ def step_time(
             c.sp,
             workload.seq_len,
         )
-        f = scale[j] * (gemm + attention + elementwise)
-        b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise)
+        dropout = attention_dropout_seconds(block, tokens, tp, workload.seq_len, cluster, eff)
+        f = scale[j] * (gemm + attention + elementwise + dropout)
+        b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise + dropout)
         recompute = np.where(full, f, np.where(c.recompute == SELECTIVE, scale[j] * elementwise, 0.0))
         activation = ACT_BYTES * tokens * h
         tp_pairs = int(block.has_attention) + int(block.has_mlp)
@@ -315,7 +335,10 @@ def step_time(
     pp = c.pp
     passes = 2 if workload.training else 1
     p2p = passes * c.vpp * comm.send_recv(ACT_BYTES * tokens * h / tp, pp, c.dp * c.cp * tp)
+    m = micro_batches(workload, c).astype(np.float64)
     gpu_stage = stage_fwd + stage_bwd + p2p[:, None]
+    if workload.training:
+        gpu_stage = gpu_stage + _grad_accumulation(profile, layout, c, m, cluster, eff)
     # Host: every operator of a micro-batch is issued by the CPU; the embedding, head and loss add ~40.
     stage_ops = host_ops @ counts + HEAD_OPS * (layout.has_head + layout.has_embedding)[None, :] / 2
     per_op = host_seconds_per_op(c, eff)[:, None]
@@ -325,7 +348,6 @@ def step_time(
     # waits on each micro-batch's P2P before issuing the next, so a pipelined torch run pays both in series.
     serial = (c.pp > 1)[:, None] & (eff.runtime == "torch")
     stage = np.where(serial, gpu_stage + host_stage, np.maximum(gpu_stage, host_stage))
-    m = micro_batches(workload, c).astype(np.float64)
     slowest = row_max(stage)
     bubble = (stage @ layout.multiplicity - slowest) / c.vpp
     bubble = np.where(c.schedule == ZERO_BUBBLE, bubble * eff.zero_bubble_fraction, bubble)
@@ -351,6 +373,21 @@ def step_time(
         out["step"] = pipeline
     out["hardware_flops_per_token"] = _hardware_flops_per_token(profile, workload, c)
     return out
+
+
+def _grad_accumulation(profile, layout: StageLayout, c: Candidates, m, cluster: Cluster, eff: Efficiency):
+    """HBM seconds per micro-batch that each stage spends adding its weight gradients into the buffer
+    they accumulate in over the step, (C, stages).
+
+    Megatron-LM's local DDP and DeepSpeed's bf16 optimizer add each micro-batch's 16-bit gradients into an
+    fp32 buffer after its backward (read 2 + 4, write 4 bytes per local parameter, every micro-batch);
+    with ``grad_accum_fused`` the weight-gradient GEMMs accumulate into it themselves and nothing is added.
+    FSDP2's own accumulation (torch runtime) is not modelled yet: docs/planner-model.md says why."""
+    if eff.runtime != "megatron" or eff.grad_accum_fused:
+        return np.zeros((len(c), len(layout.multiplicity)))
+    dense, experts = stage_params(profile, layout)
+    local = dense[None, :] / c.tp[:, None] + experts[None, :] / (c.tp * c.ep)[:, None]
+    return GRAD_ACCUM_BYTES * local / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
 
 
 def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, stage_bwd, m):

@@ -136,9 +136,13 @@ def test_hsdp_shards_states_over_one_group_and_reduces_across_replicas():
     assert (hsdp.plan.dp_replicate, hsdp.plan.dp_shard) == (32, 8) and hsdp.plan.validate() == []
     for state in ("parameters", "gradients", "optimizer_states"):  # sharded over 8 ranks instead of 256
         assert hsdp.memory_breakdown[state] == pytest.approx(32 * flat.memory_breakdown[state], rel=1e-12)
-    # ZeRO-3 gathers every micro-batch: inside a node instead of over 256 ranks' latency and the NIC.
+    # ZeRO-3 gathers every micro-batch: inside a node instead of over 256 ranks' latency, which dominates
+    # for a small model (a flat ring over whole nodes has every member's NIC, so bandwidth alone does not).
+    small = decoder_spec(layers=8, hidden=1024, ffn=4096, heads=16, kv_heads=4)
+    flat = plan_parallel(small, cluster, workload, fixed=dict(knobs, replicate=1), top_k=1).best
+    hsdp = plan_parallel(small, cluster, workload, fixed=dict(knobs, replicate=32), top_k=1).best
     assert hsdp.time_breakdown["data_parallel_exposed"] < flat.time_breakdown["data_parallel_exposed"]
-    searched = plan_parallel(spec, cluster, workload, fixed=knobs, top_k=1).best
+    searched = plan_parallel(small, cluster, workload, fixed=knobs, top_k=1).best
     assert searched.plan.dp_replicate > 1 and searched.step_time_s <= hsdp.step_time_s
     with pytest.raises(BadInput, match="no valid layout"):  # HSDP with context parallelism is not realised
         plan_parallel(spec, cluster, workload, fixed=dict(knobs, dp=128, cp=2, replicate=16))

@@ -1,0 +1,140 @@
+"""Terms real runs pay at scale: NIC count per node, gradient accumulation, row-parallel GEMM shapes,
+attention dropout, all-gather context parallelism, and pipeline P2P across nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from parallel_planner.cluster import make_cluster
+from parallel_planner.comms import Collectives
+from parallel_planner.profile import profile_model
+from parallel_planner.search import plan_parallel
+from parallel_planner.timing import (
+    DROPOUT_BYTES,
+    GRAD_ACCUM_BYTES,
+    Efficiency,
+    attention_dropout_seconds,
+    block_forward_seconds,
+    gemm_seconds,
+)
+from parallel_planner.workload import Workload
+from tests.planner.specs import decoder_spec
+
+MEGATRON = Efficiency(runtime="megatron", attention="flash3")
+
+
+def random_spec(gated=True):
+    heads = random.choice((8, 16, 32))
+    return decoder_spec(
+        layers=random.choice((4, 8, 16)),
+        hidden=heads * 128,
+        ffn=heads * 128 * 4,
+        heads=heads,
+        kv_heads=heads // random.choice((1, 2, 4)) if gated else heads,
+        vocab=random.choice((32000, 128000)),
+        gated=gated,
+    )
+
+
+def plan(spec, gpus, eff=MEGATRON, gpu="h100", seq=2048, batch=64, **knobs):
+    fixed = dict(tp=1, pp=1, cp=1, zero=1, recompute="none", split="balanced", grad_overlap=1, tp_overlap=0, sp=1)
+    fixed.update(knobs)
+    return plan_parallel(spec, make_cluster(gpu, gpus), Workload(seq, batch), fixed=fixed, top_k=1, efficiency=eff).best
+
+
+def test_a_ring_across_nodes_sends_through_every_local_members_nic():
+    cluster = make_cluster(random.choice(("a100", "h100")), 64)
+    comm = Collectives(cluster, MEGATRON.link_model())
+    nbytes = np.array([random.uniform(1e8, 1e9)])
+    size = np.array([32])
+    dense = comm.time("all_reduce", nbytes, size, np.array([1]))  # 8 members per node
+    sparse = comm.time("all_reduce", nbytes, size, np.array([8]))  # 1 member per node: its own NIC only
+    alpha = 2 * 31 * MEGATRON.alpha_inter_s
+    nic, nvlink = cluster.gpu.inter_node_gbps, cluster.gpu.intra_node_gbps
+    assert (sparse - alpha) / (dense - alpha) == pytest.approx(min(nvlink, 8 * nic) / nic, rel=1e-9)
+    # inside one node nothing changes; point-to-point still goes through one NIC per rank
+    inside = comm.time("all_reduce", nbytes, np.array([8]), np.array([1]))
+    assert inside == pytest.approx(2 * 7 * MEGATRON.alpha_intra_s + 2 * 7 / 8 * nbytes / (nvlink * 1e9 * 0.8))
+    assert comm.send_recv(nbytes, size, np.array([1])) == pytest.approx(comm.send_recv(nbytes, size, np.array([8])))
+
+
+def test_gradient_accumulation_streams_every_local_parameter_each_micro_batch():
+    spec, tp = random_spec(), random.choice((1, 2, 4))
+    dp = 8 // tp
+    batch = dp * random.choice((2, 4, 8))
+    hook = plan(spec, 8, tp=tp, dp=dp, mbs=1, batch=batch)
+    fused = plan(spec, 8, dataclasses.replace(MEGATRON, grad_accum_fused=True), tp=tp, dp=dp, mbs=1, batch=batch)
+    params = profile_model(spec)
+    cluster = make_cluster("h100", 8)
+    local = (sum(b.dense_params * b.count for b in params.blocks) + params.embed_params + params.head_params) / tp
+    added = GRAD_ACCUM_BYTES * local / (cluster.gpu.hbm_gbps * 1e9 * MEGATRON.memory_bw)
+    gap = hook.time_breakdown["gpu_per_microbatch"] - fused.time_breakdown["gpu_per_microbatch"]
+    assert gap == pytest.approx(added, rel=1e-6)
+    # more micro-batches: paid once more each
+    more = plan(spec, 8, tp=tp, dp=dp, mbs=1, batch=2 * batch)
+    assert more.step_time_s - hook.step_time_s > (batch // dp) * added
+
+
+def test_torch_runtime_adds_no_hook_accumulation():
+    spec = random_spec()
+    torch_eff = Efficiency(fused_kernels=False)
+    fused = dataclasses.replace(torch_eff, grad_accum_fused=True)
+    same = [plan(spec, 2, e, dp=2, mbs=1, batch=8, zero=3).step_time_s for e in (torch_eff, fused)]
+    assert same[0] == pytest.approx(same[1], rel=1e-12)
+
+
+def test_row_parallel_gemms_split_their_inner_dimension_over_tp():
+    spec = random_spec()
+    block = profile_model(spec).blocks[0]
+    rows = [g for g in block.gemms if g.row_parallel]
+    assert {g.out_features for g in rows} == {spec.hidden_size}  # attention output and MLP down projections
+    cluster, tp = make_cluster("a100", 8), np.array([8])
+    tokens = np.array([random.choice((2048.0, 4096.0))])
+    gemm, _, _ = block_forward_seconds(block, tokens, tp, np.array([1]), 1024.0, cluster, "bf16", MEGATRON)
+    peak = cluster.gpu.peak_flops("bf16")
+    expected = 0.0
+    for g in block.gemms:
+        k, n = (g.in_features / 8, g.out_features) if g.row_parallel else (g.in_features, g.out_features / 8)
+        expected = expected + gemm_seconds(tokens, k, n, cluster, peak, MEGATRON)
+    assert gemm == pytest.approx(expected * block.flops_scale)
+
+
+def test_attention_dropout_costs_only_unfused_kernels_that_drop():
+    block = profile_model(random_spec(gated=False)).blocks[0]
+    cluster, tp, tokens, seq = make_cluster("a100", 8), np.array([2]), np.array([4096.0]), 2048
+    unfused = dataclasses.replace(MEGATRON, attention="unfused", attention_dropout=True)
+    scores = 4096 * seq * block.num_heads / 2
+    expected = DROPOUT_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * unfused.memory_bw)
+    assert attention_dropout_seconds(block, tokens, tp, seq, cluster, unfused) == pytest.approx(expected)
+    assert attention_dropout_seconds(block, tokens, tp, seq, cluster, MEGATRON) == 0.0
+    plain = dataclasses.replace(unfused, attention_dropout=False)
+    assert attention_dropout_seconds(block, tokens, tp, seq, cluster, plain) == 0.0
+
+
+def test_all_gather_context_parallelism_exposes_its_gather():
+    spec = random_spec()
+    gather = dataclasses.replace(MEGATRON, cp_allgather=True)
+    for cp in (2, 4):  # inside one node, where the ring's exchange hides behind attention
+        ring = plan(spec, 16, tp=2, dp=8 // cp, cp=cp, mbs=1, seq=8192, batch=16)
+        allg = plan(spec, 16, gather, tp=2, dp=8 // cp, cp=cp, mbs=1, seq=8192, batch=16)
+        assert allg.time_breakdown["exposed_comm_per_microbatch"] > ring.time_breakdown["exposed_comm_per_microbatch"]
+    one = plan(spec, 16, gather, tp=2, dp=8, cp=1, mbs=1, seq=8192, batch=16)
+    assert one.time_breakdown["exposed_comm_per_microbatch"] == pytest.approx(
+        plan(spec, 16, tp=2, dp=8, cp=1, mbs=1, seq=8192, batch=16).time_breakdown["exposed_comm_per_microbatch"]
+    )
+
+
+def test_pipeline_p2p_is_free_inside_a_node_and_grows_with_virtual_stages_across_nodes():
+    spec = decoder_spec(layers=16, hidden=4096, ffn=16384, heads=32, kv_heads=8)
+    inside = plan(spec, 8, pp=2, dp=4, mbs=1, vpp=1, schedule="1f1b")
+    across = plan(spec, 16, pp=2, dp=8, mbs=1, vpp=1, schedule="1f1b", batch=128)
+    interleaved = plan(spec, 16, pp=2, dp=8, mbs=1, vpp=4, schedule="interleaved_1f1b", batch=128)
+
+    def p2p(best):
+        return best.time_breakdown["exposed_comm_per_microbatch"]
+
+    assert p2p(inside) < p2p(across) < p2p(interleaved)
