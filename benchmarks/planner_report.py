@@ -288,6 +288,17 @@ def published_markdown(report: dict[str, Any]) -> str:
                 "layouts."
             ),
         ]
+        if "imports_s" in case:
+            rest = case["cli_cold_s"] - case["imports_s"] - case["plan_s"]
+            lines += [
+                "",
+                f"Where the cold run goes: {case['imports_s']:.2f} s (median) is a fresh interpreter importing torch "
+                "and transformers' modelling code for this config (whose module-level imports pull in torch._dynamo, "
+                "torch.distributed.tensor, sympy, jinja2 and triton), which the spec worker must do before intake "
+                f"reads a module; the search takes {case['plan_s']:.2f} s once the spec arrives; the other "
+                f"{rest:.2f} s is intake building and describing the meta skeleton, process start-up and the JSON "
+                "hand-over.",
+            ]
     return "\n".join(lines) + "\n"
 
 
