@@ -324,14 +324,33 @@ def knob_range(run: PublishedRun, eff: Efficiency | None = None) -> tuple[float,
     return (min(predictions), max(predictions)) if predictions else None
 
 
+# A fresh interpreter importing what describing the config needs before intake reads a module: torch, and
+# transformers' modelling code for the config (resolving the model class imports it); without cyclic
+# collections, as in the spec worker.
+_IMPORT_FLOOR = """import gc, sys, time
+started = time.perf_counter()
+gc.disable()
+from adapt.core.source import resolve_source
+from adapt.model.skeleton import load_config, model_class
+src = resolve_source(sys.argv[1], config_only=True)
+model_class(src, load_config(src))
+print(time.perf_counter() - started)
+"""
+
+
 def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
     """Seconds to plan the two giants of the issue, from a config-only checkpoint to the ranked answer.
 
     ``intake_s`` builds the ModelSpec from a meta skeleton (torch/transformers start-up included when cold);
     ``cli_cold_s`` is ``adapt plan --no-cache`` end to end in a fresh process (the median and the least of
-    ``cold_runs``); ``cli_cached_s`` the same once the spec is cached.
+    ``cold_runs``) and ``cli_cold_cpu_s`` its CPU seconds, planner and spec worker together (the median: wall
+    time on a shared machine follows its load, CPU time much less); ``cli_cached_s`` the same once the spec is
+    cached; ``imports_s`` (median of ``cold_runs``) is what a fresh interpreter takes to import torch and
+    transformers' modelling code for the config, the floor under a cold spec that intake's own work comes on
+    top of.
     """
     import os
+    import resource
     import statistics
     import subprocess
     import sys
@@ -381,11 +400,16 @@ def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
                 str(batch),
                 "--json",
             ]
-            cold = []
-            for _ in range(cold_runs):
+            cold, cpu, imports = [], [], []
+            for _ in range(cold_runs):  # each cold run beside an import floor, under the same load
+                used = resource.getrusage(resource.RUSAGE_CHILDREN)
                 started = time.perf_counter()
                 subprocess.run(command + ["--no-cache"], env=env, check=True, capture_output=True)
                 cold.append(time.perf_counter() - started)
+                now = resource.getrusage(resource.RUSAGE_CHILDREN)  # the CLI and the spec worker it waited for
+                cpu.append(now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime)
+                floor = subprocess.run([sys.executable, "-c", _IMPORT_FLOOR, path], check=True, capture_output=True)
+                imports.append(float(floor.stdout))
             started = time.perf_counter()
             subprocess.run(command, env=env, check=True, capture_output=True)
             cli_s = time.perf_counter() - started
@@ -402,6 +426,8 @@ def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
                     "cli_cold_s": statistics.median(cold),
                     "cli_cold_min_s": min(cold),
                     "cold_runs": cold_runs,
+                    "cli_cold_cpu_s": statistics.median(cpu),
+                    "imports_s": statistics.median(imports),
                     "best": layout_fields(best, "tokens_per_s", "mfu"),
                 }
             )
