@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from operators.recognition.component import Component
+from operators.recognition.variants import AttentionVariant
 from operators.registry import KernelOption, Target
 from operators.timing_cache import DiskCache, make_key
 
@@ -41,7 +42,7 @@ def _name(option: KernelOption) -> str:
 def _key(option_name: str, comp: Component, target: Target, compiled: bool) -> str:
     """What a timing depends on.  Module paths in the variant (an MoE's router and expert banks) are keyed
     relative to the component, so the same block at every depth, or in another model, shares one timing."""
-    variant = {k: _relative(v, comp.module) for k, v in comp.variant.items() if not k.endswith("evidence")}
+    variant = {k: _relative(v, comp.module) for k, v in comp.variant.to_dict().items() if not k.endswith("evidence")}
     return make_key(
         "cuda",
         option_name,
@@ -76,7 +77,7 @@ def fastest(
 ) -> tuple[KernelOption, dict[str, float]]:
     """The fastest option and the timings (ms) that chose it; each option's timing comes from the cache when
     it is there.  Without a module to time, the first option in provider order and no timings."""
-    if module is None or not torch.cuda.is_available() or "width" not in comp.variant:
+    if module is None or not torch.cuda.is_available() or getattr(comp.variant, "width", None) is None:
         return options[0], {}
     cache = DiskCache("kernel_timings")
     by_name = {_name(o): o for o in options}
@@ -101,7 +102,7 @@ def measure(
         fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
         if compiled:
             fwd = torch.compile(fwd, fullgraph=False, dynamic=False)
-        x = torch.randn(1, TOKENS, comp.variant["width"], device="cuda", dtype=dtype, requires_grad=target.training)
+        x = torch.randn(1, TOKENS, comp.variant.width, device="cuda", dtype=dtype, requires_grad=target.training)
         timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), DeviceTimer())
         del mod, fwd
     return timings
@@ -187,7 +188,7 @@ ATTENTION_SEQ = 2048
 DEFAULT_DISPATCH = "default"
 
 
-def attention_backend(variant: dict, target: Target) -> tuple[str | None, dict[str, float], str]:
+def attention_backend(variant: AttentionVariant, target: Target) -> tuple[str | None, dict[str, float], str]:
     """(SDPA backend to pin, or None to leave PyTorch's own dispatch; ms per backend; why).
 
     Each backend runs causal SDPA (forward, plus backward when training) at the component's heads and
@@ -200,19 +201,19 @@ def attention_backend(variant: dict, target: Target) -> tuple[str | None, dict[s
             {},
             f"{target.device}: the SDPA backend is chosen by measurement on CUDA only; PyTorch's dispatch decides here",
         )
-    if variant.get("softcap") or variant.get("sinks"):
+    if variant.softcap or variant.sinks:
         return None, {}, "score modification (softcap/sinks): FlexAttention, not an SDPA backend"
-    if variant.get("window") or not variant.get("causal") or variant.get("mla"):
+    if variant.window or not variant.causal or variant.mla:
         return None, {}, "needs a mask or unequal head sizes: PyTorch's dispatch decides"
     cache = DiskCache("attention_timings")
-    shape = [variant.get("num_heads"), variant.get("head_dim"), target.dtype, target.training, ATTENTION_SEQ]
+    shape = [variant.num_heads, variant.head_dim, target.dtype, target.training, ATTENTION_SEQ]
     timings: dict[str, float] = {}
     for name in (DEFAULT_DISPATCH, *SDPA_BACKENDS):
         key = make_key("cuda", "sdpa", name, shape, TIMING_METHOD)
         ms = cache.get(key)
         if ms is None:
             ms = _time_sdpa(
-                name, int(variant["num_heads"]), int(variant["head_dim"]), getattr(torch, target.dtype), target.training
+                name, int(variant.num_heads), int(variant.head_dim), getattr(torch, target.dtype), target.training
             )
             cache.put(key, ms)
         if ms >= 0:  # -1: this backend cannot run the shape

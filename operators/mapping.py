@@ -28,6 +28,7 @@ from operators.profiles import BackendProfile
 from operators.providers import provider_status, providers
 from operators.recognition import Recognition
 from operators.recognition.component import Component
+from operators.recognition.variants import Variant, check_variant, variant_from_dict
 from operators.registry import KernelOption, Target
 
 STATUSES = ("fused", "native", "decomposed", "generated", "unsupported")
@@ -41,7 +42,7 @@ _TIMED_KINDS = ("rms_norm", "layer_norm", "gated_mlp", "mlp", "moe")
 class KernelChoice:
     module: str
     kind: str
-    variant: dict[str, Any]
+    variant: Variant  # the kind's class in operators.recognition.variants.VARIANTS
     provider: str | None
     kernel: str | None
     status: str
@@ -52,8 +53,18 @@ class KernelChoice:
     margin: float | None = None  # runner-up time / winner time (>1: how much the winner won by)
     backend: str | None = None  # attention: the SDPA backend pinned by measurement (None: PyTorch's dispatch)
 
+    def __post_init__(self) -> None:
+        check_variant(self.kind, self.variant, self.module)
+
     def to_dict(self) -> dict[str, Any]:
-        return json_ready(dataclasses.asdict(self))
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json_ready({**fields, "variant": self.variant.to_dict()})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KernelChoice:
+        """The choice back from ``to_dict()``; its variant as ``variant_from_dict`` builds it."""
+        variant = variant_from_dict(data["kind"], data.get("variant"), data["module"])
+        return cls(**{**data, "variant": variant})
 
 
 @dataclass
@@ -98,7 +109,9 @@ class KernelPlan:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return json_ready({**dataclasses.asdict(self), "coverage": self.coverage()})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        components = [c.to_dict() for c in self.components]
+        return json_ready({**fields, "components": components, "coverage": self.coverage()})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KernelPlan:
@@ -106,7 +119,7 @@ class KernelPlan:
         return cls(
             profile=data["profile"],
             target=data["target"],
-            components=[KernelChoice(**c) for c in data["components"]],
+            components=[KernelChoice.from_dict(c) for c in data["components"]],
             ops=[OpDecision(**o) for o in data["ops"]],
             providers=data.get("providers", {}),
             compile=data.get("compile", {"mode": "none", "reason": "not recorded"}),
@@ -174,7 +187,7 @@ def compile_plan(target: Target, profile: BackendProfile, mode: str | None = Non
 def _choose(
     comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None, compiled: bool = False
 ) -> KernelChoice:
-    if comp.kind == "new" and not comp.variant.get("container"):  # a container's own code runs as traced
+    if comp.kind == "new" and not comp.variant.container:  # a container's own code runs as traced
         if profile.codegen == "none":
             return KernelChoice(
                 comp.module,

@@ -20,6 +20,7 @@ from operators.mapping import KernelChoice, KernelPlan, OpDecision
 from operators.profiles import BackendProfile, OpRule
 from operators.recognition import Recognition
 from operators.recognition.component import Component
+from operators.recognition.variants import variant_from_dict
 from operators.registry import Target
 
 
@@ -57,9 +58,7 @@ class OpsReport:
         out = []
         for c in self.plan.components:
             if c.kind == "new":
-                out.append(
-                    {"module": c.module, "ops": c.variant.get("ops", []), "status": c.status, "kernel": c.kernel}
-                )
+                out.append({"module": c.module, "ops": list(c.variant.ops), "status": c.status, "kernel": c.kernel})
         listed = {item["module"] for item in out}
         for r in self.recognition.rejected:  # look-alikes: each one's entry says why no kind claimed it
             entry = {"rejected_candidate": r["candidate"], "reason": r["reason"]}
@@ -94,7 +93,7 @@ class OpsReport:
                         "kernel": c.kernel,
                         "status": c.status,
                         "confirmed": c.confirmed,
-                        "variant": c.variant,
+                        "variant": c.variant.to_dict(),
                         "note": c.note,
                         "timings_ms": c.timings,
                         "margin": c.margin,
@@ -150,7 +149,7 @@ class OpsReport:
         )
         recognised = data.get("recognition") or {}
         recognition = Recognition(
-            [Component(**c) for c in recognised.get("components", [])], list(recognised.get("rejected", []))
+            [Component.from_dict(c) for c in recognised.get("components", [])], list(recognised.get("rejected", []))
         )
         plan = KernelPlan(
             profile=profile.to_dict(),
@@ -180,7 +179,7 @@ def _choice(data: dict[str, Any]) -> KernelChoice:
     return KernelChoice(
         module=data["module"],
         kind=data["kind"],
-        variant=data["variant"],
+        variant=variant_from_dict(data["kind"], data["variant"], data["module"]),
         provider=data["provider"],
         kernel=data["kernel"],
         status=data["status"],

@@ -105,9 +105,7 @@ def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> PatchHandle:
             elif choice.kind == "attention":
                 _install_attention(handle, module, choice)
             elif choice.kind == "residual_add_norm":
-                pair = _factory(options, choice, target)(
-                    model.get_submodule(choice.variant["add_in"]), _component(choice)
-                )
+                pair = _factory(options, choice, target)(model.get_submodule(choice.variant.add_in), _component(choice))
                 _install(handle, pair.norm, pair.forward)
                 handle.releases.append(pair.release)
                 handle.fusion_targets.append(pair.target)

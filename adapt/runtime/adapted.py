@@ -111,7 +111,7 @@ def restrict_kernel_plan(
     for choice in kernel_plan.components:
         if not choice.patch:
             continue
-        where = [choice.module] + ([choice.variant["add_in"]] if choice.kind == "residual_add_norm" else [])
+        where = [choice.module] + ([choice.variant.add_in] if choice.kind == "residual_add_norm" else [])
         if not all(_present(chunk, p) for p in where):
             continue  # another pipeline stage holds it
         reason = _layout_refusal(choice, plan, compiling)

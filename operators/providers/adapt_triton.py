@@ -46,21 +46,21 @@ class AdaptTritonProvider:
         if target.dtype not in ("float32", "bfloat16", "float16"):
             return []
         codegen = "triton"  # Triton kernels only exist where the profile can run Triton (interpreter included)
-        if component.kind == "rms_norm" and v.get("weight"):
+        if component.kind == "rms_norm" and v.weight:
             return [KernelOption(self.name, "rms_norm", "fused", rms_norm_forward, needs_codegen=codegen)]
-        if component.kind == "layer_norm" and v.get("weight"):
+        if component.kind == "layer_norm" and v.weight:
             return [KernelOption(self.name, "layer_norm", "fused", layer_norm_forward, needs_codegen=codegen)]
-        if component.kind == "gated_mlp" and v.get("activation") in _GLU and not v.get("packed"):
-            return [KernelOption(self.name, _GLU[v["activation"]][0], "fused", glu_forward, needs_codegen=codegen)]
+        if component.kind == "gated_mlp" and v.activation in _GLU and not v.packed:
+            return [KernelOption(self.name, _GLU[v.activation][0], "fused", glu_forward, needs_codegen=codegen)]
         if component.kind == "rotary_application":
             return [
                 KernelOption(
                     self.name,
-                    f"apply_rotary ({v['style']})",
+                    f"apply_rotary ({v.style})",
                     "fused",
                     triton_rope.rotary_forward,
                     needs_codegen=codegen,
-                    note=f"stands in for {v['function']} while this module runs",
+                    note=f"stands in for {v.function} while this module runs",
                 )
             ]
         if component.kind == "lm_head_cross_entropy":
@@ -74,12 +74,7 @@ class AdaptTritonProvider:
                     note="forward with labels: loss from the decoder output, logits not materialised (None)",
                 )
             ]
-        if (
-            component.kind == "residual_add_norm"
-            and v.get("norm") == "rms_norm"
-            and v.get("weight")
-            and v.get("add_after") is not None
-        ):
+        if component.kind == "residual_add_norm" and v.norm == "rms_norm" and v.weight and v.add_after is not None:
             return [
                 KernelOption(
                     self.name,
@@ -87,7 +82,7 @@ class AdaptTritonProvider:
                     "fused",
                     triton_residual.install_pair,
                     needs_codegen=codegen,
-                    note=f"the add after {v['add_after']} returns, and this norm, in one pass",
+                    note=f"the add after {v.add_after} returns, and this norm, in one pass",
                 )
             ]
         if component.kind == "moe" and triton_moe.unsupported_reason(v, target.training) is None:
@@ -99,7 +94,7 @@ def rms_norm_forward(module: nn.Module, component: Component):
     from operators.kernels import rms_norm
 
     v = component.variant
-    eps, offset, cast, w_name = float(v["eps"]), float(v["offset"]), v["cast"], v["weight"]
+    eps, offset, cast, w_name = float(v.eps), float(v.offset), v.cast, v.weight
     return lambda x: rms_norm(x, getattr(module, w_name), eps, offset, cast)
 
 
@@ -107,7 +102,7 @@ def layer_norm_forward(module: nn.Module, component: Component):
     from operators.kernels import layer_norm
 
     v = component.variant
-    eps, w_name, b_name = float(v["eps"]), v["weight"], v.get("bias")
+    eps, w_name, b_name = float(v.eps), v.weight, v.bias
     return lambda x: layer_norm(x, getattr(module, w_name), getattr(module, b_name) if b_name else None, eps)
 
 
@@ -115,8 +110,8 @@ def glu_forward(module: nn.Module, component: Component):
     from operators import kernels
 
     v = component.variant
-    name, approximate = _GLU[v["activation"]]
-    gate, up, down = (module.get_submodule(v[k]) for k in ("gate", "up", "down"))
+    name, approximate = _GLU[v.activation]
+    gate, up, down = (module.get_submodule(path) for path in (v.gate, v.up, v.down))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         g, u = gate(x), up(x)

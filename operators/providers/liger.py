@@ -30,13 +30,13 @@ class LigerProvider:
         if not component.confirmed or not self.available(target)[0]:
             return []
         v = component.variant
-        if component.kind == "rms_norm" and v.get("weight") and v.get("cast") in LIGER_CASTING_MODE:
+        if component.kind == "rms_norm" and v.weight and v.cast in LIGER_CASTING_MODE:
             return [KernelOption(self.name, "LigerRMSNormFunction", "fused", rms_norm_forward, needs_codegen="triton")]
-        if component.kind == "gated_mlp" and not v.get("packed") and v.get("activation") in ("silu", "gelu_tanh"):
+        if component.kind == "gated_mlp" and not v.packed and v.activation in ("silu", "gelu_tanh"):
             return [
                 KernelOption(
                     self.name,
-                    "LigerSiLUMulFunction" if v["activation"] == "silu" else "LigerGELUMulFunction",
+                    "LigerSiLUMulFunction" if v.activation == "silu" else "LigerGELUMulFunction",
                     "fused",
                     glu_forward,
                     needs_codegen="triton",
@@ -49,16 +49,16 @@ def rms_norm_forward(module: nn.Module, component: Component):
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
     v = component.variant
-    eps, offset, w_name = float(v["eps"]), float(v["offset"]), v["weight"]
-    mode = LIGER_CASTING_MODE[v["cast"]]
+    eps, offset, w_name = float(v.eps), float(v.offset), v.weight
+    mode = LIGER_CASTING_MODE[v.cast]
     return lambda x: LigerRMSNormFunction.apply(x, getattr(module, w_name), eps, offset, mode, False)
 
 
 def glu_forward(module: nn.Module, component: Component):
     v = component.variant
-    if v["activation"] == "silu":
+    if v.activation == "silu":
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction as fn
     else:
         from liger_kernel.ops.geglu import LigerGELUMulFunction as fn
-    gate, up, down = (module.get_submodule(v[k]) for k in ("gate", "up", "down"))
+    gate, up, down = (module.get_submodule(path) for path in (v.gate, v.up, v.down))
     return lambda x: down(fn.apply(gate(x), up(x)))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from operators.recognition.component import Component
+from operators.recognition.variants import AttentionVariant
 from operators.registry import KernelOption, Target
 
 ATTENTION_HOOK_NAME = "adapt"
@@ -32,7 +33,7 @@ class TorchNativeProvider:
 
     def options(self, component: Component, target: Target) -> list[KernelOption]:
         v = component.variant
-        if component.kind in ("rms_norm", "layer_norm") and component.confirmed and v.get("already_fused"):
+        if component.kind in ("rms_norm", "layer_norm") and component.confirmed and v.already_fused:
             return [KernelOption(self.name, "fused ATen norm (already in the graph)", "fused", None)]
         if component.kind == "rms_norm" and component.confirmed:
             return [KernelOption(self.name, "F.rms_norm", "fused", rms_norm_forward, ["aten._fused_rms_norm.default"])]
@@ -43,7 +44,7 @@ class TorchNativeProvider:
         if component.kind == "attention" and component.confirmed:
             return self._attention(component, target)
         if component.kind in ("gated_mlp", "mlp") and component.confirmed:
-            return [KernelOption(self.name, f"aten mm + {v.get('activation')} (eager)", "native", None)]
+            return [KernelOption(self.name, f"aten mm + {v.activation} (eager)", "native", None)]
         if component.kind == "moe":
             return [KernelOption(self.name, "router + expert GEMMs as traced", "native", None)]
         if component.kind in ("rotary", "embedding", "activation", "residual_add_norm", "lm_head_cross_entropy"):
@@ -52,10 +53,10 @@ class TorchNativeProvider:
 
     def _attention(self, component: Component, target: Target) -> list[KernelOption]:
         v = component.variant
-        plain = not v.get("softcap") and not v.get("sinks")
-        if v.get("core") == "sdpa" and plain:
+        plain = not v.softcap and not v.sinks
+        if v.core == "sdpa" and plain:
             return [KernelOption(self.name, "SDPA (already in the graph)", "fused", None, [])]
-        if not v.get("hook"):
+        if not v.hook:
             return [
                 KernelOption(
                     self.name,
@@ -97,7 +98,7 @@ class TorchNativeProvider:
 
 def rms_norm_forward(module: nn.Module, component: Component):
     v = component.variant
-    eps, offset, cast, w_name = float(v["eps"]), float(v["offset"]), v["cast"], v.get("weight")
+    eps, offset, cast, w_name = float(v.eps), float(v.offset), v.cast, v.weight
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight = getattr(module, w_name) if w_name else None
@@ -116,7 +117,7 @@ def rms_norm_forward(module: nn.Module, component: Component):
 
 def layer_norm_forward(module: nn.Module, component: Component):
     v = component.variant
-    eps, w_name, b_name = float(v["eps"]), v.get("weight"), v.get("bias")
+    eps, w_name, b_name = float(v.eps), v.weight, v.bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight = getattr(module, w_name) if w_name else None
@@ -160,41 +161,41 @@ def adapt_attention(
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, :kv_len]
-    if mask is None and (v.get("window") or not v.get("causal")):
+    if mask is None and (v.window or not v.causal):
         mask = _band(q_len, kv_len, v, query.device)
     gqa = query.shape[1] != key.shape[1]
-    if v.get("softcap") or v.get("sinks"):
+    if v.softcap or v.sinks:
         out = _flex(query, key, value, mask, v, scale, gqa)
     else:
-        is_causal = bool(v.get("causal")) and mask is None and q_len == kv_len
+        is_causal = bool(v.causal) and mask is None and q_len == kv_len
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )
     return out.transpose(1, 2).contiguous(), None
 
 
-def _check_agrees(v: dict[str, Any], kwargs: dict[str, Any]) -> None:
+def _check_agrees(v: AttentionVariant, kwargs: dict[str, Any]) -> None:
     """The model's call must agree with what recognition measured; a disagreement is a recognition bug."""
     softcap = kwargs.get("softcap")
-    if softcap is not None and v.get("softcap") is not None and abs(float(softcap) - float(v["softcap"])) > 1e-9:
-        raise RuntimeError(f"attention softcap {softcap} differs from the recognised {v['softcap']}")
+    if softcap is not None and v.softcap is not None and abs(float(softcap) - float(v.softcap)) > 1e-9:
+        raise RuntimeError(f"attention softcap {softcap} differs from the recognised {v.softcap}")
 
 
-def _band(q_len: int, kv_len: int, v: dict[str, Any], device) -> torch.Tensor:
+def _band(q_len: int, kv_len: int, v: AttentionVariant, device) -> torch.Tensor:
     q = torch.arange(q_len, device=device).view(-1, 1) + (kv_len - q_len)
     k = torch.arange(kv_len, device=device).view(1, -1)
     allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
-    if v.get("causal"):
+    if v.causal:
         allowed &= k <= q
-    if v.get("window"):
-        allowed &= (q - k) < int(v["window"])
+    if v.window:
+        allowed &= (q - k) < int(v.window)
     return allowed.view(1, 1, q_len, kv_len)
 
 
 def _flex(query, key, value, mask, v, scale, gqa):
     from torch.nn.attention.flex_attention import flex_attention
 
-    cap = float(v["softcap"]) if v.get("softcap") else None
+    cap = float(v.softcap) if v.softcap else None
     bool_mask = mask if mask is None or mask.dtype == torch.bool else mask > -1e30
     additive = None if mask is None or mask.dtype == torch.bool else mask
 

@@ -174,7 +174,7 @@ def _lend_loss_function(owner: nn.Module, loss_function: Callable) -> Callable[[
 
 def head_forward(owner: nn.Module, component: Component):
     """adapt-triton factory: ``owner`` is the module that owns the head (see ``operators.patch``)."""
-    softcap = component.variant.get("final_softcap")
+    softcap = component.variant.final_softcap
     return linear_cross_entropy_forward(owner, float(softcap) if softcap else None, triton_linear_cross_entropy)
 
 

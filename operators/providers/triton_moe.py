@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from operators.recognition.component import Component, local_path
+from operators.recognition.variants import MoEVariant
 
 GLU_KERNELS = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh": ("geglu", "tanh")}
 SCORINGS = ("softmax", "sigmoid")
@@ -57,28 +58,28 @@ class RoutedExperts:
     gate_first: bool = True
 
 
-def unsupported_reason(variant: dict[str, Any], training: bool = False) -> str | None:
+def unsupported_reason(variant: MoEVariant, training: bool = False) -> str | None:
     """Why this recognised variant cannot run on the kernels (None when it can)."""
-    missing = [k for k in _REQUIRED if k not in variant]
+    missing = [k for k in _REQUIRED if getattr(variant, k) is None]
     if missing:
         return f"variant lacks {', '.join(missing)} (recognised by an older recogniser)"
-    if training and variant["stochastic_in_training"]:
+    if training and variant.stochastic_in_training:
         return (
             "the module is random in training mode (router jitter, dropout); the kernels compute its eval-mode function"
         )
-    if variant.get("scoring") not in SCORINGS:
-        return f"router scoring {variant.get('scoring')!r} is not one of {SCORINGS}"
-    if variant.get("activation") not in GLU_KERNELS:
-        return f"expert activation {variant.get('activation')!r} has no GLU kernel (have {sorted(GLU_KERNELS)})"
-    if variant["outputs"] not in OUTPUTS:
-        return f"module returns {variant['outputs']!r}; the patched forward reproduces only {OUTPUTS}"
-    experts, groups = int(variant["num_experts"]), int(variant.get("n_group", 1))
-    if groups > 1 and variant.get("group_score") != "top2_sum":
-        return f"group score {variant.get('group_score')!r}: moe_route scores a group by its two best experts"
+    if variant.scoring not in SCORINGS:
+        return f"router scoring {variant.scoring!r} is not one of {SCORINGS}"
+    if variant.activation not in GLU_KERNELS:
+        return f"expert activation {variant.activation!r} has no GLU kernel (have {sorted(GLU_KERNELS)})"
+    if variant.outputs not in OUTPUTS:
+        return f"module returns {variant.outputs!r}; the patched forward reproduces only {OUTPUTS}"
+    experts, groups = int(variant.num_experts), int(variant.n_group)
+    if groups > 1 and variant.group_score != "top2_sum":
+        return f"group score {variant.group_score!r}: moe_route scores a group by its two best experts"
     if groups > 1 and (experts % groups or experts // groups < 2):
         return f"{experts} experts in {groups} groups: moe_route needs equal groups of at least two"
-    if {variant["gate_up_layout"], variant["down_layout"]} - {"out_in", "in_out"}:
-        return f"unknown bank layout {variant['gate_up_layout']!r}/{variant['down_layout']!r}"
+    if {variant.gate_up_layout, variant.down_layout} - {"out_in", "in_out"}:
+        return f"unknown bank layout {variant.gate_up_layout!r}/{variant.down_layout!r}"
     return None
 
 
@@ -123,24 +124,24 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
     if reason:
         raise ValueError(f"{component.module}: {reason}")
     local = functools.partial(local_path, base=component.module)
-    router_path = local(v["router"])
-    gate_up_path, down_path = local(v["gate_up_bank"]), local(v["down_bank"])
-    shared_path = local(v["shared_experts"]) if v.get("shared_experts") else None
+    router_path = local(v.router)
+    gate_up_path, down_path = local(v.gate_up_bank), local(v.down_bank)
+    shared_path = local(v.shared_experts) if v.shared_experts else None
     # banks are stored [E, out, in] ("out_in", F.linear orientation) or [E, in, out]; the GEMM wants [E, in, out]
-    gate_up_transposed, down_transposed = v["gate_up_layout"] == "out_in", v["down_layout"] == "out_in"
-    router_weight, router_bias, correction = v["router_weight"], v.get("router_bias"), v.get("correction_bias")
-    logits_output = v.get("router_logits_output")
-    with_logits = v["outputs"] == "hidden+router_logits"
+    gate_up_transposed, down_transposed = v.gate_up_layout == "out_in", v.down_layout == "out_in"
+    router_weight, router_bias, correction = v.router_weight, v.router_bias, v.correction_bias
+    logits_output = v.router_logits_output
+    with_logits = v.outputs == "hidden+router_logits"
     spec = RoutedExperts(
-        num_experts=int(v["num_experts"]),
-        top_k=int(v["top_k"]),
-        scoring=v["scoring"],
-        n_group=int(v.get("n_group", 1)),
-        topk_group=int(v.get("topk_group", 1)),
-        normalize=bool(v.get("normalize_topk", True)),
-        scale=float(v.get("routed_scale", 1.0)),
-        activation=v["activation"],
-        gate_first=bool(v["gate_first"]),
+        num_experts=int(v.num_experts),
+        top_k=int(v.top_k),
+        scoring=v.scoring,
+        n_group=int(v.n_group),
+        topk_group=int(v.topk_group),
+        normalize=bool(v.normalize_topk),
+        scale=float(v.routed_scale),
+        activation=v.activation,
+        gate_first=bool(v.gate_first),
     )
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -246,13 +246,13 @@ def install_pair(block: nn.Module, component: Component) -> InstalledPair:
     The caller installs ``forward`` on the norm; pairs of one block share its hooks and mode.
     """
     v = component.variant
-    norm = block.get_submodule(local_path(component.module, v["add_in"]))
-    after = local_path(v["add_after"], v["add_in"])
+    norm = block.get_submodule(local_path(component.module, v.add_in))
+    after = local_path(v.add_after, v.add_in)
     fusion = _FUSIONS.get(block)
     if fusion is None:
         fusion = _FUSIONS[block] = ResidualFusion(block)
     target = FusionTarget(
-        norm, component.module, after, int(v["add_index"]), float(v["eps"]), float(v["offset"]), v["cast"], v["weight"]
+        norm, component.module, after, int(v.add_index), float(v.eps), float(v.offset), v.cast, v.weight
     )
     fusion.add(target)
     previous = norm.forward

@@ -101,10 +101,10 @@ def rotary_forward(module: nn.Module, component: Component):
 
     v = component.variant
     scope = forward_function(module).__globals__
-    if f"{scope.get('__name__')}.{v['global']}" != v["function"]:
-        raise RuntimeError(f"{component.module}: forward no longer resolves {v['function']}")
-    swap = swap_global(scope, v["global"], rotary_dispatcher)
-    spec = RotarySpec(swap.original, v["style"], component.module)
+    if f"{scope.get('__name__')}.{v.global_name}" != v.function:
+        raise RuntimeError(f"{component.module}: forward no longer resolves {v.function}")
+    swap = swap_global(scope, v.global_name, rotary_dispatcher)
+    spec = RotarySpec(swap.original, v.style, component.module)
     inner = module.forward
 
     def forward(*args, **kwargs):

@@ -4,12 +4,14 @@
 and runs the matching probe from ``probes``/``moe`` on fresh random data.  Confirmed components
 carry the variant parameters a kernel needs (eps, offset, cast order, activation, window, softcap,
 routing) and the attribute names found during recognition, so the patcher can call a kernel with
-the module's own parameters.  Modules that compute something but match no kind are reported
-as ``new``; they run through decomposition or a generated kernel.
+the module's own parameters; each kind's variant is its dataclass in ``variants``.  Modules that
+compute something but match no kind are reported as ``new``; they run through decomposition or a
+generated kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from torch import nn
 from adapt.model.blocks import NoBlockList, find_blocks, is_expert_list
 from operators.inventory import ModuleRecord, OpInventory
 from operators.recognition import patterns as pat
+from operators.recognition import variants
 from operators.recognition.component import Component
 from operators.recognition.moe import probe_moe, routing_from_sequence
 from operators.recognition.probe_cache import ProbeCache, structure_key
@@ -144,8 +147,8 @@ def recognise(
         if comp is not None:
             accept(comp)
             found.extend(extra)
-            if comp.variant.get("experts"):  # experts kept as a list belong to their MoE, not each its own MLP
-                claimed.add(comp.variant["experts"])
+            if isinstance(comp.variant, variants.MoEVariant) and comp.variant.experts:
+                claimed.add(comp.variant.experts)  # experts kept as a list belong to their MoE, not each its own MLP
     found.extend(_residual_norms(inventory, found))
     head = _lm_head(model, inventory, generator, can_probe)
     if head is not None:
@@ -172,42 +175,52 @@ def _classify(
             run = functools.partial(probe_mlp, module, rec.path, width, projections, generator)
             variant, suffix = cache.verdict(structure_key(module, rec, inventory), rec.path, run)
             evidence += suffix
-        comp = (
-            Component(rec.path, variant.pop("kind"), {**variant, "width": width}, True, evidence) if variant else None
-        )
+        comp = _measured(rec.path, variant, evidence, width=width) if variant else None
         if comp is None and can_probe:
             reject(rec.path, "mlp", "no gated/plain MLP composition of its projections matched")
         elif comp is None:
-            comp = Component(rec.path, "mlp", {}, False, "pattern only (meta tensors)")
+            comp = Component(rec.path, "mlp", variants.MLPVariant(), False, "pattern only (meta tensors)")
     elif pat.is_norm_candidate(rec):
         comp = _norm(module, rec, inventory, generator, can_probe, reject, cache)
     elif pat.rotary_generator(rec):
         comp = _rotary(module, rec, inventory, can_probe)
     elif _activation_only(rec):
         comp = Component(
-            rec.path, "activation", {"op": _compute_ops(rec)[0]}, True, "a single elementwise ATen activation"
+            rec.path,
+            "activation",
+            variants.ActivationVariant(op=_compute_ops(rec)[0]),
+            True,
+            "a single elementwise ATen activation",
         )
     elif "aten.embedding.default" in rec.own_ops:
-        comp = Component(rec.path, "embedding", {"extra_ops": _compute_ops(rec)}, True, "aten.embedding lookup")
+        extra_ops = tuple(_compute_ops(rec))
+        comp = Component(
+            rec.path, "embedding", variants.EmbeddingVariant(extra_ops=extra_ops), True, "aten.embedding lookup"
+        )
     else:
         comp = None
     extra = []
     if comp is not None and comp.kind == "attention" and can_probe and rec.path in inventory.captured:
         rotation = _rotary_application(module, rec.path, inventory, generator, cache)
-        if comp.variant.get("rope"):
+        if comp.variant.rope:
             extra.append(rotation)
         elif (
             rotation.confirmed
         ):  # rotary written without a telltale op (no neg, no stride-2 slice): found by its numbers
             extra.append(rotation)
-            dim, head = rotation.variant["rotary_dim"], rotation.variant["head_dim"]
-            comp.variant["rope"] = {
-                "style": rotation.variant["style"],
-                "rotary_dim": dim,
-                "partial": dim < head,
-                "decoupled": False,
-            }
+            dim, head = rotation.variant.rotary_dim, rotation.variant.head_dim
+            rope = variants.RopeStyle(style=rotation.variant.style, rotary_dim=dim, partial=dim < head, decoupled=False)
+            comp.variant = dataclasses.replace(comp.variant, rope=rope)
     return comp, extra
+
+
+def _measured(path: str, measured: dict[str, Any], evidence: str, **recorded: Any) -> Component:
+    """The confirmed component a probe's result describes: its ``kind`` and fields, with what recognition
+    recorded beside the probe (``recorded`` wins over a probed field of the same name)."""
+    fields = {k: v for k, v in measured.items() if k != "kind"}
+    return Component(
+        path, measured["kind"], variants.VARIANTS[measured["kind"]](**{**fields, **recorded}), True, evidence
+    )
 
 
 def _candidate_name(inventory: OpInventory, rec: ModuleRecord) -> str:
@@ -237,30 +250,33 @@ def _norm(
     module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, reject, cache: ProbeCache
 ) -> Component | None:
     if any("layer_norm" in op for op in rec.own_ops) and not can_probe:
-        return Component(rec.path, "layer_norm", {}, False, "pattern only (meta tensors)")
+        return Component(rec.path, "layer_norm", variants.LayerNormVariant(), False, "pattern only (meta tensors)")
     if not can_probe:
-        return Component(rec.path, "rms_norm", {}, False, "pattern only (meta tensors)")
+        return Component(rec.path, "rms_norm", variants.RMSNormVariant(), False, "pattern only (meta tensors)")
     run = functools.partial(probe_norm, module, pat.last_dim(rec.input_shapes), rec.scalars, generator)
     variant, suffix = cache.verdict(structure_key(module, rec, inv), rec.path, run)
     if variant is None:
         reject(rec.path, "norm", "matches neither RMSNorm (offset 0/1) nor LayerNorm in float64" + suffix)
         return None
-    variant["width"] = pat.last_dim(rec.input_shapes)
-    variant["already_fused"] = any("layer_norm" in op or "rms_norm" in op for op in rec.own_ops)
-    return Component(
-        rec.path, variant.pop("kind"), variant, True, "float64 output+grad match at three magnitudes" + suffix
+    return _measured(
+        rec.path,
+        variant,
+        "float64 output+grad match at three magnitudes" + suffix,
+        width=pat.last_dim(rec.input_shapes),
+        already_fused=any("layer_norm" in op or "rms_norm" in op for op in rec.own_ops),
     )
 
 
 def _rotary(module, rec: ModuleRecord, inv: OpInventory, can_probe: bool) -> Component | None:
     if not can_probe or rec.path not in inv.captured:
-        return Component(rec.path, "rotary", {"rotary_dim": rec.output_shapes[0][-1]}, False, "pattern only")
+        return Component(
+            rec.path, "rotary", variants.RotaryVariant(rotary_dim=rec.output_shapes[0][-1]), False, "pattern only"
+        )
     args, kwargs = inv.captured[rec.path]
     variant = probe_rotary_tables(module, args, kwargs)
     if variant is None:
         return None
-    variant.pop("kind")
-    return Component(rec.path, "rotary", variant, True, "cos^2+sin^2 constant, layout from table symmetry")
+    return _measured(rec.path, variant, "cos^2+sin^2 constant, layout from table symmetry")
 
 
 def _rotary_application(module, path: str, inv: OpInventory, generator, cache: ProbeCache) -> Component:
@@ -269,7 +285,10 @@ def _rotary_application(module, path: str, inv: OpInventory, generator, cache: P
     key = ("rotary_application", *structure_key(module, inv.modules[path], inv, call_inputs=True))
     run = functools.partial(probe_rotary_application, module, *inv.captured[path], generator)
     (variant, evidence), suffix = cache.verdict(key, path, run)
-    return Component(path, "rotary_application", dict(variant or {}), variant is not None, evidence + suffix)
+    fields = {("global_name" if k == "global" else k): v for k, v in (variant or {}).items()}
+    return Component(
+        path, "rotary_application", variants.RotaryApplicationVariant(**fields), variant is not None, evidence + suffix
+    )
 
 
 def _attention(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache) -> Component:
@@ -288,8 +307,20 @@ def _attention(module, rec: ModuleRecord, inv: OpInventory, generator, can_probe
             (same, why), suffix = cache.verdict(key, rec.path, run)
             evidence += "; " + why + suffix
             if not same:
-                return Component(rec.path, "attention", variant, False, evidence)
-    return Component(rec.path, "attention", variant, can_probe, evidence)
+                return Component(rec.path, "attention", _attention_variant(variant), False, evidence)
+    return Component(rec.path, "attention", _attention_variant(variant), can_probe, evidence)
+
+
+def _attention_variant(measured: dict[str, Any]) -> variants.AttentionVariant:
+    """The typed variant of what ``attention_shape`` and the visibility probe measured."""
+    rope, latent = measured.get("rope"), measured.get("latent_projections")
+    return variants.AttentionVariant(
+        **{
+            **measured,
+            "rope": variants.RopeStyle(**rope) if rope else None,
+            "latent_projections": tuple(latent) if latent is not None else None,
+        }
+    )
 
 
 def attention_shape(inv: OpInventory, rec: ModuleRecord) -> dict[str, Any]:
@@ -437,7 +468,7 @@ def _moe(
         "experts": experts_at,
     }
     if not can_probe:
-        return Component(rec.path, "moe", base, False, "pattern only (meta tensors)")
+        return Component(rec.path, "moe", variants.MoEVariant(**base), False, "pattern only (meta tensors)")
     run = functools.partial(
         probe_moe,
         module,
@@ -454,13 +485,16 @@ def _moe(
     variant, suffix = cache.verdict(("moe", expert_list, *structure_key(module, rec, inv)), rec.path, run)
     if variant is None:
         return Component(
-            rec.path, "moe", base, False, "routing pattern found, float64 reference did not match" + suffix
+            rec.path,
+            "moe",
+            variants.MoEVariant(**base),
+            False,
+            "routing pattern found, float64 reference did not match" + suffix,
         )
-    variant.pop("kind")
-    variant.update(width=base["width"], expert_container=base["expert_container"], experts=experts_at)
+    recorded = {"width": base["width"], "expert_container": base["expert_container"], "experts": experts_at}
     if expert_list:  # no bank to hand a grouped kernel: the experts run as the model wrote them
-        variant.update(gate_up_layout="module_list", down_layout="module_list")
-    return Component(rec.path, "moe", variant, True, "float64 match against the generic routed-MoE reference" + suffix)
+        recorded.update(gate_up_layout="module_list", down_layout="module_list")
+    return _measured(rec.path, variant, "float64 match against the generic routed-MoE reference" + suffix, **recorded)
 
 
 def _residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]:
@@ -470,13 +504,13 @@ def _residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]
         if comp.kind in ("rms_norm", "layer_norm") and comp.confirmed:
             rec = inv.modules[comp.module]
             if rec.fed_by_add is not None and (rec.fed_by_add == "" or comp.module.startswith(rec.fed_by_add + ".")):
-                variant = {
-                    "norm": comp.kind,
-                    "add_in": rec.fed_by_add,
-                    "add_after": rec.fed_by_add_after,
-                    "add_index": rec.fed_by_add_index,
-                    **comp.variant,
-                }
+                variant = variants.ResidualAddNormVariant(
+                    norm=comp.kind,
+                    add_in=rec.fed_by_add,
+                    add_after=rec.fed_by_add_after,
+                    add_index=rec.fed_by_add_index,
+                    **dataclasses.asdict(comp.variant),
+                )
                 out.append(
                     Component(
                         comp.module,
@@ -496,7 +530,7 @@ def _lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool) -> 
     root = inv.modules[""]
     names = [e[0] for e in root.sequence]
     softcap = _tanh_cap(root.sequence, names.index("aten.tanh.default")) if "aten.tanh.default" in names else None
-    variant = {"vocab": head.out_features, "hidden": head.in_features, "final_softcap": softcap}
+    variant = variants.HeadLossVariant(vocab=head.out_features, hidden=head.in_features, final_softcap=softcap)
     confirmed, evidence = (
         probe_lm_head_loss(model, head.path, softcap, generator) if can_probe else (False, "pattern only")
     )
@@ -532,6 +566,6 @@ def _new_modules(inv: OpInventory, found: list[Component], blocks: set[str]) -> 
         compute = _compute_ops(rec)
         in_block = rec.path not in blocks and any(rec.path.startswith(b + ".") for b in blocks)
         if compute and (not rec.children or (in_block and set(compute) - _RESIDUAL_OPS)):
-            variant = {"ops": compute, **({"container": True} if rec.children else {})}
+            variant = variants.NewVariant(ops=tuple(compute), container=bool(rec.children))
             out.append(Component(rec.path, "new", variant, False, "computes, matches no known kind"))
     return out

@@ -4,10 +4,11 @@ import the recognition package itself."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from operators.inventory import json_ready
+from operators.recognition.variants import Variant, check_variant, variant_from_dict
 
 
 @dataclass
@@ -16,12 +17,22 @@ class Component:
 
     module: str
     kind: str  # one of KINDS, or "new"
-    variant: dict[str, Any] = field(default_factory=dict)
+    variant: Variant  # the kind's class in operators.recognition.variants.VARIANTS
     confirmed: bool = False  # True only after a numeric probe matched
     evidence: str = ""
 
+    def __post_init__(self) -> None:
+        check_variant(self.kind, self.variant, self.module)
+
     def to_dict(self) -> dict[str, Any]:
-        return json_ready(dataclasses.asdict(self))
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json_ready({**fields, "variant": self.variant.to_dict()})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Component:
+        """The component back from ``to_dict()``; its variant as ``variant_from_dict`` builds it."""
+        variant = variant_from_dict(data["kind"], data.get("variant"), data["module"])
+        return cls(**{**data, "variant": variant})
 
 
 def local_path(path: str, base: str) -> str:

@@ -88,8 +88,8 @@ def test_a_gated_linear_recurrence_is_a_recurrent_mixer_and_new():
 
 def test_experts_in_a_module_list_are_one_routed_moe(recognition):
     moe = _component(recognition, "strands.0.council", "moe")
-    assert moe.confirmed and moe.variant["num_experts"] == SPECIALISTS
-    assert (moe.variant["top_k"], moe.variant["scoring"], moe.variant["expert_container"]) == (
+    assert moe.confirmed and moe.variant.num_experts == SPECIALISTS
+    assert (moe.variant.top_k, moe.variant.scoring, moe.variant.expert_container) == (
         2,
         "sigmoid",
         "module_list",
@@ -99,10 +99,10 @@ def test_experts_in_a_module_list_are_one_routed_moe(recognition):
 
 def test_rotary_written_out_is_found_by_its_numbers(recognition):
     rotation = _component(recognition, "strands.0.look", "rotary_application")
-    assert rotation.confirmed and rotation.variant["global"] == "turn" and rotation.variant["style"] == "half"
+    assert rotation.confirmed and rotation.variant.global_name == "turn" and rotation.variant.style == "half"
     attention = _component(recognition, "strands.0.look", "attention")
-    assert attention.variant["rope"]["rotary_dim"] == SPAN
-    assert (attention.variant["num_heads"], attention.variant["num_kv_heads"]) == (HEADS, GROUPS)
+    assert attention.variant.rope.rotary_dim == SPAN
+    assert (attention.variant.num_heads, attention.variant.num_kv_heads) == (HEADS, GROUPS)
 
 
 def test_an_unknown_mixer_is_new_with_its_path_not_silently_native(recognition):

@@ -26,7 +26,7 @@ def _attention(model):
 def test_learned_sinks_keep_the_module_off_the_plain_kernel():
     """gpt-oss hands its core per-head sink logits: a kernel that drops them changes the function."""
     attention = _attention(_tiny("gpt_oss", num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"]))
-    assert attention.variant["hook"] and attention.variant["sinks"]
+    assert attention.variant.hook and attention.variant.sinks
     assert not attention.confirmed and "computes more than scaled dot-product attention" in attention.evidence
 
 

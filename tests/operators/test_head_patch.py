@@ -56,7 +56,7 @@ def test_fused_loss_equals_hf_loss_and_gradients(zoo, family, kernel_calls):
         True,
         True,
     )
-    assert (choice.variant["final_softcap"] is not None) == (family == "gemma2")
+    assert (choice.variant.final_softcap is not None) == (family == "gemma2")
     ids, labels = batch()
     _, ref_loss, ref_grads = loss_and_grads(model, input_ids=ids, labels=labels)
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_poisoned_kernel_proves_it_is_on_the_path(zoo, monkeypatch):
 def test_probe_rejects_a_wrong_soft_cap_and_models_without_the_hooks(zoo):
     model, _, recognition = recognised(str(zoo("gemma2")))
     (head,) = recognition.by_kind("lm_head_cross_entropy")
-    assert head.confirmed and head.variant["final_softcap"] == 30.0
+    assert head.confirmed and head.variant.final_softcap == 30.0
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     confirmed, reason = probe_lm_head_loss(model, head.module, None, gen)  # gemma2 without its soft-cap
     assert not confirmed and "differs from the model's own" in reason

@@ -7,6 +7,8 @@ the choice says why, and that the cache answers the second time.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from torch import nn
 from operators import benchmark
 from operators.mapping import _choose
 from operators.recognition import Component
+from operators.recognition.variants import AttentionVariant, MoEVariant, RMSNormVariant
 from operators.registry import KernelOption, Target
 
 CUDA = Target("cuda", "bfloat16", True, (9, 0))
@@ -52,7 +55,7 @@ def test_the_models_own_path_wins_when_it_is_faster(monkeypatch, tmp_path):
 
     monkeypatch.setattr(benchmark, "measure", measure)
     model = nn.Sequential(nn.Linear(8, 8))
-    moe = Component("0", "moe", {"width": 8, "top_k": 2}, True)
+    moe = Component("0", "moe", MoEVariant(width=8, top_k=2), True)
     choice = _choose(moe, provider_options(), Profile(), CUDA, model)
     assert timed == [["kernels:grouped", "native:as traced"]]
     assert (choice.provider, choice.status, choice.patch) == ("native", "native", False)
@@ -63,7 +66,7 @@ def test_the_models_own_path_wins_when_it_is_faster(monkeypatch, tmp_path):
     assert len(timed) == 1 and again.provider == "native"
 
     # attention has no hidden->hidden forward to time: its one fused kernel is taken without timing
-    attention = Component("0", "attention", {"width": 8}, True)
+    attention = Component("0", "attention", AttentionVariant(), True)
     assert _choose(attention, provider_options(), Profile(), CUDA, model).provider == "kernels" and len(timed) == 1
 
 
@@ -90,7 +93,7 @@ def norm_providers():
 def test_under_compile_a_hand_kernel_must_beat_inductor_on_its_own_forward(monkeypatch, tmp_path):
     timed = _fake_cuda(monkeypatch, tmp_path, {"adapt:rms_norm": 0.30, "inductor:own forward, compiled": 0.20})
     model = nn.Sequential(nn.LayerNorm(8))
-    norm = Component("0", "rms_norm", {"width": 8, "eps": 1e-6}, True)
+    norm = Component("0", "rms_norm", RMSNormVariant(width=8, eps=1e-6), True)
     choice = _choose(norm, norm_providers(), Profile(), CUDA, model, compiled=True)
     assert timed == [(["adapt:rms_norm", "inductor:own forward, compiled"], True)]
     assert (choice.provider, choice.status, choice.patch) == ("inductor", "native", False)
@@ -101,7 +104,7 @@ def test_under_compile_a_hand_kernel_must_beat_inductor_on_its_own_forward(monke
 def test_a_hand_kernel_that_beats_inductor_stays_and_eager_timings_are_kept_apart(monkeypatch, tmp_path):
     timed = _fake_cuda(monkeypatch, tmp_path, {"adapt:rms_norm": 0.10, "inductor:own forward, compiled": 0.25})
     model = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8))
-    norm = Component("0", "rms_norm", {"width": 8, "eps": 1e-6}, True)
+    norm = Component("0", "rms_norm", RMSNormVariant(width=8, eps=1e-6), True)
     choice = _choose(norm, norm_providers(), Profile(), CUDA, model, compiled=True)
     assert (choice.provider, choice.patch, choice.margin) == ("adapt", True, 2.5)
     # eager: the module's own forward only competes when a provider offers it; one kernel is taken untimed
@@ -109,7 +112,7 @@ def test_a_hand_kernel_that_beats_inductor_stays_and_eager_timings_are_kept_apar
     assert eager.provider == "adapt" and eager.timings == {} and len(timed) == 1
     # the compiled timings came from the cache: the same shape is never timed twice
     _choose(
-        Component("1", "rms_norm", {"width": 8, "eps": 1e-6}, True),
+        Component("1", "rms_norm", RMSNormVariant(width=8, eps=1e-6), True),
         norm_providers(),
         Profile(),
         CUDA,
@@ -123,7 +126,7 @@ def test_a_new_candidate_is_timed_alone_beside_cached_ones(monkeypatch, tmp_path
     figures = {"kernels:grouped": 2.0, "native:as traced": 3.0, "extra:fast": 1.0}
     timed = _fake_cuda(monkeypatch, tmp_path, figures)
     model = nn.Sequential(nn.Linear(8, 8))
-    moe = Component("0", "moe", {"width": 8, "top_k": 2}, True)
+    moe = Component("0", "moe", MoEVariant(width=8, top_k=2), True)
     _choose(moe, provider_options(), Profile(), CUDA, model)
     extra = Provider("extra", [KernelOption("extra", "fast", "fused", lambda module, component: module.forward)])
     choice = _choose(moe, [*provider_options(), extra], Profile(), CUDA, model)
@@ -138,7 +141,7 @@ def test_the_same_block_at_another_depth_shares_one_timing(monkeypatch, tmp_path
 
     def moe(depth: int, experts: int = 4) -> Component:
         paths = {"router": f"{depth}.gate", "gate_up_bank": f"{depth}.experts.gate_up", "shared_experts": None}
-        return Component(str(depth), "moe", {"width": 8, "top_k": 2, "num_experts": experts, **paths}, True)
+        return Component(str(depth), "moe", MoEVariant(width=8, top_k=2, num_experts=experts, **paths), True)
 
     first, second = (_choose(moe(d), provider_options(), Profile(), CUDA, model) for d in (0, 1))
     assert len(timed) == 1 and first.timings == second.timings and second.provider == "kernels"
@@ -189,12 +192,12 @@ def test_the_sdpa_backend_is_pinned_only_when_it_beats_the_default(monkeypatch, 
     _fake_cuda(monkeypatch, tmp_path, {})
     figures = {"default": 1.0, "flash": 0.8, "cudnn": -1.0, "efficient": 1.4}
     monkeypatch.setattr(benchmark, "_time_sdpa", lambda backend, *args: figures[backend])
-    variant = {"num_heads": 4, "head_dim": 16, "causal": True, "window": None, "softcap": None}
+    variant = AttentionVariant(num_heads=4, head_dim=16, causal=True, window=None, softcap=None)
     backend, timings, why = benchmark.attention_backend(variant, CUDA)
     assert backend == "flash" and "cudnn" not in timings and "x1.25" in why
     figures["flash"] = 0.99  # within the noise: PyTorch's dispatch stays
-    assert benchmark.attention_backend({**variant, "head_dim": 32}, CUDA)[0] is None
-    assert benchmark.attention_backend({**variant, "softcap": 50.0}, CUDA)[0] is None
+    assert benchmark.attention_backend(dataclasses.replace(variant, head_dim=32), CUDA)[0] is None
+    assert benchmark.attention_backend(dataclasses.replace(variant, softcap=50.0), CUDA)[0] is None
     off = benchmark.attention_backend(variant, Target("cpu", "float32", True, None))
     assert off[0] is None and off[1] == {} and "CUDA only" in off[2]
 

@@ -6,6 +6,8 @@ top-level conftest before any kernel module is imported), so token counts stay t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from operators import apply_kernel_plan, load_profile, plan_kernels
 from operators.inventory import trace_callable
 from operators.providers import adapt_triton, triton_moe
 from operators.recognition import Component, recognise
+from operators.recognition.variants import variant_from_dict
 from operators.registry import Target
 
 pytest.importorskip("triton")
@@ -64,7 +67,7 @@ def test_zoo_moe_runs_on_triton_kernels_with_identical_logits_and_gradients(zoo,
     torch.testing.assert_close(aux, ref_aux, rtol=1e-6, atol=0.0)
     assert not aux_loss or float(aux) > 0
     assert_grads_match(grads, ref_grads)
-    routers = [f"{c.variant['router']}.{c.variant['router_weight']}" for c in moes]
+    routers = [f"{c.variant.router}.{c.variant.router_weight}" for c in moes]
     assert all(float(grads[r].abs().max()) > 0 for r in routers)  # routing weights carry the router gradient
 
     handle.revert()
@@ -190,14 +193,14 @@ def test_recognised_hand_built_moe_matches_float64_reference(call_router):
     (moe,) = [c for c in recognition.components if c.kind == "moe"]
     v = moe.variant
     assert moe.confirmed and triton_moe.unsupported_reason(v) is None
-    assert (v["router_bias"], v["correction_bias"], v["outputs"]) == ("offset", "nudge", "hidden+router_logits")
-    assert (v["gate_up_bank"], v["gate_up_layout"], v["down_bank"], v["down_layout"]) == (
+    assert (v.router_bias, v.correction_bias, v.outputs) == ("offset", "nudge", "hidden+router_logits")
+    assert (v.gate_up_bank, v.gate_up_layout, v.down_bank, v.down_layout) == (
         "moe.fuse",
         "in_out",
         "moe.drain",
         "in_out",
     )
-    assert (v["gate_first"], v["activation"], v["scoring"], v["top_k"], v["n_group"], v["topk_group"]) == (
+    assert (v.gate_first, v.activation, v.scoring, v.top_k, v.n_group, v.topk_group) == (
         False,
         "gelu",
         "sigmoid",
@@ -205,11 +208,11 @@ def test_recognised_hand_built_moe_matches_float64_reference(call_router):
         3,
         2,
     )
-    assert v["routed_scale"] == pytest.approx(SCALE) and v["shared_experts"] == "moe.common"
-    assert v["router_logits_output"] == 0  # first of the Dispatcher's (logits, weights, ids)
-    assert v["stochastic_in_training"] is False
+    assert v.routed_scale == pytest.approx(SCALE) and v.shared_experts == "moe.common"
+    assert v.router_logits_output == 0  # first of the Dispatcher's (logits, weights, ids)
+    assert v.stochastic_in_training is False
     if not call_router:  # as for a router that does not return its logits: projection from its parameters
-        v = {**v, "router_logits_output": None}
+        v = dataclasses.replace(v, router_logits_output=None)
 
     reference = Host().double()
     reference.load_state_dict({k: t.double() for k, t in host.state_dict().items()})
@@ -245,11 +248,12 @@ def test_unservable_variants_get_no_option_and_stay_native(zoo):
         ({"outputs": "other"}, "reproduces only"),
         ({"scoring": "softplus"}, "scoring"),
     ]:
-        variant = {**base.variant, **change}
+        variant = dataclasses.replace(base.variant, **change)
         assert reason in triton_moe.unsupported_reason(variant)
         component = Component(base.module, "moe", variant, True)
         assert provider.options(component, CPU_TRAIN) == []
-    old = Component(base.module, "moe", {k: w for k, w in base.variant.items() if k != "gate_up_layout"}, True)
+    older = {k: w for k, w in base.variant.to_dict().items() if k != "gate_up_layout"}  # written before the field
+    old = Component(base.module, "moe", variant_from_dict("moe", older), True)
     assert provider.options(old, CPU_TRAIN) == [] and "gate_up_layout" in triton_moe.unsupported_reason(old.variant)
 
 
@@ -257,7 +261,7 @@ def test_training_time_noise_keeps_the_module_native_for_training_only():
     """Input jitter in training mode is outside the recognised (eval-mode) function: no kernel for training."""
     host = Host(jitter=0.1).eval()
     (moe,) = [c for c in recognise(host, trace_callable(host, torch.randn(2, 3, HIDDEN))).components if c.kind == "moe"]
-    assert moe.confirmed and moe.variant["stochastic_in_training"] is True
+    assert moe.confirmed and moe.variant.stochastic_in_training is True
     provider = adapt_triton.AdaptTritonProvider()
     assert provider.options(moe, CPU_TRAIN) == []
     assert "random in training mode" in triton_moe.unsupported_reason(moe.variant, training=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -63,14 +64,14 @@ def test_patched_kernel_really_runs_with_the_plan_parameters(zoo):
         ref = model(input_ids=ids).logits
     for choice in plan.components:
         if choice.kind == "rms_norm":
-            choice.variant = {**choice.variant, "eps": 1.0}
+            choice.variant = dataclasses.replace(choice.variant, eps=1.0)
     try:
         with apply_kernel_plan(model, plan), torch.no_grad():
             poisoned = model(input_ids=ids).logits
     finally:
         for choice in plan.components:
             if choice.kind == "rms_norm":
-                choice.variant = {**choice.variant, "eps": 1e-6}
+                choice.variant = dataclasses.replace(choice.variant, eps=1e-6)
     assert not torch.allclose(poisoned, ref, atol=1e-3)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref)  # reverted on context exit

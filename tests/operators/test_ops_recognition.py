@@ -9,6 +9,7 @@ from torch import nn
 
 from operators.inventory import trace_callable
 from operators.recognition import recognise
+from operators.recognition.variants import RopeStyle
 
 
 def by_module(recognition, kind):
@@ -20,15 +21,15 @@ def test_llama_kinds(zoo):
     norms = by_module(rec, "rms_norm")
     assert set(norms) >= {"model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"}
     assert all(
-        n.variant["offset"] == 0.0 and n.variant["cast"] == "round_then_scale" and n.variant["eps"] == 1e-6
+        n.variant.offset == 0.0 and n.variant.cast == "round_then_scale" and n.variant.eps == 1e-6
         for n in norms.values()
     )
     (mlp,) = [c for c in kinds(rec, "gated_mlp") if c.module == "model.layers.0.mlp"]
-    assert mlp.variant["activation"] == "silu" and (mlp.variant["gate"], mlp.variant["up"]) == ("gate_proj", "up_proj")
+    assert mlp.variant.activation == "silu" and (mlp.variant.gate, mlp.variant.up) == ("gate_proj", "up_proj")
     attn = by_module(rec, "attention")["model.layers.0.self_attn"].variant
-    assert attn["causal"] and attn["window"] is None and attn["layout"] == "gqa" and attn["num_kv_heads"] == 2
-    assert attn["rope"]["style"] == "half" and not attn["rope"]["partial"]
-    assert by_module(rec, "rotary")["model.rotary_emb"].variant["table_layout"] == "half"
+    assert attn.causal and attn.window is None and attn.layout == "gqa" and attn.num_kv_heads == 2
+    assert attn.rope.style == "half" and not attn.rope.partial
+    assert by_module(rec, "rotary")["model.rotary_emb"].variant.table_layout == "half"
     assert "model.layers.0.post_attention_layernorm" in by_module(rec, "residual_add_norm")
     assert kinds(rec, "lm_head_cross_entropy", confirmed_only=False)[0].module == "lm_head"
     assert not kinds(rec, "new", confirmed_only=False)
@@ -51,42 +52,40 @@ def test_identical_mlps_are_probed_once_and_a_different_one_again(zoo):
 def test_gemma2_offset_norm_softcap_and_alternating_windows(zoo):
     _, _, rec = recognised(str(zoo("gemma2")), "eager")
     norms = kinds(rec, "rms_norm")
-    assert len(norms) == 9 and all(
-        n.variant["offset"] == 1.0 and n.variant["cast"] == "scale_then_round" for n in norms
-    )
-    assert {c.variant["activation"] for c in kinds(rec, "gated_mlp")} == {"gelu_tanh"}
+    assert len(norms) == 9 and all(n.variant.offset == 1.0 and n.variant.cast == "scale_then_round" for n in norms)
+    assert {c.variant.activation for c in kinds(rec, "gated_mlp")} == {"gelu_tanh"}
     attn = by_module(rec, "attention")
-    assert attn["model.layers.0.self_attn"].variant["window"] == 16  # sliding layer
-    assert attn["model.layers.1.self_attn"].variant["window"] is None  # global layer
-    assert all(a.variant["softcap"] == 50.0 for a in attn.values())
+    assert attn["model.layers.0.self_attn"].variant.window == 16  # sliding layer
+    assert attn["model.layers.1.self_attn"].variant.window is None  # global layer
+    assert all(a.variant.softcap == 50.0 for a in attn.values())
     head = kinds(rec, "lm_head_cross_entropy", confirmed_only=False)[0]
-    assert head.variant["final_softcap"] == 30.0
+    assert head.variant.final_softcap == 30.0
 
 
 def test_mistral_sliding_window_mqa(zoo):
     _, _, rec = recognised(str(zoo("mistral")))
     for attn in kinds(rec, "attention"):
-        assert attn.variant["window"] == 16 and attn.variant["layout"] == "mqa" and attn.variant["causal"]
+        assert attn.variant.window == 16 and attn.variant.layout == "mqa" and attn.variant.causal
 
 
 def test_deepseek_v3_mla_and_grouped_sigmoid_moe(zoo):
     _, _, rec = recognised(str(zoo("deepseek_v3")))
     attn = by_module(rec, "attention")["model.layers.1.self_attn"].variant
-    assert attn["mla"] and attn["rope"] == {"style": "interleaved", "rotary_dim": 8, "partial": True, "decoupled": True}
-    assert attn["head_dim"] == 24 and attn["v_head_dim"] == 16 and attn["causal"]
+    assert attn.mla and attn.rope == RopeStyle(style="interleaved", rotary_dim=8, partial=True, decoupled=True)
+    assert attn.head_dim == 24 and attn.v_head_dim == 16 and attn.causal
     assert "model.layers.0.mlp" in by_module(rec, "gated_mlp")  # first_k_dense_replace layer
     moe = by_module(rec, "moe")
     assert set(moe) == {"model.layers.1.mlp", "model.layers.2.mlp"}
     v = moe["model.layers.1.mlp"].variant
-    assert (v["scoring"], v["top_k"], v["n_group"], v["topk_group"], v["group_score"]) == (
+    assert (v.scoring, v.top_k, v.n_group, v.topk_group, v.group_score) == (
         "sigmoid",
         2,
         4,
         2,
         "top2_sum",
     )
-    assert v["selection_bias"] and v["normalize_topk"] and v["routed_scale"] == 2.5 and v["activation"] == "silu"
-    assert v["shared_experts"] == "model.layers.1.mlp.shared_experts" and v["num_experts"] == 8
+    assert v.selection_bias and v.normalize_topk and v.routed_scale == 2.5 and v.activation == "silu"
+    assert v.shared_experts == "model.layers.1.mlp.shared_experts" and v.num_experts == 8
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -95,14 +94,13 @@ def test_softmax_routed_moe(zoo, family):
     moes = kinds(rec, "moe")
     assert len(moes) == 2
     assert all(
-        m.variant["scoring"] == "softmax" and m.variant["top_k"] == 2 and m.variant["shared_experts"] is None
-        for m in moes
+        m.variant.scoring == "softmax" and m.variant.top_k == 2 and m.variant.shared_experts is None for m in moes
     )
 
 
 def test_qwen_families(zoo):
     _, _, qwen3 = recognised(str(zoo("qwen3")))
-    assert all(a.variant["qk_norm"] for a in kinds(qwen3, "attention"))
+    assert all(a.variant.qk_norm for a in kinds(qwen3, "attention"))
     _, _, qwen2 = recognised(str(zoo("qwen2")))
     assert len(kinds(qwen2, "attention")) == 2 and len(kinds(qwen2, "gated_mlp")) == 2
 
@@ -111,31 +109,30 @@ def test_gpt2_layernorm_and_plain_gelu_mlp(zoo):
     _, _, rec = recognised(str(zoo("gpt2")))
     assert len(kinds(rec, "layer_norm")) == 5 and not kinds(rec, "rms_norm")
     mlps = kinds(rec, "mlp")
-    assert len(mlps) == 2 and all(m.variant["activation"] == "gelu_tanh" for m in mlps)
+    assert len(mlps) == 2 and all(m.variant.activation == "gelu_tanh" for m in mlps)
     assert all(
-        a.variant["causal"] and a.variant["rope"] is None and a.variant["layout"] == "mha"
-        for a in kinds(rec, "attention")
+        a.variant.causal and a.variant.rope is None and a.variant.layout == "mha" for a in kinds(rec, "attention")
     )
 
 
 def test_bert_bidirectional_attention(zoo):
     _, _, rec = recognised(str(zoo("bert")))
     attns = kinds(rec, "attention")
-    assert len(attns) == 6 and all(not a.variant["causal"] and a.variant["window"] is None for a in attns)
-    assert all(n.variant["eps"] == 1e-12 for n in kinds(rec, "layer_norm"))
+    assert len(attns) == 6 and all(not a.variant.causal and a.variant.window is None for a in attns)
+    assert all(n.variant.eps == 1e-12 for n in kinds(rec, "layer_norm"))
 
 
 def test_custom_remote_code_renamed_components_and_novel_op(zoo):
     _, _, rec = recognised(str(zoo("custom")))
     norms = by_module(rec, "rms_norm")
-    assert "trunk.strata.0.level_a" in norms and norms["trunk.level_out"].variant["weight"] == "gain"
+    assert "trunk.strata.0.level_a" in norms and norms["trunk.level_out"].variant.weight == "gain"
     forge = by_module(rec, "gated_mlp")["trunk.strata.0.forge"].variant
-    assert (forge["gate"], forge["up"], forge["down"], forge["activation"]) == ("valve", "feed", "drain", "silu")
+    assert (forge.gate, forge.up, forge.down, forge.activation) == ("valve", "feed", "drain", "silu")
     gaze = by_module(rec, "attention")["trunk.strata.0.gaze"].variant
-    assert gaze["causal"] and gaze["layout"] == "gqa" and not gaze["hook"]
+    assert gaze.causal and gaze.layout == "gqa" and not gaze.hook
     new = kinds(rec, "new", confirmed_only=False)
     assert [c.module for c in new] == ["trunk.strata.0.quench", "trunk.strata.1.quench"]
-    assert "aten.asinh.default" in new[0].variant["ops"]
+    assert "aten.asinh.default" in new[0].variant.ops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +206,7 @@ def recognise_norm(norm: nn.Module):
 
 def test_renamed_rmsnorm_is_recognised():
     comps, rejected = recognise_norm(FooNorm(32, tiny=1e-5))
-    assert [(c.kind, c.variant["eps"], c.variant["weight"]) for c in comps] == [("rms_norm", 1e-5, "scale_vec")]
+    assert [(c.kind, c.variant.eps, c.variant.weight) for c in comps] == [("rms_norm", 1e-5, "scale_vec")]
     assert not rejected
 
 
@@ -222,7 +219,7 @@ def test_lookalike_norms_fall_through_to_the_generic_path(lookalike):
 
 def test_centred_variance_is_layernorm_not_rmsnorm():
     comps, _ = recognise_norm(CentredLayerNorm(32))
-    assert [(c.kind, c.variant["bias"]) for c in comps] == [("layer_norm", None)]
+    assert [(c.kind, c.variant.bias) for c in comps] == [("layer_norm", None)]
 
 
 class GluMlp(nn.Module):
@@ -249,7 +246,7 @@ def recognise_mlp(gate_act):
 
 def test_swiglu_in_a_plain_container_is_recognised():
     comps, _ = recognise_mlp(torch.nn.functional.silu)
-    assert [(c.kind, c.variant["activation"], c.variant["gate"], c.variant["up"]) for c in comps] == [
+    assert [(c.kind, c.variant.activation, c.variant.gate, c.variant.up) for c in comps] == [
         ("gated_mlp", "silu", "a", "b")
     ]
 
@@ -268,7 +265,7 @@ def test_rmsnorm_that_takes_the_root_as_a_power_is_recognised(with_scale):
 
     eps = 10.0 ** -torch.randint(4, 7, ()).item()
     comps, rejected = recognise_norm(Gemma4UnifiedRMSNorm(32, eps=eps, with_scale=with_scale))
-    assert [(c.kind, c.variant["eps"], c.variant["weight"]) for c in comps] == [
+    assert [(c.kind, c.variant.eps, c.variant.weight) for c in comps] == [
         ("rms_norm", eps, "weight" if with_scale else None)
     ]
     assert not rejected

@@ -64,9 +64,9 @@ def test_identical_norms_probed_once_different_eps_width_and_lookalikes_probed_a
     assert len(calls) == cache.probes_run == 4
     assert set(comps) == {"n0", "n1", "eps_5", "wide"}
     assert "probed on" not in comps["n0"].evidence and "probed on n0" in comps["n1"].evidence
-    assert (comps["n0"].variant["eps"], comps["eps_5"].variant["eps"]) == (1e-6, 1e-5)
+    assert (comps["n0"].variant.eps, comps["eps_5"].variant.eps) == (1e-6, 1e-5)
     assert "probed on" not in comps["eps_5"].evidence and "probed on" not in comps["wide"].evidence
-    assert comps["wide"].variant["width"] == 48
+    assert comps["wide"].variant.width == 48
     assert sorted(r["module"] for r in found.rejected) == ["fake0", "fake1"]
     assert "probed on fake0" in next(r["reason"] for r in found.rejected if r["module"] == "fake1")
 
@@ -80,7 +80,7 @@ def test_attention_probed_once_per_structure_and_mask(zoo, monkeypatch, name, pr
     attention = [c for c in found.components if c.kind == "attention"]
     assert len(attention) >= 2 and all(c.confirmed for c in attention)
     assert len(calls) == probes
-    assert {c.variant["window"] for c in attention} == windows
+    assert {c.variant.window for c in attention} == windows
     assert sum("probed on" in c.evidence for c in attention) == len(attention) - probes
 
 
@@ -94,6 +94,6 @@ def test_identical_moe_blocks_probed_once_each_keeping_its_own_paths(zoo, monkey
     assert len(moes) >= 2 and all(c.confirmed for c in moes) and len(calls) == 1
     assert sum("probed on" in c.evidence for c in moes) == len(moes) - 1
     for c in moes:
-        assert c.variant["router"].startswith(c.module + ".")
-        paths = [v for v in c.variant.values() if isinstance(v, str) and v.startswith("model.")]
+        assert c.variant.router.startswith(c.module + ".")
+        paths = [v for v in c.variant.to_dict().values() if isinstance(v, str) and v.startswith("model.")]
         assert paths and all(p.startswith(c.module + ".") for p in paths)

@@ -182,7 +182,7 @@ def test_a_block_off_the_traced_path_runs_unfused_and_counts_the_miss():
     plan = block_plan(block, x)
     before = patch_state(block)
     (choice,) = plan.components
-    assert (choice.module, choice.variant["add_in"], choice.variant["add_after"], choice.variant["add_index"]) == (
+    assert (choice.module, choice.variant.add_in, choice.variant.add_after, choice.variant.add_index) == (
         "norm",
         "",
         "branch",
@@ -235,7 +235,7 @@ def test_an_add_before_any_child_is_recognised_but_not_fused():
     inventory = trace_callable(module, x)
     plan = plan_kernels(inventory, recognise(module, inventory), load_profile("cuda-hopper"), CPU)
     (choice,) = [c for c in plan.components if c.kind == "residual_add_norm"]
-    assert choice.variant["add_after"] is None and (choice.status, choice.patch) == ("native", False)
+    assert choice.variant.add_after is None and (choice.status, choice.patch) == ("native", False)
 
 
 def test_the_patch_check_fails_a_pair_that_never_fuses(zoo, monkeypatch):

@@ -88,12 +88,12 @@ def forward_backward(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor,
 def test_patched_rope_matches_the_model_and_reverts(checkpoint, family, kernel_calls):
     model, plan = rope_plan(checkpoint(family))
     choices = plan.components
-    assert choices and {(c.provider, c.status, c.patch, c.variant["style"]) for c in choices} == {
+    assert choices and {(c.provider, c.status, c.patch, c.variant.style) for c in choices} == {
         ("adapt-triton", "fused", True, FAMILIES[family])
     }
-    assert all(c.variant["rotary_dim"] < c.variant["head_dim"] for c in choices) == (family == "glm_partial")
+    assert all(c.variant.rotary_dim < c.variant.head_dim for c in choices) == (family == "glm_partial")
     attn = attention_modules(model, plan)
-    scope, name = forward_function(attn[0]).__globals__, choices[0].variant["global"]
+    scope, name = forward_function(attn[0]).__globals__, choices[0].variant.global_name
     original = scope[name]
     ids = torch.randint(0, 256, (2, 11))
     ref_logits, ref_grads = forward_backward(model, ids)
@@ -132,7 +132,7 @@ def test_global_swap_is_reference_counted_across_models(zoo):
     first, plan = rope_plan(path)
     second = load(path)
     scope = forward_function(attention_modules(first, plan)[0]).__globals__
-    name = plan.components[0].variant["global"]
+    name = plan.components[0].variant.global_name
     original = scope[name]
     one = apply_kernel_plan(first, plan)
     two = apply_kernel_plan(second, plan)
