@@ -71,6 +71,9 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
             "framework": run.framework,
             "attention": run.attention,
             "flop_convention": run.flop_convention,
+            "attention_dropout": bool(run.dropout),
+            "grad_bits": run.grad_bits,
+            "launch_blocking": bool(run.launch_blocking),
         }
         if span:
             published = row["published_tokens_per_s_per_gpu"]

@@ -54,6 +54,7 @@ class BlockProfile:
     expert_params: int  # all routed experts (sharded by EP x TP)
     has_attention: bool
     has_mlp: bool
+    score_bias: bool = False  # an additive bias on the attention scores (ALiBi)
 
     @property
     def is_moe(self) -> bool:
@@ -241,6 +242,7 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
         expert_params=expert_params,
         has_attention=bool(attn_gemms),
         has_mlp=bool(mlp_gemms),
+        score_bias=bool(attn_gemms) and block.positional == "alibi",
     )
 
 

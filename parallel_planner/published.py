@@ -78,7 +78,7 @@ def layout_fields(plan: Any, *figures: str) -> dict[str, Any]:
     return {k: v for k, v in plan.to_dict().items() if k in wanted}
 
 
-SOFTWARE_COLUMNS = ("framework", "attention", "dropout", "cp_comm", "flop_convention")
+SOFTWARE_COLUMNS = ("framework", "attention", "dropout", "cp_comm", "grad_bits", "launch_blocking", "flop_convention")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,9 @@ class PublishedRun:
     framework: str = "megatron"
     attention: str = "flash2"
     cp_comm: str = "ring"  # "allgather": K/V gathered before attention, exposed (Llama 3, arXiv 2407.21783 sec. 3.3.2)
-    dropout: int = 0  # attention dropout in the run (Megatron-LM's default 0.1; BLOOM and Llama 3 ran without)
+    dropout: int = 0  # attention dropout in the run (Megatron-LM's default 0.1, which BLOOM inherited; Llama 3: none)
+    grad_bits: int = 32  # 16: gradients accumulated and reduced in 16 bits (Megatron-LM 2021); 32: fp32 main grads
+    launch_blocking: int = 0  # 1: CUDA_LAUNCH_BLOCKING=1 in the run's environment (BLOOM's launch script)
     flop_convention: str = "adapt"  # "megatron_recompute": 96Bslh^2(1+s/6h+V/16lh) per step; "adapt": 3x causal fwd
     sp: int = 0
     tp_overlap: int = 0
@@ -126,7 +128,8 @@ class PublishedRun:
 
     @property
     def layout(self) -> dict[str, Any]:
-        """The published layout and knobs; every source ran Megatron's interleaved 1F1B schedule when pipelining."""
+        """The published layout and knobs: 1F1B when pipelining, interleaved unless the source states one virtual
+        stage (Megatron-LM without virtual stages, DeepSpeed's TrainSchedule)."""
         layout = dict(
             tp=self.tp,
             pp=self.pp,
@@ -160,6 +163,8 @@ class PublishedRun:
             fused_kernels=True,
             attention_dropout=bool(self.dropout),
             cp_allgather=self.cp_comm == "allgather",
+            grads16=self.grad_bits == 16,
+            launch_blocking=bool(self.launch_blocking),
         )
 
     def workload(self) -> Workload:

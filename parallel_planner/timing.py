@@ -26,6 +26,7 @@ import numpy as np
 
 from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives, LinkModel
+from parallel_planner.data_parallel_time import data_parallel_seconds
 from parallel_planner.dispatch import DispatchCosts
 from parallel_planner.layout import (
     RECOMPUTE,
@@ -36,6 +37,7 @@ from parallel_planner.layout import (
 )
 from parallel_planner.memory import ACT_BYTES, micro_batches, stage_params
 from parallel_planner.profile import KERNEL_SHARE, BlockProfile, ModelProfile
+from parallel_planner.runtimes import TP_GATHERS, check_runtime, grad_accum_bytes, p2p_seconds
 from parallel_planner.workload import Workload
 
 FULL = RECOMPUTE.index("full")
@@ -55,10 +57,10 @@ ATTENTION_FRACTION = {
     "flash3": {"a100": 0.58, "h100": 0.57, "h800": 0.57, "h200": 0.57, "b200": 0.50, "mi300x": 0.35},
 }
 ATTENTION_KERNELS = ("flash2", "flash3", "unfused")
-RUNTIMES = ("torch", "megatron")
 DROPOUT_BYTES = 5  # per attention score and pass: fp16 read and write, 1-byte mask written (read in backward)
-GRAD_ACCUM_BYTES = 10  # per local parameter and micro-batch: 16-bit gradient read, fp32 buffer read and written
-GRAD_CLIP_BYTES = 12  # per local parameter: fp32 gradient read for the norm, then read and written to scale it
+# An additive score bias (ALiBi) handed to the unfused scores GEMM as its input (baddbmm, beta != 0): broadcast into
+# the output first (2 bytes written per score), then read by the GEMM (2), in every forward pass.
+SCORE_BIAS_BYTES = 4
 # torch's ring attention (torch.distributed.tensor.experimental.context_parallel, load-balanced): aten ops one
 # attention block's ring issues on top of the block's own, as (at cp=2, more per further rank), counted
 # through a dispatch mode on a live 2- and 4-rank ring (gloo, torch 2.13), mean over ranks, and recounted at
@@ -78,7 +80,8 @@ class Efficiency:
 
     Every constant's source is in ``docs/planner-model.md``.  The software fields say how the run
     executes: ``runtime`` "torch" (DTensor tensor parallelism, ``torch.distributed.pipelining``, as adapt
-    and torchtitan run) or "megatron" (hand-written TP collectives, asynchronous pipeline P2P);
+    and torchtitan run), "megatron" (hand-written TP collectives, asynchronous pipeline P2P) or
+    "deepspeed-pipe" (DeepSpeed's pipeline engine and bf16 optimizer, ``runtimes.py``);
     ``attention`` the attention kernel; ``fused_kernels`` whether norms, GLUs and rotary run fused
     (adapt's operators, Transformer Engine, Megatron's fused kernels) or as transformers' eager modules;
     ``compiled`` whether a compiled graph issues the kernels.
@@ -100,7 +103,12 @@ class Efficiency:
     cp_allgather: bool = False  # CP gathers K/V before attention (Llama 3) instead of passing them round a ring
     attention_dropout: bool = False  # the run drops attention probabilities (Megatron-LM's default 0.1)
     grad_accum_fused: bool = False  # weight-gradient GEMMs accumulate into the fp32 buffer (Megatron 2022+)
+    grads16: bool = False  # gradients stay 16-bit: autograd accumulates them, DP reduces 16 bits (Megatron-LM 2021)
+    launch_blocking: bool = False  # CUDA_LAUNCH_BLOCKING=1: the host waits for every kernel (BLOOM's launch script)
     gemm_scale: float = 1.0  # a calibration's measured / modelled GEMM rate on the target machine (1: none)
+
+    def __post_init__(self) -> None:
+        check_runtime(self.runtime)
 
     def link_model(self) -> LinkModel:
         return LinkModel(self.alpha_intra_s, self.alpha_inter_s, self.network)
@@ -154,6 +162,16 @@ def attention_dropout_seconds(block: BlockProfile, tokens, tp, seq_len: int, clu
         return 0.0
     scores = tokens * seq_len * block.num_heads / tp
     return DROPOUT_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+
+
+def score_bias_seconds(block: BlockProfile, tokens, tp, seq_len: int, cluster: Cluster, eff: Efficiency):
+    """Seconds one forward pass spends materialising an additive score bias (ALiBi) for the unfused scores
+    GEMM: Megatron-DeepSpeed passes it as baddbmm's input, which is broadcast into the output and read back
+    (``SCORE_BIAS_BYTES`` per score).  Backward does not touch it; flash kernels add it in-kernel."""
+    if eff.attention != "unfused" or not block.score_bias or not block.has_attention:
+        return 0.0
+    scores = tokens * seq_len * block.num_heads / tp
+    return SCORE_BIAS_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
 
 
 def block_forward_seconds(
@@ -296,7 +314,8 @@ def step_time(
             workload.seq_len,
         )
         dropout = attention_dropout_seconds(block, tokens, tp, workload.seq_len, cluster, eff)
-        f = scale[j] * (gemm + attention + elementwise + dropout)
+        bias = score_bias_seconds(block, tokens, tp, workload.seq_len, cluster, eff)
+        f = scale[j] * (gemm + attention + elementwise + dropout + bias)
         b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise + dropout)
         recompute = np.where(full, f, np.where(c.recompute == SELECTIVE, scale[j] * elementwise, 0.0))
         activation = ACT_BYTES * tokens * h
@@ -334,7 +353,13 @@ def step_time(
 
     pp = c.pp
     passes = 2 if workload.training else 1
-    p2p = passes * c.vpp * comm.send_recv(ACT_BYTES * tokens * h / tp, pp, c.dp * c.cp * tp)
+    boundary = ACT_BYTES * tokens * h  # one micro-batch's activation (or its gradient) between stages
+    p2p = passes * c.vpp * p2p_seconds(lambda b: comm.send_recv(b, pp, c.dp * c.cp * tp), boundary / tp, eff)
+    # Without SP every TP rank holds the whole boundary activation: each sends its 1/tp share and the receiver
+    # all-gathers them (Megatron's scatter/gather, DeepSpeed's partitioned tensors); with SP it is already split.
+    gathers = TP_GATHERS[eff.runtime] if workload.training else min(1, TP_GATHERS[eff.runtime])
+    gathered = gathers * c.vpp * comm.all_gather(boundary, tp, np.ones_like(tp))
+    p2p = p2p + np.where((pp > 1) & (c.sp == 0), gathered, 0.0)
     m = micro_batches(workload, c).astype(np.float64)
     gpu_stage = stage_fwd + stage_bwd + p2p[:, None]
     if workload.training:
@@ -345,8 +370,9 @@ def step_time(
     ring_host = per_op * (ring_ops @ counts) + eff.host.dtensor_s * (ring_dtensor_ops @ counts)
     host_stage = (per_op * stage_ops + ring_host) * (1 + full[:, None] / 3)
     # Asynchronous launch hides the host behind the GPU (the slower sets the pace).  torch.distributed.pipelining
-    # waits on each micro-batch's P2P before issuing the next, so a pipelined torch run pays both in series.
-    serial = (c.pp > 1)[:, None] & (eff.runtime == "torch")
+    # waits on each micro-batch's P2P before issuing the next, so a pipelined torch run pays both in series, as
+    # does every run under CUDA_LAUNCH_BLOCKING=1 (each launch returns when its kernel has finished).
+    serial = ((c.pp > 1)[:, None] & (eff.runtime == "torch")) | eff.launch_blocking
     stage = np.where(serial, gpu_stage + host_stage, np.maximum(gpu_stage, host_stage))
     slowest = row_max(stage)
     bubble = (stage @ layout.multiplicity - slowest) / c.vpp
@@ -363,7 +389,7 @@ def step_time(
         "host_bound": (row_max(host_stage - gpu_stage) > 0).astype(np.float64),
     }
     if workload.training:
-        dp_exposed, optimizer = _data_parallel(
+        dp_exposed, optimizer = data_parallel_seconds(
             profile, cluster, workload, c, layout, comm, eff, stage_fwd, stage_bwd, m
         )
         out["data_parallel_exposed"] = dp_exposed
@@ -377,122 +403,11 @@ def step_time(
 
 def _grad_accumulation(profile, layout: StageLayout, c: Candidates, m, cluster: Cluster, eff: Efficiency):
     """HBM seconds per micro-batch that each stage spends adding its weight gradients into the buffer
-    they accumulate in over the step, (C, stages).
-
-    Megatron-LM's local DDP and DeepSpeed's bf16 optimizer add each micro-batch's 16-bit gradients into an
-    fp32 buffer after its backward (read 2 + 4, write 4 bytes per local parameter, every micro-batch);
-    with ``grad_accum_fused`` the weight-gradient GEMMs accumulate into it themselves and nothing is added.
-    FSDP2's own accumulation (torch runtime) is not modelled yet: docs/planner-model.md says why."""
-    if eff.runtime != "megatron" or eff.grad_accum_fused:
-        return np.zeros((len(c), len(layout.multiplicity)))
+    they accumulate in over the step, (C, stages): per local parameter, ``runtimes.grad_accum_bytes`` (Megatron's
+    fp32 main-grad hook, autograd's 16-bit accumulation, DeepSpeed's cast-and-add into fp32)."""
     dense, experts = stage_params(profile, layout)
     local = dense[None, :] / c.tp[:, None] + experts[None, :] / (c.tp * c.ep)[:, None]
-    return GRAD_ACCUM_BYTES * local / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
-
-
-def _data_parallel(profile, cluster, workload, c, layout, comm, eff, stage_fwd, stage_bwd, m):
-    """Exposed ZeRO/DDP communication and the optimizer update, slowest stage."""
-    dense, experts = stage_params(profile, layout)
-    tp = c.tp[:, None].astype(np.float64)
-    ep = c.ep[:, None].astype(np.float64)
-    dense_gpu = dense[None, :] / tp
-    expert_gpu = experts[None, :] / (tp * ep)
-    shard = c.shard[:, None]
-    expert_shard = shard // c.ep[:, None]
-    stride = c.tp[:, None]
-    has_experts = (experts > 0)[None, :]
-
-    def per_gpu_params(kind, dense_group, expert_group):
-        """Seconds of one collective over each stage's dense and routed-expert parameters, per byte-per-param
-        coefficients computed once per candidate (collectives are affine in their size)."""
-        a_d, b_d = comm.affine(kind, *dense_group)
-        a_e, b_e = comm.affine(kind, *expert_group)
-        return lambda bytes_per_param, dense_div=1, expert_div=1: (
-            a_d
-            + b_d * bytes_per_param / (tp * dense_div) * dense[None, :]
-            + has_experts * a_e
-            + b_e * bytes_per_param / (tp * ep * expert_div) * experts[None, :]
-        )
-
-    within = per_gpu_params("reduce_scatter", (shard, stride), (expert_shard, stride * c.ep[:, None]))
-    across = per_gpu_params(
-        "all_reduce", (c.replicate[:, None], stride * shard), (c.replicate[:, None], stride * shard)
-    )
-    gather = per_gpu_params("all_gather", (shard, stride), (expert_shard, stride * c.ep[:, None]))
-    # One gradient sync: reduce-scatter inside the shard group, then (HSDP) all-reduce of the shard across
-    # the replicas, the way FSDP2 reduces over a (dp_replicate, dp_shard) mesh.
-    grads_rs = within(4) + across(4, shard, expert_shard)
-    params_ag = gather(2)
-    zero = c.zero[:, None]
-    hide_bwd = eff.overlap * stage_bwd * (c.grad_overlap[:, None] > 0)
-    hide_fwd = eff.overlap * stage_fwd
-    step_grad = np.where(zero == 0, 2 * grads_rs, np.where(zero == 1, grads_rs, 0.0))
-    step_param = np.where((zero == 1) | (zero == 2), params_ag, 0.0)
-    per_mb = np.where(zero == 2, grads_rs, np.where(zero == 3, 2 * params_ag + grads_rs, 0.0))
-    # ZeRO-3 with offload keeps the weights on the host: every forward and backward copies them over PCIe.
-    host_copies = 2 * 2 * (dense_gpu / shard + expert_gpu / expert_shard) / (cluster.gpu.pcie_gbps * 1e9)
-    per_mb = per_mb + np.where((zero == 3) & (c.offload[:, None] > 0), host_copies, 0.0)
-    # What compute cannot cover stays exposed; what it covers still slows it by the SMs NCCL takes.  The
-    # first gather of a pass and the last reduction have no compute left beside them: under FSDP2 (torch)
-    # those are the root's (embedding, final norm, head) and one block's parameter groups, by their sizes;
-    # Megatron's buckets are about a block's size each.
-    edge = 1.0 / (layout.type_counts.sum(axis=1)[None, :] + 1)
-    if eff.runtime == "torch":
-        edge = _fsdp2_edge(profile, layout, dense, experts)[None, :]
-    exposed = (
-        _exposed(step_grad, hide_bwd, eff, edge)
-        + _exposed(step_param, hide_fwd, eff, edge)
-        + m[:, None] * _exposed(per_mb, eff.overlap * (stage_fwd + stage_bwd), eff, edge)
-    )
-    if eff.runtime == "torch":
-        exposed = exposed + _fsdp2_copies(
-            dense_gpu + expert_gpu, shard, zero, m[:, None], (c.pp > 1)[:, None], cluster, eff
-        )
-    local = dense_gpu / np.where(zero >= 1, shard, 1) + expert_gpu / np.where(zero >= 1, expert_shard, 1)
-    hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
-    # Adam streams 18 + 2 x state bytes per local parameter; clipping the gradient norm (adapt's trainer and
-    # Megatron-LM both clip) reads the fp32 gradients once for the norm and scales them (read + write).
-    update = local * (18 + GRAD_CLIP_BYTES + 2 * workload.optimizer_state_bytes) / hbm
-    offloaded = local * 6 / (cluster.gpu.pcie_gbps * 1e9) + local / eff.cpu_adam_params_per_s
-    optimizer = np.where(c.offload[:, None] > 0, offloaded, update)
-    return row_max(exposed), row_max(optimizer)
-
-
-def _fsdp2_copies(params, shard, zero, m, pipelined, cluster: Cluster, eff: Efficiency) -> np.ndarray:
-    """HBM seconds of FSDP2's own copies, which adapt's bf16 runs pay on any mesh (a 1-wide one included:
-    the mixed-precision policy needs FSDP2).  Each unshard casts the fp32 shard to bf16 (read 4 + write 2
-    bytes per sharded parameter) and copies the gathered bf16 buffer into the parameters (2 + 2 bytes per
-    parameter); each reduction copies the bf16 gradients into the fp32 reduce buffer (2 + 4), and on a
-    1-wide mesh, with no collective to write the output, copies that buffer into it (4 + 4).  Unshards per
-    step: ZeRO-3 reshards after forward (two per micro-batch), ZeRO-2 after backward (one per micro-batch),
-    ZeRO-0/1 keep the parameters across micro-batches (one); reductions: per micro-batch from ZeRO-2.
-    ``torch.distributed.pipelining`` turns off resharding after backward and gradient sync on all but the
-    last micro-batch: a ZeRO-3 stage gathers once per micro-batch (its backward; the next forward finds
-    the parameters whole) plus once, and reduces once per step."""
-    shard = shard.astype(np.float64)
-    gathers = np.where(zero == 3, 2 * m, np.where(zero == 2, m, 1.0))
-    reductions = np.where(zero >= 2, m, 1.0)
-    gathers = np.where(pipelined, np.where(zero == 3, m + 1, 1.0), gathers)
-    reductions = np.where(pipelined, 1.0, reductions)
-    per_param = gathers * (4 + 6 / shard) + reductions * (6 + 8 * (shard == 1))
-    return per_param * params / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
-
-
-def _fsdp2_edge(profile: ModelProfile, layout: StageLayout, dense: np.ndarray, experts: np.ndarray) -> np.ndarray:
-    """Share of each stage's parameters in its first gather and last reduction: the root group (embedding,
-    final norm, head, on the stages that hold them) and the largest block group."""
-    block_params = np.array([b.dense_params + b.expert_params for b in profile.blocks], dtype=np.float64)
-    own = layout.type_counts @ np.array([b.dense_params for b in profile.blocks], dtype=np.float64)
-    root = dense - own  # embedding and head on the stage
-    largest = np.max(np.where(layout.type_counts > 0, block_params[None, :], 0.0), axis=1)
-    return np.minimum(1.0, (root + largest) / np.maximum(dense + experts, 1.0))
-
-
-def _exposed(comm: np.ndarray, hidden_by: np.ndarray, eff: Efficiency, edge=0.0) -> np.ndarray:
-    """Seconds a collective adds beside ``hidden_by`` seconds of overlappable compute; the ``edge`` share
-    of it runs where there is nothing to overlap with."""
-    hideable = comm * (1 - edge)
-    return np.maximum(0.0, hideable - hidden_by) + (1 - eff.overlap) * np.minimum(hideable, hidden_by) + comm * edge
+    return grad_accum_bytes(eff, m)[:, None] * local / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
 
 
 def _hardware_flops_per_token(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:

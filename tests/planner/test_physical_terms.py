@@ -12,10 +12,10 @@ import pytest
 from parallel_planner.cluster import make_cluster
 from parallel_planner.comms import Collectives
 from parallel_planner.profile import profile_model
+from parallel_planner.runtimes import MAIN_GRAD_ACCUM_BYTES
 from parallel_planner.search import plan_parallel
 from parallel_planner.timing import (
     DROPOUT_BYTES,
-    GRAD_ACCUM_BYTES,
     Efficiency,
     attention_dropout_seconds,
     block_forward_seconds,
@@ -71,7 +71,7 @@ def test_gradient_accumulation_streams_every_local_parameter_each_micro_batch():
     params = profile_model(spec)
     cluster = make_cluster("h100", 8)
     local = (sum(b.dense_params * b.count for b in params.blocks) + params.embed_params + params.head_params) / tp
-    added = GRAD_ACCUM_BYTES * local / (cluster.gpu.hbm_gbps * 1e9 * MEGATRON.memory_bw)
+    added = MAIN_GRAD_ACCUM_BYTES * local / (cluster.gpu.hbm_gbps * 1e9 * MEGATRON.memory_bw)
     gap = hook.time_breakdown["gpu_per_microbatch"] - fused.time_breakdown["gpu_per_microbatch"]
     assert gap == pytest.approx(added, rel=1e-6)
     # more micro-batches: paid once more each

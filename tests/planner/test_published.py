@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parallel_planner.published import error_summary, evaluate, load_published_runs
+from parallel_planner.runtimes import RUNTIMES
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def test_predicted_throughput_tracks_published_runs(rows):
 
 def test_every_row_states_its_knobs_and_source():
     for run in load_published_runs():
-        assert run.citation and run.framework in ("megatron", "torch")
+        assert run.citation and run.framework in RUNTIMES
         assert run.attention in ("unfused", "flash2", "flash3")
         assert {"sp", "tp_overlap", "grad_overlap"} <= set(run.layout)
 

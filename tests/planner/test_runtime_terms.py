@@ -99,10 +99,10 @@ def test_data_parallel_communication_hides_behind_compute_when_it_may_overlap():
 
 
 def test_fsdp2_ends_of_a_pass_carry_the_root_group_and_a_block():
+    from parallel_planner.data_parallel_time import _fsdp2_edge
     from parallel_planner.layout import stage_layout
     from parallel_planner.memory import stage_params
     from parallel_planner.profile import profile_model
-    from parallel_planner.timing import _fsdp2_edge
 
     def edge(spec):
         profile = profile_model(spec)

@@ -1,0 +1,72 @@
+"""What each training runtime does around the common time model: pipeline transfers, gradient accumulation and
+what its optimizer step adds, read off each framework's source (``docs/planner-model.md`` cites the lines).
+
+``torch``: adapt / torchtitan (FSDP2, DTensor, ``torch.distributed.pipelining``).  ``megatron``: Megatron-LM's
+asynchronous pipeline P2P, which sends each stage's output split over TP and all-gathers it on the receiver
+(the scatter/gather optimisation, on by default since 2021), and its fp32 main-gradient buffer.
+``deepspeed-pipe``: DeepSpeed's ``PipelineEngine`` as Megatron-DeepSpeed ran it in 2022 (BLOOM) with its
+``BF16_Optimizer``; the terms below are what its source does that the others do not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DEEPSPEED_PIPE = "deepspeed-pipe"
+RUNTIMES = ("torch", "megatron", DEEPSPEED_PIPE)
+
+# Megatron-LM's DDP hook adds each micro-batch's 16-bit gradients into the fp32 main-grad buffer: read 2 + 4, write 4.
+MAIN_GRAD_ACCUM_BYTES = 10
+# Autograd accumulating a 16-bit gradient into ``.grad`` in place (every micro-batch after the first): read 2 + 2,
+# write 2.  Megatron-LM 2021 without contiguous buffers (torch DDP, or local DDP before they became the default).
+AUTOGRAD16_ACCUM_BYTES = 6
+# DeepSpeed BF16_Optimizer.update_hp_grads after every backward: ``hp_grad.add_(lp.grad.to(fp32))``, the cast
+# writes an fp32 temporary (read 2, write 4) that the add reads with the fp32 gradient and writes back (4 + 4 + 4).
+DS_BF16_ACCUM_BYTES = 18
+# BF16_Optimizer per step over the stage's whole fp32 gradients (not the ZeRO partition): the reduction casts them
+# to bf16 (read 4, write 2), averages (2 + 2) and copies back (2 + 4); the global norm reads them (4), clipping
+# reads and writes them (8), clear_hp_grads zeroes them (4).
+DS_BF16_STEP_BYTES = 32
+# PipelineEngine transfers per pass and micro-batch: the activation one way and the gradient the other, each a
+# blocking p2p.send/recv of a metadata tensor and the TP partition, one after the other; Megatron and torch
+# exchange both directions at once.
+DS_TRANSFERS_PER_PASS = 2
+DS_MESSAGES_PER_TRANSFER = 2
+# All-gathers over TP of a stage's boundary activation per micro-batch: DeepSpeed gathers the received input
+# (forward), then restores its partitioned output and gathers the received gradient (backward); Megatron gathers
+# the received activation and the received gradient.
+TP_GATHERS = {"torch": 0, "megatron": 2, DEEPSPEED_PIPE: 3}
+
+
+def check_runtime(runtime: str) -> str:
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
+    return runtime
+
+
+def p2p_seconds(send_recv, nbytes, eff) -> np.ndarray:
+    """Seconds of pipeline P2P one micro-batch pays per pass and virtual stage: ``send_recv(nbytes)`` is one
+    transfer of the stage's TP partition."""
+    if eff.runtime == DEEPSPEED_PIPE:
+        meta = send_recv(np.zeros_like(nbytes))  # the small metadata tensor sent before each partition
+        return DS_TRANSFERS_PER_PASS * (send_recv(nbytes) + (DS_MESSAGES_PER_TRANSFER - 1) * meta)
+    return send_recv(nbytes)
+
+
+def grad_accum_bytes(eff, m: np.ndarray) -> np.ndarray:
+    """HBM bytes per local parameter that each micro-batch spends accumulating its weight gradients."""
+    m = np.asarray(m, dtype=np.float64)
+    if eff.runtime == DEEPSPEED_PIPE:
+        return np.full_like(m, DS_BF16_ACCUM_BYTES)
+    if eff.runtime != "megatron" or eff.grad_accum_fused:
+        return np.zeros_like(m)  # FSDP2's own accumulation (torch) is not modelled yet: docs/planner-model.md
+    if eff.grads16:
+        return AUTOGRAD16_ACCUM_BYTES * (m - 1) / m
+    return np.full_like(m, MAIN_GRAD_ACCUM_BYTES)
+
+
+def grad_reduce_bytes(eff) -> int:
+    """Bytes per gradient element the data-parallel reduction sends: 16-bit gradients, or DeepSpeed's bf16
+    communication type (its default when bf16 is on and ZeRO off: ``DeepSpeedEngine.communication_data_type``),
+    otherwise fp32."""
+    return 2 if eff.grads16 or eff.runtime == DEEPSPEED_PIPE else 4
