@@ -45,7 +45,7 @@ class SoakOptions:
     dtype: str = "bf16"
     seq_len: int = 128
     batch: int = 2
-    seed: int = 0
+    seed: int | None = None  # None: a fresh draw, or the one stored with the checkpoints being resumed
     deterministic: bool = True
     lr: float = 3e-4
 
@@ -68,6 +68,7 @@ class SoakReport:
     steps_planned: int
     steps_done: int
     resumed_from: int | None
+    seed: int  # the data seed: step s trains on a pure function of (seed, s)
     checkpoints: list[int]
     losses: list[float]  # whole trajectory, including steps run before a resume
     loss_finite: bool
@@ -191,6 +192,25 @@ class CheckpointStore:
             sched.step()
         return step
 
+    def pin_seed(self, requested: int | None) -> int:
+        """The data seed of the run in this directory: a resumed run keeps the one its checkpoints were trained
+        with (another would train different data from the resumed step on); a new run takes ``requested`` or a
+        fresh draw, and stores it."""
+        path = self.root / "seed"
+        if self.latest() is not None and path.is_file():
+            stored = int(path.read_text())
+            if requested is not None and requested != stored:
+                raise BadInput(
+                    f"{self.root} holds a soak trained with seed {stored}, not {requested}: resume with "
+                    f"--seed {stored} (or no --seed), or use a new checkpoint directory"
+                )
+            return stored
+        seed = _seed_or_fresh(requested)
+        tmp = self.root / "seed.tmp"
+        tmp.write_text(str(seed))
+        os.replace(tmp, path)
+        return seed
+
     def read_history(self, before: int) -> list[dict[str, Any]]:
         """History lines of steps before ``before``; later ones were lost with the killed run and are rewritten."""
         if not self.history.is_file():
@@ -199,6 +219,10 @@ class CheckpointStore:
         kept = [r for r in rows if r["step"] < before]
         self.history.write_text("".join(json.dumps(r) + "\n" for r in kept))
         return kept
+
+
+def _seed_or_fresh(seed: int | None) -> int:
+    return seed if seed is not None else int.from_bytes(os.urandom(4), "little")
 
 
 def _wrapped_interrupt(err: BaseException) -> KeyboardInterrupt | None:
@@ -238,7 +262,7 @@ def soak(
     batch_size: int = 2,
     ckpt_dir: str | None = None,
     minutes: float | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     deterministic: bool = True,
     transform=None,
     progress: Callable[[int, int, str], None] | None = None,
@@ -264,6 +288,9 @@ def soak(
     model = load_model(src, torch_dtype, device, notes)
     if transform is not None:
         model = transform(model) or model
+    store = CheckpointStore(options.ckpt_dir) if options.ckpt_dir else None
+    seed = store.pin_seed(options.seed) if store is not None else _seed_or_fresh(options.seed)
+    options = dataclasses.replace(options, seed=seed)
     run = prepare_run(
         model,
         options.seq_len,
@@ -274,7 +301,6 @@ def soak(
         options.deterministic,
         options.lr,
     )
-    store = CheckpointStore(options.ckpt_dir) if options.ckpt_dir else None
     resumed_from, history = None, []
     if store is not None and store.latest() is not None:
         resumed_from = store.restore(run)
@@ -328,6 +354,7 @@ def _verdict(src, device, options, resumed_from, history, records, checkpoints, 
         steps_planned=options.steps,
         steps_done=len(losses),
         resumed_from=resumed_from,
+        seed=options.seed,
         checkpoints=checkpoints,
         losses=losses,
         loss_finite=finite,

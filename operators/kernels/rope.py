@@ -27,6 +27,7 @@ def _rotate_heads(
     out_base,
     out_stride_h,
     out_stride_d,
+    tokens_ok,
     H,
     D,
     half,
@@ -37,34 +38,29 @@ def _rotate_heads(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
+    """One [tokens, heads, pairs] tile: ``x_base``/``out_base`` are per-token offsets, ``c``/``s`` [tokens, pairs]."""
     heads = tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, BLOCK_R)
-    mask = (heads < H)[:, None] & (pairs < half)[None, :]
+    mask = tokens_ok[:, None, None] & (heads < H)[None, :, None] & (pairs < half)[None, None, :]
     if INTERLEAVED:
         first = 2 * pairs
         second = first + 1
     else:
         first = pairs
         second = pairs + half
-    x_rows = X + x_base + heads[:, None].to(tl.int64) * stride_h
-    out_rows = OUT + out_base + heads[:, None].to(tl.int64) * out_stride_h
-    x1 = tl.load(x_rows + first[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_rows + second[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_rows + first[None, :] * out_stride_d,
-        (x1 * c[None, :] - x2 * s[None, :]).to(OUT.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(
-        out_rows + second[None, :] * out_stride_d,
-        (x2 * c[None, :] + x1 * s[None, :]).to(OUT.dtype.element_ty),
-        mask=mask,
-    )
+    x_rows = X + x_base[:, None, None] + heads[None, :, None].to(tl.int64) * stride_h
+    out_rows = OUT + out_base[:, None, None] + heads[None, :, None].to(tl.int64) * out_stride_h
+    x1 = tl.load(x_rows + first[None, None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + second[None, None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    cc = c[:, None, :]
+    ss = s[:, None, :]
+    tl.store(out_rows + first[None, None, :] * out_stride_d, (x1 * cc - x2 * ss).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out_rows + second[None, None, :] * out_stride_d, (x2 * cc + x1 * ss).to(OUT.dtype.element_ty), mask=mask)
     if BLOCK_P > 0:  # partial rotary: the dims past rotary_dim pass through unchanged
         rest = 2 * half + tl.arange(0, BLOCK_P)
-        rest_mask = (heads < H)[:, None] & (rest < D)[None, :]
-        tail = tl.load(x_rows + rest[None, :] * stride_d, mask=rest_mask, other=0.0)
-        tl.store(out_rows + rest[None, :] * out_stride_d, tail, mask=rest_mask)
+        rest_mask = tokens_ok[:, None, None] & (heads < H)[None, :, None] & (rest < D)[None, None, :]
+        tail = tl.load(x_rows + rest[None, None, :] * stride_d, mask=rest_mask, other=0.0)
+        tl.store(out_rows + rest[None, None, :] * out_stride_d, tail, mask=rest_mask)
 
 
 @triton.jit
@@ -76,6 +72,7 @@ def _rope_kernel(
     QO,
     KO,
     S,
+    N,
     HQ,
     HK,
     D,
@@ -101,18 +98,22 @@ def _rope_kernel(
     ko_sd,
     INTERLEAVED: tl.constexpr,
     INVERSE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = (pid // S).to(tl.int64)
-    pos = (pid % S).to(tl.int64)
+    """``BLOCK_T`` consecutive (batch, position) tokens of the ``N`` per program, every head of q and k."""
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens_ok = tokens < N
+    b = tokens // S
+    pos = tokens % S
     pairs = tl.arange(0, BLOCK_R)
-    cs_offset = b * c_sb + pos * c_ss + pairs * c_sd
-    c = tl.load(COS + cs_offset, mask=pairs < half, other=0.0).to(tl.float32)
-    s = tl.load(SIN + cs_offset, mask=pairs < half, other=0.0).to(tl.float32)
+    cs_offset = (b * c_sb + pos * c_ss)[:, None] + pairs[None, :] * c_sd
+    cs_mask = tokens_ok[:, None] & (pairs < half)[None, :]
+    c = tl.load(COS + cs_offset, mask=cs_mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + cs_offset, mask=cs_mask, other=0.0).to(tl.float32)
     if INVERSE:
         s = -s
     _rotate_heads(
@@ -124,6 +125,7 @@ def _rope_kernel(
         b * qo_sb + pos * qo_ss,
         qo_sh,
         qo_sd,
+        tokens_ok,
         HQ,
         D,
         half,
@@ -143,6 +145,7 @@ def _rope_kernel(
         b * ko_sb + pos * ko_ss,
         ko_sh,
         ko_sd,
+        tokens_ok,
         HK,
         D,
         half,
@@ -153,6 +156,19 @@ def _rope_kernel(
         BLOCK_R,
         BLOCK_P,
     )
+
+
+# Elements of one program's q tile under Triton's CPU interpreter, which pays per operation, not per
+# element: a few wide programs instead of one per token.  On a GPU every token keeps its own program.
+INTERPRETER_TILE = 1 << 15
+
+
+def tokens_per_program(device: torch.device, tokens: int, tile: int) -> int:
+    """One token per program on a GPU (the launch that was measured); as many as fit ``INTERPRETER_TILE`` on
+    the CPU, where only the interpreter runs Triton."""
+    if device.type != "cpu":
+        return 1
+    return max(1, min(next_pow2(tokens), INTERPRETER_TILE // tile))
 
 
 def rotate(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, k_out_stride=None):
@@ -175,7 +191,9 @@ def rotate(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, 
     block_p = next_pow2(dim - rotary_dim) if dim > rotary_dim else 0
     c_sb = cos.stride(0) if cos.shape[0] > 1 else 0
     tile = max(next_pow2(hq), next_pow2(hk)) * block_r
-    _rope_kernel[(bsz * seq,)](
+    tokens = bsz * seq
+    block_t = tokens_per_program(q.device, tokens, tile)
+    _rope_kernel[(triton.cdiv(tokens, block_t),)](
         q,
         k,
         cos,
@@ -183,6 +201,7 @@ def rotate(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, 
         qo,
         ko,
         seq,
+        tokens,
         hq,
         hk,
         dim,
@@ -196,6 +215,7 @@ def rotate(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, 
         *ko.stride(),
         INTERLEAVED=interleaved,
         INVERSE=inverse,
+        BLOCK_T=block_t,
         BLOCK_HQ=next_pow2(hq),
         BLOCK_HK=next_pow2(hk),
         BLOCK_R=block_r,

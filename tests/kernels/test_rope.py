@@ -63,6 +63,18 @@ def test_rotary_gqa_layouts(dtype, interleaved, partial):
     _check(q, k, cos, sin, interleaved, None, dtype)
 
 
+@pytest.mark.parametrize("tokens_per_program", [1, 4])  # 1: the GPU launch; 4: 10 tokens leave a part-filled tile
+def test_rotary_any_tokens_per_program(monkeypatch, tokens_per_program):
+    from operators.kernels import rope
+
+    monkeypatch.setattr(rope, "tokens_per_program", lambda *_: tokens_per_program)
+    b, hq, hk, s, d = 2, 4, 2, 5, 16
+    q = torch.randn(b, s, hq, d, device=DEVICE).transpose(1, 2)
+    k = torch.randn(b, s, hk, d, device=DEVICE).transpose(1, 2)
+    cos, sin = _cos_sin(b, s, 12, torch.float32, torch.randint(0, 4096, (b, s), device=DEVICE))
+    _check(q, k, cos, sin, False, None, torch.float32)
+
+
 def test_rotary_shared_positions_real_head_dim():
     q = torch.randn(1, 4, 3, 128, device=DEVICE, dtype=torch.bfloat16)
     k = torch.randn(1, 1, 3, 128, device=DEVICE, dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ from validators.soak import soak
 STEPS, EVERY = 40, 8
 
 
-def _cmd(src, ckpt) -> list[str]:
+def _cmd(src, ckpt, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -39,6 +39,7 @@ def _cmd(src, ckpt) -> list[str]:
         "4",
         "--no-kernels",
         "--json",
+        *extra,
     ]
 
 
@@ -56,7 +57,8 @@ def test_sigkill_mid_soak_resumes_and_reproduces_the_trajectory(zoo, tmp_path):
 
     killed_dir = tmp_path / "killed"
     history = killed_dir / "history.jsonl"
-    proc = subprocess.Popen(_cmd(src, killed_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seed = str(uninterrupted["seed"])  # the killed run trains the same data; its resume finds the seed stored
+    proc = subprocess.Popen(_cmd(src, killed_dir, "--seed", seed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         if history.is_file() and len(history.read_text().splitlines()) >= 2 * EVERY + EVERY // 2:
@@ -67,10 +69,14 @@ def test_sigkill_mid_soak_resumes_and_reproduces_the_trajectory(zoo, tmp_path):
     done_before_kill = len(history.read_text().splitlines())
     assert done_before_kill < STEPS
 
+    other = str(uninterrupted["seed"] ^ 1)
+    refused = subprocess.run(_cmd(src, killed_dir, "--seed", other), capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and f"seed {seed}" in refused.stderr  # another seed would train other data
     resumed = _run(_cmd(src, killed_dir))
     assert resumed["resumed_from"] is not None and 0 < resumed["resumed_from"] <= done_before_kill
     assert resumed["resumed_from"] % EVERY == 0
     assert len(resumed["steps"]) == STEPS - resumed["resumed_from"]
+    assert resumed["seed"] == uninterrupted["seed"]
     assert resumed["losses"] == uninterrupted["losses"]  # bit-for-bit, deterministic mode
     assert resumed["passed"]
 

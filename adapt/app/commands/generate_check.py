@@ -25,11 +25,10 @@ def register(sub) -> None:
         "generate-check",
         help="greedy generation vs the unadapted model: tokens, log-probs, KV cache, left-padded batches",
     )
-    _common(parser, ("device", "dtype"))
+    _common(parser, ("device", "dtype", "seed"))
     parser.add_argument("--prompts", type=int, default=3, help="random prompts (default 3; 2+ for the batch check)")
     parser.add_argument("--prompt-len", type=int, default=12, help="tokens in the longest prompt (default 12)")
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
-    parser.add_argument("--seed", type=int, default=None, help="prompt seed (default: fresh random)")
     parser.add_argument(
         "--reference",
         choices=("fp64", "fp32"),
@@ -43,11 +42,11 @@ def run(args: argparse.Namespace) -> int:
     from validators.generation import GenerationOptions, generation_check
 
     _positive(args, "prompts", "prompt_len", "new_tokens")
+    (src, shape), notes = _source(args), []
     options = GenerationOptions(
-        prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
+        prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=shape.seed,
         reference_dtype=args.reference,
     )  # fmt: skip
-    (src, shape), notes = _source(args), []
     plan = _kernel_plan(src, args, notes)
     report = generation_check(src, plan, dtype=shape.dtype, device=shape.device, options=options)
     return _emit(report, args, notes, _print)

@@ -90,7 +90,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="gradient clipping norm (default 1.0)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--train-seed",
+        type=int,
+        default=0,
+        help="seed of the weight initialisation and synthetic data, the same on every rank (default 0)",
+    )
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower)")
     p.add_argument("--metrics", help="write per-step metrics as JSON lines here (rank 0)")
 
@@ -125,7 +130,7 @@ def handler(args: argparse.Namespace) -> int:
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm,
-        seed=args.seed,
+        seed=args.train_seed,
         deterministic=args.deterministic,
         data=args.data,
     )

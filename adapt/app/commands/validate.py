@@ -25,11 +25,10 @@ SHAPE = ("device", "dtype", "seq_len", "batch_size")  # what every validation co
 
 def register(sub) -> None:
     align = sub.add_parser("align", help="compare the adapted model with a float64 reference, block by block")
-    _common(align, SHAPE)
+    _common(align, (*SHAPE, "seed"))
     align.add_argument(
         "--streamed", action="store_true", help="one block at a time from the shards (checkpoints bigger than memory)"
     )
-    align.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     align.add_argument("--no-backward", action="store_true", help="skip gradients and the loss-parity run")
     align.add_argument("--parity-steps", type=int, default=4, help="loss-curve parity steps (default 4)")
     align.add_argument(
@@ -55,14 +54,13 @@ def register(sub) -> None:
     soak = sub.add_parser(
         "soak", help="train for N steps: finite loss, step-time drift, memory leaks, checkpoint/resume"
     )
-    _common(soak, (*SHAPE, "soak_steps", "ckpt_every"), old={"soak_steps": ("--steps",)})
+    _common(soak, (*SHAPE, "seed", "soak_steps", "ckpt_every"), old={"soak_steps": ("--steps",)})
     soak.add_argument("--minutes", type=float, default=None, help="stop after this many minutes")
     soak.add_argument(
         "--ckpt-dir",
         default=None,
         help="checkpoint directory; an existing checkpoint there is resumed (without it: no checkpoints)",
     )
-    soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--nondeterministic", action="store_true", help="allow nondeterministic kernels")
     soak.set_defaults(func=run_soak)
 
@@ -135,7 +133,7 @@ def run_align(args: argparse.Namespace) -> int:
     options = AlignOptions(
         batch=shape.batch_size,
         seq_len=shape.seq_len,
-        seed=args.seed,
+        seed=shape.seed,
         backward=not args.no_backward,
         parity_steps=args.parity_steps,
         reference_dtype=args.reference,
@@ -185,7 +183,7 @@ def run_soak(args: argparse.Namespace) -> int:
         batch_size=shape.batch_size,
         ckpt_dir=args.ckpt_dir,
         minutes=args.minutes,
-        seed=args.seed,
+        seed=shape.seed,
         deterministic=not args.nondeterministic,
     )
     return _emit(report, args, notes, _print_soak)

@@ -239,6 +239,13 @@ class ValidationOptions(OptionGroup):
     ckpt_every: int | None = option(
         None, type=int, minimum=0, help=f"soak checkpoint interval in steps, 0: none ({BY_DEVICE})"
     )
+    seed: int | None = option(
+        None,
+        type=int,
+        minimum=0,
+        help="seed of the inputs the validation stages draw (default: a fresh draw each run, stated in the "
+        "report; a resumed soak keeps the seed stored with its checkpoints)",
+    )
     thresholds: str | None = option(
         None,
         metavar="FILE",

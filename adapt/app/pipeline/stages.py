@@ -258,7 +258,7 @@ def _alignment(ctx: StageContext) -> Any:
             device=opts.device,
             thresholds=alignment_thresholds(opts),
             transform=transform,
-            options=AlignOptions(batch=opts.batch_size, seq_len=opts.seq_len),
+            options=AlignOptions(batch=opts.batch_size, seq_len=opts.seq_len, seed=opts.seed),
         )
 
 
@@ -279,7 +279,7 @@ def alignment_thresholds(options: ValidationOptions) -> dict[str, float] | None:
 
 def _generation(ctx: StageContext) -> Any:
     """Greedy generation of the adapted model against the unadapted one: tokens, log-probs, cache, batch."""
-    from validators.generation import generation_check
+    from validators.generation import GenerationOptions, generation_check
 
     opts = ctx.options.validation
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
@@ -291,6 +291,7 @@ def _generation(ctx: StageContext) -> Any:
             device=opts.device,
             thresholds=alignment_thresholds(opts),
             transform=transform,
+            options=GenerationOptions(seed=opts.seed),
         )
 
 
@@ -364,6 +365,7 @@ def _soak(ctx: StageContext) -> Any:
             seq_len=opts.seq_len,
             batch_size=opts.batch_size,
             ckpt_dir=str(ckpt_dir),
+            seed=opts.seed,
             transform=transform,
             progress=ctx.progress,
         )
@@ -419,7 +421,7 @@ STAGES: dict[str, Stage] = {
         Stage(
             "alignment",
             needs=("operators",),
-            option_keys=(*_VALIDATION_KEYS, "thresholds"),
+            option_keys=(*_VALIDATION_KEYS, "seed", "thresholds"),
             execute=_alignment,
             summarise=summaries.alignment,
             description="compare the adapted model with a float64 reference, block by block",
@@ -428,7 +430,7 @@ STAGES: dict[str, Stage] = {
         Stage(
             "generation",
             needs=("operators",),
-            option_keys=("device", "dtype", "thresholds"),
+            option_keys=("device", "dtype", "seed", "thresholds"),
             execute=_generation,
             summarise=_generation_summary,
             description="generate greedily against the unadapted model: tokens, log-probs, KV cache, left-padded batches",
@@ -454,7 +456,7 @@ STAGES: dict[str, Stage] = {
         Stage(
             "soak",
             needs=("operators",),
-            option_keys=(*_VALIDATION_KEYS, "soak_steps", "ckpt_every"),
+            option_keys=(*_VALIDATION_KEYS, "seed", "soak_steps", "ckpt_every"),
             execute=_soak,
             summarise=summaries.soak,
             description="train for a while and watch loss, time and memory",
