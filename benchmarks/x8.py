@@ -1,4 +1,4 @@
-"""Issue 9: the eight-rank layouts, trained through adapt's realisation and checked against the planner.
+"""The eight-rank layouts, trained through adapt's realisation and checked against the planner.
 
 Two modes, one set of layouts (FSDP x8 ZeRO-3; TP2 x FSDP4; PP2 x TP2 x FSDP2; the planner's first-ranked
 layout; EP8 and EP4 x FSDP2 on an MoE model):
