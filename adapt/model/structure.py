@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from adapt.core.spec import AttentionSpec, MLPSpec, NormSpec
+from adapt.model.activations import ACTIVATIONS
 from adapt.model.blocks import is_expert_list
 
 # ---------------------------------------------------------------- leaf classification
@@ -39,7 +40,9 @@ class Projection:
 
 
 @dataclass
-class BlockParts:
+class BlockLeaves:
+    """One block's leaves sorted by what their parameters look like (the intake's raw material)."""
+
     projections: dict[str, list[Projection]] = field(default_factory=dict)  # by owning child
     banks: dict[str, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)  # 3-D expert weights
     norm_like: list[tuple[str, nn.Module, int]] = field(default_factory=list)  # (path, module, size)
@@ -53,8 +56,8 @@ def _owner(path: str) -> str:
     return path.split(".", 1)[0] if "." in path else ""
 
 
-def split_block(block: nn.Module) -> BlockParts:
-    parts = BlockParts()
+def split_block(block: nn.Module) -> BlockLeaves:
+    parts = BlockLeaves()
     skip: tuple[str, ...] = ()
     for path, module in block.named_modules():
         if skip and path.startswith(skip):
@@ -173,17 +176,6 @@ def _eps_candidates(module: nn.Module) -> list[float]:
     return found or [1e-5, 1e-6, 1e-12, 1e-8]
 
 
-_ACTIVATIONS = {
-    "silu": lambda x: torch.nn.functional.silu(x),
-    "gelu": lambda x: torch.nn.functional.gelu(x),
-    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-    "relu": torch.relu,
-    "relu2": lambda x: torch.relu(x).pow(2),
-    "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh,
-}
-
-
 def probe_activation(module: nn.Module) -> str | None:
     x = torch.linspace(-6, 6, 97, dtype=torch.float64)
     try:
@@ -193,7 +185,7 @@ def probe_activation(module: nn.Module) -> str | None:
         return None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return None
-    for name, fn in _ACTIVATIONS.items():
+    for name, fn in ACTIVATIONS.items():
         if torch.allclose(y.to(torch.float64), fn(x), rtol=1e-6, atol=1e-6):
             return name
     return None

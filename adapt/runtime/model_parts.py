@@ -39,7 +39,9 @@ class BranchParts:
 
 
 @dataclass
-class BlockParts:
+class BlockPlacement:
+    """One block as tensor parallelism places it: its norms and its branches' projections."""
+
     path: str  # absolute, e.g. "model.layers.3"
     norms: list[str]  # relative to the block
     branches: list[BranchParts]
@@ -55,7 +57,7 @@ class HeadGeometry:
 @dataclass
 class ModelParts:
     blocks_path: str
-    blocks: list[BlockParts]
+    blocks: list[BlockPlacement]
     embedding: str
     final_norm: str | None
     head: str | None
@@ -222,7 +224,7 @@ def find_parts(model: nn.Module, heads: HeadGeometry | None = None, seq_len: int
                 branches.append(_branch_parts(block, path, child, calls, hidden))
             elif _is_norm(module, hidden):
                 norms.append(child)  # per-token, per-channel: norms and other pointwise ops (SP-safe)
-        parts_blocks.append(BlockParts(path=path, norms=norms, branches=branches))
+        parts_blocks.append(BlockPlacement(path=path, norms=norms, branches=branches))
     return ModelParts(
         blocks_path=blocks_path,
         blocks=parts_blocks,

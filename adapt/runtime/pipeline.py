@@ -84,7 +84,9 @@ def logits_of(output: Any, model: nn.Module | None = None) -> torch.Tensor:
 
 
 @dataclass
-class StageLayout:
+class StageModules:
+    """The modules one pipeline stage runs, by path: its blocks and, on the end stages, embedding, norm, head."""
+
     embedding: str | None
     blocks_path: str
     block_keys: list[str]
@@ -93,7 +95,7 @@ class StageLayout:
 
 
 def _stage_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    layout: StageLayout = self._adapt_stage_layout
+    layout: StageModules = self._adapt_stage_layout
     context: BlockContext = self._adapt_block_context
     if layout.embedding:
         hidden = self.get_submodule(layout.embedding)(hidden)
@@ -118,7 +120,7 @@ def check_decomposition(model: nn.Module, parts: ModelParts, input_ids: torch.Te
     """
     if parts.head is None:
         raise BadInput("pipeline parallelism needs an output head on the last stage; none was found")
-    layout = StageLayout(
+    layout = StageModules(
         parts.embedding,
         parts.blocks_path,
         [str(i) for i in range(len(parts.blocks))],
@@ -185,7 +187,7 @@ def split_stages(
             for path in (parts.final_norm, parts.head):
                 if path:
                     _set_child(module, path, None)
-        module._adapt_stage_layout = StageLayout(
+        module._adapt_stage_layout = StageModules(
             parts.embedding if first else None,
             parts.blocks_path,
             [str(i) for i in keep],

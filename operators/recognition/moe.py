@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from operators.recognition.probes import ACTIVATIONS, close, float64_copy
+from adapt.model.activations import ACTIVATIONS
+from operators.recognition.probes import close, float64_copy
 
 
 @dataclass

@@ -24,7 +24,7 @@ FLEX_PREFIX = "higher_order.flex_attention"
 
 
 @dataclass
-class Projection:
+class TracedProjection:
     """A leaf module with a 2-D weight that maps one width to another (Linear, Conv1D, ...)."""
 
     path: str
@@ -49,7 +49,7 @@ def last_dim(shapes: list[list[int]]) -> int | None:
     return shapes[0][-1] if shapes and shapes[0] else None
 
 
-def projections_under(inv: OpInventory, path: str, *, direct_only: bool = False) -> list[Projection]:
+def projections_under(inv: OpInventory, path: str, *, direct_only: bool = False) -> list[TracedProjection]:
     """Leaf projections in ``path``'s subtree, with their traced in/out widths."""
     found = []
     prefix = path + "." if path else ""
@@ -62,7 +62,7 @@ def projections_under(inv: OpInventory, path: str, *, direct_only: bool = False)
             continue
         fin, fout = last_dim(rec.input_shapes), last_dim(rec.output_shapes)
         if fin and fout:
-            found.append(Projection(rec.path, fin, fout))
+            found.append(TracedProjection(rec.path, fin, fout))
     return found
 
 
@@ -153,7 +153,7 @@ def rotary_generator(rec: ModuleRecord) -> bool:
     )
 
 
-def lm_head_candidate(inv: OpInventory) -> Projection | None:
+def lm_head_candidate(inv: OpInventory) -> TracedProjection | None:
     """The projection onto the vocabulary whose output the model's own loss consumes."""
     root = inv.modules.get("")
     if (

@@ -21,20 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from adapt.model.activations import ACTIVATIONS
+
 # Modules may upcast/downcast internally (e.g. RMSNorm computing in float32), so the float64 reference
 # is matched at float32 resolution.  Every probe input is built so that the look-alike variants differ
 # by O(1) relative error (tiny/large magnitudes, shifted means), far above this tolerance.
 RTOL = 2e-5
 ATOL = 2e-6
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu": lambda x: F.gelu(x, approximate="none"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu2": lambda x: F.relu(x).square(),
-}
 
 
 def float64_copy(module: nn.Module, generator: torch.Generator, scale: float = 0.5) -> nn.Module:

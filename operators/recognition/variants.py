@@ -165,7 +165,7 @@ class GatedMLPVariant(Variant):
     width: int | None = None
     """Hidden size the MLP maps from and to."""
     activation: str | None = None
-    """Name in ``operators.recognition.probes.ACTIVATIONS`` (``silu``, ``gelu``, ``gelu_tanh``, ...)."""
+    """Name in ``adapt.model.activations.ACTIVATIONS`` (``silu``, ``gelu``, ``gelu_tanh``, ...)."""
     gate: str | None = None
     """Path of the gate projection below the module (the packed projection when ``packed``)."""
     up: str | None = None
@@ -185,7 +185,7 @@ class MLPVariant(Variant):
     width: int | None = None
     """Hidden size the MLP maps from and to."""
     activation: str | None = None
-    """Name in ``operators.recognition.probes.ACTIVATIONS``."""
+    """Name in ``adapt.model.activations.ACTIVATIONS``."""
     up: str | None = None
     """Path of the up projection below the module."""
     down: str | None = None

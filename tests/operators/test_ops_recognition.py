@@ -251,9 +251,21 @@ def test_swiglu_in_a_plain_container_is_recognised():
     ]
 
 
-def test_glu_lookalike_mlp_is_rejected():
-    """sigmoid(a) * b is a GLU, not SwiGLU/GeGLU: no gated-MLP kernel may claim it."""
-    comps, rejected = recognise_mlp(torch.sigmoid)
+def test_sigmoid_glu_is_named_and_no_fused_kernel_claims_it():
+    """sigmoid(a) * b is a GLU, not SwiGLU/GeGLU: recognised under its own activation, it runs natively."""
+    from operators.providers import providers
+    from operators.registry import Target
+
+    comps, _ = recognise_mlp(torch.sigmoid)
+    assert [(c.kind, c.variant.activation) for c in comps] == [("gated_mlp", "sigmoid")]
+    cuda = Target("cuda", "bfloat16", True, (9, 0))
+    offered = [opt.status for p in providers() for opt in p.options(comps[0], cuda)]
+    assert offered and "fused" not in offered
+
+
+def test_gate_activation_no_reference_names_is_rejected():
+    """softsign(a) * b: no known activation computes it, so no gated-MLP component may be claimed."""
+    comps, rejected = recognise_mlp(torch.nn.functional.softsign)
     assert not [c for c in comps if c.kind in ("gated_mlp", "mlp")]
     assert [r["module"] for r in rejected] == ["1"]
 
