@@ -129,65 +129,162 @@ DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 SCHEDULE_KEYS = ("layer_types", "layers_block_type", "block_types")
 
 
-def per_layer_trimmed(settings: dict[str, Any], depth: int) -> dict[str, Any]:
-    """Per-layer settings cut to ``depth`` layers: a list with one entry per default layer keeps the first ones, a
-    dict keyed by layer index keeps the layers that remain, and a layer count (``num_kv_shared_layers``) at or
-    above the new depth shrinks in proportion."""
+def _is_layer_keyed(value: Any) -> bool:
+    """Per-layer overrides: settings keyed by layer index (not a label map such as ``id2label``)."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(str(k).isdigit() and isinstance(v, dict) for k, v in value.items())
+    )
+
+
+def kept_layers(settings: dict[str, Any], depth: int, every_kind: bool = True) -> list[int]:
+    """Which of the default layers a tiny model keeps: the first layer of each kind (its entry in every schedule and
+    its per-layer overrides) in order, then the earliest others, up to ``depth``; without ``every_kind``, the first
+    ``depth`` layers.  A hybrid stack keeps every layer class it fits, and a layer keeps its own per-layer settings,
+    so settings that must agree across the layers of one kind still do."""
+    if not every_kind:
+        return list(range(depth))
+    before = next(settings[k] for k in DEPTH_KEYS if isinstance(settings.get(k), int))
+    schedules = [v for k, v in settings.items() if k in SCHEDULE_KEYS and isinstance(v, list) and len(v) == before]
+    overrides = [{int(k): v for k, v in d.items()} for d in settings.values() if _is_layer_keyed(d)]
+    kinds = [json.dumps([[s[i] for s in schedules], [o.get(i) for o in overrides]], default=str) for i in range(before)]
+    first = [kinds.index(kind) for kind in dict.fromkeys(kinds)][:depth]
+    rest = [i for i in range(before) if i not in first][: depth - len(first)]
+    return sorted(first + rest)
+
+
+def per_layer_trimmed(settings: dict[str, Any], depth: int, every_kind: bool = True) -> dict[str, Any]:
+    """Per-layer settings cut to ``depth`` layers, the ``kept_layers``: a list with one entry per default layer (a
+    schedule too) keeps those layers' entries, a dict keyed by layer index keeps theirs under their new index, and a
+    layer count (``num_kv_shared_layers``) at or above the new depth shrinks in proportion.  Without ``every_kind``
+    the schedules are left out, for the config to recompute at the new depth."""
     before = next((settings[k] for k in DEPTH_KEYS if isinstance(settings.get(k), int)), None)
     if not before or before <= depth:
         return {}
+    kept = kept_layers(settings, depth, every_kind)
     trimmed: dict[str, Any] = {}
     for name, value in settings.items():
-        if name in DEPTH_KEYS or name in SCHEDULE_KEYS:
+        if name in DEPTH_KEYS or (name in SCHEDULE_KEYS and not every_kind):
             continue
         if isinstance(value, list) and len(value) == before:
-            trimmed[name] = value[:depth]
-        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-            kept = {k: v for k, v in value.items() if int(k) < depth}
-            if len(kept) != len(value):
-                trimmed[name] = kept
+            trimmed[name] = [value[i] for i in kept]
+        elif _is_layer_keyed(value):
+            sample = next(iter(value))  # "02": indices written zero-padded, or ints
+            by_index = {int(k): v for k, v in value.items()}
+            trimmed[name] = {
+                new if isinstance(sample, int) else str(new).zfill(len(sample)): by_index[old]
+                for new, old in enumerate(kept)
+                if old in by_index
+            }
         elif name.endswith("_layers") and isinstance(value, int) and not isinstance(value, bool) and value >= depth:
             trimmed[name] = max(1, round(value * depth / before)) if value < before else depth
     return trimmed
 
 
-def tiny_config(model_type: str, keep: frozenset[str] = frozenset(), fill_unset: bool = False) -> Any:
-    """The model type's default config with every size knob it has shrunk (but those in ``keep``); nested text configs too.
+def _has(config: Any, name: str) -> bool:
+    """``hasattr`` for a config, where reading a per-layer attribute globally raises something other than an
+    AttributeError (transformers' heterogeneous configs): such an attribute exists."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001 - the attribute exists, it is only ambiguous across layers
+        return True
 
-    Token ids land inside the shrunk vocabulary; with ``fill_unset``, optional int sizes left None get a tiny value.
+
+# The widths of a model's residual streams; a size elsewhere in its configs with the same default (a projector's input,
+# an adapter's output into the text tower) is read as tied to one of them and shrinks with it.
+HIDDEN_WIDTHS = ("hidden_size", "d_model", "n_embd", "embedding_size")
+WIDTH_SUFFIXES = ("_dim", "_size", "_channels", "_width")
+
+
+def hidden_widths(settings: dict[str, Any]) -> set[int]:
+    """The default residual widths of a config and of every config nested in it."""
+    widths = {settings[k] for k in HIDDEN_WIDTHS if isinstance(settings.get(k), int) and settings[k] > 1}
+    for value in settings.values():
+        if isinstance(value, dict):
+            widths |= hidden_widths(value)
+    return widths
+
+
+def tied_widths(settings: dict[str, Any], widths: set[int], keep: frozenset[str]) -> dict[str, int]:
+    """Sizes not shrunk by name whose default equals a residual width somewhere in the model: shrunk to the tiny
+    width, as the width they must match."""
+    return {
+        name: TINY["hidden_size"]
+        for name, value in settings.items()
+        if name not in TINY
+        and name not in keep
+        and name.endswith(WIDTH_SUFFIXES)
+        and isinstance(value, int)
+        and not isinstance(value, bool)
+        and value in widths
+    }
+
+
+def _shrunk(entry: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+    shrunk = {**entry, **{n: tiny[n] for n in entry if tiny.get(n) is not None}}
+    return {**shrunk, **_kv_heads_kept(entry, shrunk)}
+
+
+def _kv_heads_kept(default: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]:
+    """A config with as many KV heads as query heads (multi-head attention; MLA requires it) keeps them equal."""
+    heads, kv = default.get("num_attention_heads"), default.get("num_key_value_heads")
+    if isinstance(heads, int) and heads == kv and "num_attention_heads" in shrunk:
+        return {"num_key_value_heads": shrunk["num_attention_heads"]}
+    return {}
+
+
+def tiny_settings(
+    config: Any,
+    keep: frozenset[str],
+    fill_unset: bool,
+    depth: int,
+    widths: set[int] | None = None,
+    every_kind: bool = True,
+) -> dict[str, Any]:
+    """Overrides that shrink one config: every size knob it has, its per-layer settings (their own size knobs too)
+    cut to ``depth`` layers, sizes tied to a residual width (``tied_widths``) shrunk with it, its token ids clamped
+    into the shrunk vocabulary, and each nested config (a text tower, a vision or audio encoder) shrunk the same way,
+    whole.  Knobs in ``keep`` keep their default."""
+    from transformers import PretrainedConfig
+
+    settings = config.to_dict()
+    widths = hidden_widths(settings) if widths is None else widths
+    tiny = {k: v for k, v in TINY.items() if k not in keep}
+    overrides = {k: v for k, v in tiny.items() if v is not None and _has(config, k)}
+    if "hidden_size" in tiny:
+        overrides.update(tied_widths(settings, widths, keep))
+    if fill_unset:
+        overrides.update({k: v for k, v in _int_fields_unset(config).items() if k not in keep and k not in overrides})
+    overrides.update(clamped_token_ids(settings, overrides.get("vocab_size", settings.get("vocab_size"))))
+    for name, value in per_layer_trimmed(settings, depth, every_kind).items():
+        if _is_layer_keyed(value):  # per-layer overrides of a size knob shrink like the knob
+            value = {k: _shrunk(v, tiny) if isinstance(v, dict) else v for k, v in value.items()}
+        overrides.setdefault(name, value)
+    overrides.update(_kv_heads_kept(settings, overrides))
+    if not every_kind:
+        overrides.update({key: None for key in SCHEDULE_KEYS if key in settings})
+    for name in settings:
+        sub = getattr(config, name, None) if name.endswith("_config") else None
+        if isinstance(sub, PretrainedConfig):
+            overrides[name] = {**sub.to_dict(), **tiny_settings(sub, keep, fill_unset, depth, widths, every_kind)}
+    return overrides
+
+
+def tiny_config(
+    model_type: str, keep: frozenset[str] = frozenset(), fill_unset: bool = False, every_kind: bool = True
+) -> Any:
+    """The model type's default config with every size knob it has shrunk (but those in ``keep``), nested configs too.
+
+    Token ids land inside the shrunk vocabulary; with ``fill_unset``, optional int sizes left None get a tiny value;
+    ``every_kind``: the layers kept hold every layer kind (``kept_layers``), else they are the first ones and the
+    config recomputes its schedule (``layer_types``) for the tiny depth.
     """
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    tiny = {k: v for k, v in TINY.items() if k not in keep}
-    overrides = {k: v for k, v in tiny.items() if v is not None and hasattr(default, k)}
-    if fill_unset:
-        overrides.update({k: v for k, v in _int_fields_unset(default).items() if k not in keep and k not in overrides})
-    overrides.update(
-        clamped_token_ids(default.to_dict(), overrides.get("vocab_size", getattr(default, "vocab_size", None)))
-    )
-    depth = TINY["num_hidden_layers"]
-    overrides.update({k: v for k, v in per_layer_trimmed(default.to_dict(), depth).items() if k not in overrides})
-    sub_name = next((n for n in ("text_config", "language_config") if hasattr(default, n)), None)
-    if sub_name and getattr(default, sub_name) is not None:
-        sub = getattr(default, sub_name)
-        sub_overrides = {k: v for k, v in tiny.items() if v is not None and hasattr(sub, k)}
-        trimmed = per_layer_trimmed(sub.to_dict(), depth)
-        sub_settings = {
-            **sub.to_dict(),
-            **{k: v for k, v in trimmed.items() if k not in sub_overrides},
-            **sub_overrides,
-        }
-        overrides[sub_name] = {**sub_settings, **clamped_token_ids(sub_settings, sub_settings.get("vocab_size"))}
-    for key in SCHEDULE_KEYS:
-        if hasattr(default, key):
-            overrides[key] = None  # recomputed for the new depth where the config knows how
-    try:
-        return AutoConfig.for_model(model_type, **overrides)
-    except Exception:  # noqa: BLE001 - a config that rejects the cleared schedule keeps its own
-        for key in SCHEDULE_KEYS:
-            overrides.pop(key, None)
-        return AutoConfig.for_model(model_type, **overrides)
+    settings = tiny_settings(default, keep, fill_unset, TINY["num_hidden_layers"], every_kind=every_kind)
+    return AutoConfig.for_model(model_type, **settings)
 
 
 def build(model_type: str, directory: Path) -> None:
@@ -196,16 +293,19 @@ def build(model_type: str, directory: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     keep: set[str] = set()
-    fill_unset = False
+    fill_unset, every_kind = False, True
     while True:  # a knob the model rejects at this size keeps its default; at most one retry per knob
         torch.manual_seed(0)
         try:
-            model = AutoModelForCausalLM.from_config(tiny_config(model_type, frozenset(keep), fill_unset))
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type, frozenset(keep), fill_unset, every_kind))
             break
         except Exception as err:  # the error names the knob, or a size is unset, or the model does not build tiny
             named = {k for k in TINY if k not in keep and (f"'{k}'" in str(err) or f"`{k}`" in str(err))}
             if not named and not fill_unset and "NoneType" in str(err):
                 fill_unset = True
+                continue
+            if not named and every_kind:  # a stack constrained in order (the layers that share another's KV cache
+                every_kind = False  # must find every kind before them), or whose schedule is not one entry a layer
                 continue
             if not named:
                 raise
@@ -218,8 +318,12 @@ def build(model_type: str, directory: Path) -> None:
 
 
 def _first_error_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
+    """The exception a traceback ends with, on one line (its message may span several: ``ImportError:`` then why)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    tail = lines[frames[-1] + 1 :] if frames else lines[-1:]
+    start = next((i for i, line in enumerate(tail) if not line.startswith(" ")), 0)  # past the frame's source line
+    return " ".join(line.strip() for line in tail[start:])[:300]
 
 
 def sweep_one(model_type: str, work: Path, timeout: float) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.core.verdicts import gradient_floor
 from operators.generated import GeneratedKernel, generate
 from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
 from operators.mapping import KernelPlan, plan_kernels
@@ -316,18 +317,7 @@ def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -
         handle.revert()
     again, _ = _forward_backward(model, ids, training)
     logits_diff = float((out - ref_out).abs().max())
-    # A parameter whose gradient vanished under the patch (a term the kernel dropped) is a mismatch, not a
-    # KeyError; a gradient that is zero in truth is judged against the model's largest gradient, not 1e-12.
-    floor = 1e-6 * max((float(g.abs().max()) for g in ref_grads.values()), default=0.0) or 1e-12
-    missing = set(ref_grads) - set(grads)
-    grad_rel = (
-        float("inf")
-        if missing
-        else max(
-            (float((grads[k] - g).abs().max()) / max(float(g.abs().max()), floor) for k, g in ref_grads.items()),
-            default=0.0,
-        )
-    )
+    grad_rel = gradient_mismatch(ref_grads, grads)
     scale = max(float(ref_out.abs().max()), 1.0)
     # every fused add+norm pair must have served its norm: a pair that ran unfused would be a silent fallback
     fused_all = fusion["idle"] == 0 and fusion["missed"] == 0
@@ -340,6 +330,23 @@ def check_kernel_plan(model: nn.Module, plan: KernelPlan, *, seed: int = 1234) -
     )
     return PatchCheck(
         True, passed, logits_diff, grad_rel, unchanged, bool(torch.equal(again, ref_out)), calls, patched, fusion
+    )
+
+
+def gradient_mismatch(reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor]) -> float:
+    """The largest per-parameter max-abs gradient difference, relative to the reference gradient's largest entry.
+
+    A gradient that is zero in exact arithmetic holds only float32 rounding, which scales with the global gradient
+    norm: each is measured against at least the floor the alignment stage uses (``gradient_floor``), so rounding is
+    never read as a mismatch.  A parameter whose gradient vanished from ``candidate`` (a term a kernel dropped) is a
+    mismatch (infinite).
+    """
+    if set(reference) - set(candidate):
+        return float("inf")
+    floor = gradient_floor(float(g.double().norm()) for g in reference.values()) or 1e-12
+    return max(
+        (float((candidate[k] - g).abs().max()) / max(float(g.abs().max()), floor) for k, g in reference.items()),
+        default=0.0,
     )
 
 

@@ -42,6 +42,9 @@ class ParityResult:
     tolerance: float
     passed: bool
     training_randomness_off: bool = False  # the model's training forward is random: both ran with it off
+    # gradient norms before clipping, at the same weights as the losses; max_rel_diff covers them too
+    baseline_grad_norms: list[float] = field(default_factory=list)
+    candidate_grad_norms: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -68,8 +68,18 @@ def train_step(
 ) -> tuple[float, float]:
     """Forward, backward, clip, AdamW step.  Returns (loss, grad norm before clipping)."""
     optimizer.zero_grad(set_to_none=True)
+    loss, grad_norm = loss_and_gradients(model, input_ids, vocab, max_grad_norm)
+    optimizer.step()
+    return loss, grad_norm
+
+
+def loss_and_gradients(
+    model: nn.Module, input_ids: torch.Tensor, vocab: int, max_grad_norm: float = 1.0
+) -> tuple[float, float]:
+    """A training step without the optimizer: forward, backward into cleared ``.grad``, clip.  Returns (loss,
+    grad norm before clipping)."""
+    model.zero_grad(set_to_none=True)
     loss = loss_from_output(model_output(model, input_ids), input_ids, vocab)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
     return float(loss.detach()), float(grad_norm)

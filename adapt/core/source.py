@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -129,12 +130,22 @@ def _read_config(config_path: Path) -> dict[str, Any]:
     except OSError as err:
         raise BadInput(f"{config_path}: cannot read ({err.strerror})") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_hook=_special_float)
     except json.JSONDecodeError as err:
         raise BadInput(f"{config_path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
     if not isinstance(data, dict):
         raise BadInput(f"{config_path}: expected a JSON object")
     return data
+
+
+# transformers writes a float JSON cannot hold (inf, -inf, nan) as {"__float__": "Infinity"} and reads it back as the
+# float (``PretrainedConfig._encode_special_floats``): a config it saved is read here as it reads it.
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_float(obj: dict[str, Any]) -> Any:
+    tag = obj.get("__float__") if len(obj) == 1 else None
+    return _SPECIAL_FLOATS[tag] if isinstance(tag, str) and tag in _SPECIAL_FLOATS else obj
 
 
 def _check_remote_code(config: dict[str, Any], root: Path, trust_remote_code: bool) -> None:

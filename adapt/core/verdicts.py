@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,19 @@ def verdict(
     return (
         within_limits or no_worse_than_dtype
     ) and rel_err <= limits.max_err_ratio * baseline_rel_err + limits.rel_err_floor
+
+
+# A gradient that vanishes in exact arithmetic (a router row no token's loss reaches, a bias a softmax cancels) holds
+# only the rounding of the terms that flow through it, and those scale with the model's whole gradient, not with its
+# own size: every check that compares gradients measures each one against at least this share of the global gradient
+# norm.  In float32 a relative limit of 1e-4 on top of it is about one unit of roundoff (2^-23) of the global norm.
+VANISHING_GRADIENT_SHARE = 1e-3
+
+
+def gradient_floor(norms: Iterable[float]) -> float:
+    """The size under which a gradient is measured against ``VANISHING_GRADIENT_SHARE`` of the global gradient norm
+    (the L2 norm over every parameter's gradient, given as each gradient's L2 norm) instead of its own norm."""
+    return VANISHING_GRADIENT_SHARE * math.hypot(*norms)
 
 
 # The decode targets: adapted decode tokens/s over each HF generate path, at every batch measured.

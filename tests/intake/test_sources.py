@@ -82,3 +82,23 @@ def test_tied_embeddings_are_accounted(zoo):
     spec = inspect(str(zoo("qwen3")))
     assert spec.checkpoint.tied == [["lm_head.weight", "model.embed_tokens.weight"]]
     assert spec.checkpoint.missing == []
+
+
+def test_a_config_transformers_saved_with_an_infinite_float_is_read_back_as_transformers_reads_it(tmp_path):
+    """transformers writes inf/-inf/nan as {"__float__": "Infinity"}; the source holds the float and the config
+    passes transformers' own checks, as a config reloaded by transformers does."""
+    import math
+    import random
+
+    from transformers import AutoConfig, LlamaConfig
+
+    bound = random.uniform(0.0, 1.0)
+    LlamaConfig(
+        hidden_size=64, num_attention_heads=4, time_step_limit=(bound, math.inf), clip=-math.inf
+    ).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["time_step_limit"][1] == {"__float__": "Infinity"}
+    config = resolve_source(str(tmp_path / "config.json")).config_dict
+    assert config["time_step_limit"] == [bound, math.inf] and config["clip"] == -math.inf
+    reloaded = AutoConfig.from_pretrained(tmp_path)
+    assert list(reloaded.time_step_limit) == config["time_step_limit"] and reloaded.clip == config["clip"]
+    assert inspect(str(tmp_path), config_only=True).model_type == "llama"

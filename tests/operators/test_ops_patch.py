@@ -175,3 +175,31 @@ def test_triton_provider_declares_itself_unavailable_without_interpreter(monkeyp
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ok, why = AdaptTritonProvider().available(Target("cpu", "float32", True, None))
     assert not ok and "TRITON_INTERPRET" in why
+
+
+def _softmax_grads(softmax, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """float32 gradients of a softmax layer with a shift added to every logit: softmax ignores the shift, so its
+    gradient is zero in exact arithmetic and holds only rounding."""
+    weight = w.clone().requires_grad_()
+    shift = torch.zeros(x.shape[0], 1, requires_grad=True)
+    loss = (softmax(x @ weight + shift) * target).sum()
+    loss.backward()
+    return {"weight": weight.grad, "shift": shift.grad}
+
+
+def test_gradient_check_reads_rounding_of_a_vanishing_gradient_as_agreement_and_catches_a_changed_kernel(fresh_seed):
+    from operators.api import gradient_mismatch
+
+    x, w, target = torch.randn(128, 48), torch.randn(48, 96), torch.randn(128, 96)
+    reference = _softmax_grads(lambda z: torch.softmax(z, -1), x, w, target)
+
+    def by_hand(z: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:  # the same function, other rounding
+        e = torch.exp((z - z.amax(-1, keepdim=True)) / temperature)
+        return e / e.sum(-1, keepdim=True)
+
+    same = _softmax_grads(by_hand, x, w, target)
+    assert reference["shift"].abs().max() > 0  # rounding, not an exact zero: the case the floor is for
+    assert gradient_mismatch(reference, same) <= 1e-4
+    changed = _softmax_grads(lambda z: by_hand(z, 1.001), x, w, target)
+    assert gradient_mismatch(reference, changed) > 1e-4
+    assert gradient_mismatch(reference, {"weight": same["weight"]}) == float("inf")

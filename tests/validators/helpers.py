@@ -66,3 +66,26 @@ def swap_router_rows(block_index: int, a: int = 0, b: int = 1):
         raise AssertionError(f"block {block_index} has no MoE component")
 
     return transform
+
+
+def stale_linear_weights():
+    """A transform that makes every linear layer of the blocks compute with its weight as it was at transform time (a
+    kernel that caches its weights): gradients still reach the live weights, so only training shows it."""
+
+    def transform(model: nn.Module) -> nn.Module:
+        for block in find_blocks(model).blocks:
+            for linear in [m for m in block.modules() if isinstance(m, nn.Linear)]:
+                linear.forward = _stale_forward(linear)
+        return model
+
+    return transform
+
+
+def _stale_forward(linear: nn.Linear):
+    stale = linear.weight.detach().clone()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        live = linear.weight
+        return nn.functional.linear(x, stale + (live - live.detach()), linear.bias)
+
+    return forward

@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 import pytest
-from helpers import first_norm, poison_output, scale_norm_output, swap_router_rows
+from helpers import first_norm, poison_output, scale_norm_output, stale_linear_weights, swap_router_rows
 
 from adapt.model.intake import resolve_source
 from adapt.model.skeleton import build_skeleton
@@ -63,6 +63,21 @@ def test_zoo_model_aligns(zoo, kernel_plans, name, dtype):
     assert all(layer.passed and layer.cosine <= 1.0 + 1e-9 for layer in report.layers)
     assert report.layers[-1].cosine > 0.98
     assert bool(report.routing_undecidable) == any(layer.excluded_tokens for layer in report.layers)
+
+
+def test_loss_parity_runs_in_lockstep_and_catches_a_kernel_that_keeps_stale_weights(zoo, kernel_plans):
+    """Step 0 of a stale-weight kernel is exact, so only training can show it; a correct plan agrees at every step
+    to about one rounding, since the unadapted model runs at the adapted model's weights."""
+    src = _src(zoo, "llama")
+    options = dataclasses.replace(FAST, parity_steps=3)
+    good = align(src, kernel_plans("llama"), dtype="fp32", options=options)
+    assert good.parity.passed and good.parity.max_rel_diff < 1e-5, good.parity
+    assert len(good.parity.baseline_grad_norms) == len(good.parity.candidate_grad_norms) == 3
+    stale = align(src, dtype="fp32", transform=stale_linear_weights(), options=options)
+    assert all(layer.passed for layer in stale.layers) and all(g.passed for g in stale.gradients)
+    assert stale.parity.candidate_losses[0] == stale.parity.baseline_losses[0]
+    assert not stale.parity.passed and not stale.passed
+    assert stale.parity.max_rel_diff > 10 * stale.parity.tolerance, stale.parity
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])

@@ -63,25 +63,76 @@ def test_build_saves_a_tiny_checkpoint(model_type, tmp_path, capsys):
     assert saved["model_type"] == model_type
 
 
-def test_per_layer_settings_are_cut_to_the_tiny_depth():
+def test_per_layer_settings_follow_the_layers_kept_at_the_tiny_depth():
+    """Every layer kind keeps a layer, and each kept layer brings its own entry of every per-layer setting."""
     rng = random.Random()
-    before, depth = rng.randint(12, 60), rng.randint(2, 6)
+    before, depth, period = rng.randint(12, 60), rng.randint(2, 6), rng.randint(2, 8)
+    types = ["full_attention" if i % period == period - 1 else "sliding_attention" for i in range(before)]
     shared = rng.randint(depth, before - 1)
     settings = {
         "num_hidden_layers": before,
         "intermediate_size": [rng.randint(64, 512) for _ in range(before)],
-        "per_layer_config": {f"{i:02d}": {"head_dim": 512} for i in range(1, before, 3)},
-        "layer_types": ["full_attention"] * before,  # a schedule is recomputed, not cut
+        "layer_types": types,
+        "per_layer_config": {f"{i:02d}": {"head_dim": 512} for i in range(before) if types[i] == "full_attention"},
         "num_kv_shared_layers": shared,
+        "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
         "rope_parameters": {"rope_theta": 1e4},
         "eos_token_id": [1, 2],
     }
+    kept = sweep.kept_layers(settings, depth)
+    assert len(kept) == depth and kept == sorted(set(kept)) and {types[i] for i in kept} == set(types)
     trimmed = sweep.per_layer_trimmed(settings, depth)
-    assert trimmed["intermediate_size"] == settings["intermediate_size"][:depth]
-    assert all(int(k) < depth for k in trimmed["per_layer_config"])
+    assert set(trimmed) == {"intermediate_size", "layer_types", "per_layer_config", "num_kv_shared_layers"}
+    assert trimmed["layer_types"] == [types[i] for i in kept]
+    assert trimmed["intermediate_size"] == [settings["intermediate_size"][i] for i in kept]
+    full = {f"{n:02d}" for n, kind in enumerate(trimmed["layer_types"]) if kind == "full_attention"}
+    assert set(trimmed["per_layer_config"]) == full and all(
+        v == {"head_dim": 512} for v in trimmed["per_layer_config"].values()
+    )
     assert 1 <= trimmed["num_kv_shared_layers"] <= depth
-    assert set(trimmed) == {"intermediate_size", "per_layer_config", "num_kv_shared_layers"}
     assert sweep.per_layer_trimmed({**settings, "num_hidden_layers": depth}, depth) == {}
+
+
+def test_sizes_tied_to_a_residual_width_shrink_with_it():
+    rng = random.Random()
+    text, vision = rng.choice([2048, 4096, 5120]), rng.choice([1024, 1152, 1536])
+    settings = {
+        "hidden_size": text,
+        "vision_config": {"hidden_size": vision, "adapter_in_dim": vision, "adapter_out_dim": text, "patch_size": 14},
+        "projector_hidden_act": "gelu",
+        "image_size": 896,
+    }
+    widths = sweep.hidden_widths(settings)
+    assert widths == {text, vision}
+    assert sweep.tied_widths(settings["vision_config"], widths, frozenset()) == {
+        "adapter_in_dim": sweep.TINY["hidden_size"],
+        "adapter_out_dim": sweep.TINY["hidden_size"],
+    }
+    assert sweep.tied_widths(settings["vision_config"], widths, frozenset({"adapter_out_dim"})) == {
+        "adapter_in_dim": sweep.TINY["hidden_size"]
+    }
+
+
+def test_nested_configs_shrink_to_the_tiny_depth_with_their_per_layer_lists():
+    """Gemma 3n's text tower inside its multimodal config: a sparsity value per layer, layer types."""
+    text = sweep.tiny_config("gemma3n").text_config
+    depth = sweep.TINY["num_hidden_layers"]
+    assert text.num_hidden_layers == depth and text.hidden_size == sweep.TINY["hidden_size"]
+    assert len(text.activation_sparsity_pattern) == len(text.layer_types) == depth
+    assert set(text.layer_types) == {"sliding_attention", "full_attention"}
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_unified", "dots3_note"])
+def test_multimodal_and_per_layer_configs_build_tiny(model_type, tmp_path, capsys):
+    """A text tower nested in a multimodal config, per-layer overrides that must agree across layers of a kind,
+    attention that needs as many KV heads as query heads, an adapter width tied to the hidden size."""
+    sweep.build(model_type, tmp_path)
+    built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < built["params"] < 2_000_000
+    saved = json.loads((tmp_path / "config.json").read_text())
+    text = saved.get("text_config", saved)
+    assert text["num_hidden_layers"] == sweep.TINY["num_hidden_layers"]
+    assert len(set(text["layer_types"])) > 1
 
 
 def test_a_per_layer_model_builds_tiny(tmp_path, capsys):
@@ -89,3 +140,18 @@ def test_a_per_layer_model_builds_tiny(tmp_path, capsys):
     sweep.build("gemma3n_text", tmp_path)
     built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < built["params"] < 2_000_000
+
+
+def test_a_failed_build_is_summed_up_by_the_exception_it_ended_with():
+    """Not the traceback's last line: an exception whose message spans lines (validation errors, missing packages)."""
+    reason = f"must equal num_hidden_layers ({random.randint(2, 99)})"
+    trace = (
+        'Traceback (most recent call last):\n  File "config.py", line 3, in __init__\n    validate(self)\n    ^^^^\n'
+        "StrictDataclassClassValidationError: Class validation error for validator:\n"
+        f"    ValueError: {reason}\n"
+    )
+    assert (
+        sweep._first_error_line(trace)
+        == f"StrictDataclassClassValidationError: Class validation error for validator: ValueError: {reason}"
+    )
+    assert sweep._first_error_line("a warning\nadapt: error: no config.json\n") == "adapt: error: no config.json"
