@@ -50,10 +50,10 @@ CASES = {
     "glu._glu_fwd": ("G U Y N stride_g stride_u", [P16, P16, P16, I32, I32, I32], dict(ACT=2, BLOCK=2048)),
     "glu._glu_bwd": ("DY G U DG DU N stride_dy stride_g stride_u", [P16] * 5 + [I32] * 4, dict(ACT=1, BLOCK=2048)),
     "rope._rope_kernel": (
-        "Q K COS SIN QO KO S HQ HK D half q_sb q_sh q_ss q_sd k_sb k_sh k_ss k_sd c_sb c_ss c_sd "
+        "Q K COS SIN QO KO S N HQ HK D half q_sb q_sh q_ss q_sd k_sb k_sh k_ss k_sd c_sb c_ss c_sd "
         "qo_sb qo_sh qo_ss qo_sd ko_sb ko_sh ko_ss ko_sd",
-        [P16] * 6 + [I32] * 24,
-        dict(INTERLEAVED=True, INVERSE=True, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=32, BLOCK_P=64),
+        [P16] * 6 + [I32] * 25,
+        dict(INTERLEAVED=True, INVERSE=True, BLOCK_T=1, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=32, BLOCK_P=64),
     ),
     "cross_entropy._ce_chunk_kernel": (
         "LOGITS stride_l LABELS LOSS SCALE V ignore_index label_smoothing z_loss softcap",
