@@ -223,7 +223,22 @@ def tied_widths(settings: dict[str, Any], widths: set[int], keep: frozenset[str]
 
 def _shrunk(entry: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
     shrunk = {**entry, **{n: tiny[n] for n in entry if tiny.get(n) is not None}}
-    return {**shrunk, **_kv_heads_kept(entry, shrunk)}
+    return {**shrunk, **_kv_heads_kept(entry, shrunk), **_head_dims_kept(entry, shrunk)}
+
+
+def _head_dims_kept(default: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]:
+    """Head widths equal by default stay equal (MLA rotates ``qk_rope_head_dim`` channels with tables of
+    ``head_dim``): each group of equal ``*head_dim`` defaults takes the smallest tiny value among them."""
+    groups: dict[int, list[str]] = {}
+    for name, value in default.items():
+        if name.endswith("head_dim") and name in shrunk and isinstance(value, int) and not isinstance(value, bool):
+            groups.setdefault(value, []).append(name)
+    kept: dict[str, Any] = {}
+    for names in groups.values():
+        sizes = [shrunk[n] for n in names if isinstance(shrunk[n], int)]
+        if len(names) > 1 and sizes:
+            kept.update(dict.fromkeys(names, min(sizes)))
+    return kept
 
 
 def _kv_heads_kept(default: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]:
@@ -262,6 +277,7 @@ def tiny_settings(
             value = {k: _shrunk(v, tiny) if isinstance(v, dict) else v for k, v in value.items()}
         overrides.setdefault(name, value)
     overrides.update(_kv_heads_kept(settings, overrides))
+    overrides.update(_head_dims_kept(settings, overrides))
     if not every_kind:
         overrides.update({key: None for key in SCHEDULE_KEYS if key in settings})
     for name in settings:
@@ -310,11 +326,23 @@ def build(model_type: str, directory: Path) -> None:
             if not named:
                 raise
             keep |= named
+    redraw_untrained_zeros(model)
     params = sum(p.numel() for p in model.parameters())
     if params > 60_000_000:
         raise RuntimeError(f"not tiny: {params:,} parameters")
     model.save_pretrained(directory)
     print(json.dumps({"params": params, "class": type(model).__name__}))
+
+
+def redraw_untrained_zeros(model: Any) -> None:
+    """A matrix that initialisation leaves all zero (a router trained from zero) ties every choice it makes in a
+    random checkpoint, which no trained checkpoint does: it gets a small random draw instead."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and param.is_floating_point() and not param.any():
+                param.normal_(0.0, 0.02)
 
 
 def _first_error_line(text: str) -> str:

@@ -155,3 +155,24 @@ def test_a_failed_build_is_summed_up_by_the_exception_it_ended_with():
         == f"StrictDataclassClassValidationError: Class validation error for validator: ValueError: {reason}"
     )
     assert sweep._first_error_line("a warning\nadapt: error: no config.json\n") == "adapt: error: no config.json"
+
+
+def test_head_widths_equal_by_default_stay_equal():
+    """MLA rotates qk_rope_head_dim channels with tables of head_dim: a tiny config that splits them cannot run."""
+    config = sweep.tiny_config("axk1")
+    default = sweep.tiny_config("axk1", keep=frozenset(sweep.TINY))  # nothing shrunk
+    assert default.head_dim == default.qk_rope_head_dim
+    assert config.head_dim == config.qk_rope_head_dim < default.head_dim
+
+
+def test_an_all_zero_matrix_from_initialisation_is_redrawn():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].weight.zero_()
+        model[0].bias.zero_()
+    kept = model[0].weight.clone()
+    sweep.redraw_untrained_zeros(model)
+    assert model[1].weight.any() and model[1].weight.abs().max() < 0.2
+    assert torch.equal(model[0].weight, kept) and not model[0].bias.any()  # biases and drawn weights stay
