@@ -55,6 +55,10 @@ TINY: dict[str, Any] = {
     "num_local_experts": 4,
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
+    # Group-limited routing (DeepSeek-V3's): the groups must divide the 4 tiny experts, 2 experts each.
+    "n_group": 2,
+    "num_expert_group": 2,
+    "topk_group": 1,
     "first_k_dense_replace": 1,
     "kv_lora_rank": 16,
     "q_lora_rank": 24,

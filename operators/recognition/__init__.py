@@ -249,6 +249,9 @@ def _inside(path: str, claimed: set[str], *, strict: bool) -> bool:
 def _norm(
     module, rec: ModuleRecord, inv: OpInventory, generator, can_probe: bool, reject, cache: ProbeCache
 ) -> Component | None:
+    if len(rec.input_shapes) > 1:  # a gated norm, norm(x, gate): the norm kernels take x alone
+        reject(rec.path, "norm", f"called with {len(rec.input_shapes)} tensor inputs; a norm kernel takes one")
+        return None
     if any("layer_norm" in op for op in rec.own_ops) and not can_probe:
         return Component(rec.path, "layer_norm", variants.LayerNormVariant(), False, "pattern only (meta tensors)")
     if not can_probe:

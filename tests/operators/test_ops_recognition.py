@@ -204,6 +204,29 @@ def recognise_norm(norm: nn.Module):
     return [c for c in rec.components if c.module == "norm"], rec.rejected
 
 
+class GatedNorm(FooNorm):
+    """An RMSNorm whose callers pass a gate (Mamba-2's): with gate=None it is a plain RMSNorm, as a probe sees it."""
+
+    def forward(self, h, gate=None):
+        out = super().forward(h)
+        return out if gate is None else out * torch.nn.functional.silu(gate)
+
+
+class GatedHolder(Holder):
+    def forward(self, x):
+        h = self.proj(x)
+        return self.norm(h, h.flip(-1))
+
+
+def test_a_norm_called_with_a_gate_is_not_claimed():
+    """The norm kernels take x alone: a norm the model calls with a second tensor stays native, never patched."""
+    model = GatedHolder(GatedNorm(32))
+    rec = recognise(model, trace_callable(model, torch.randn(2, 7, 32)))
+    assert [c.kind for c in rec.components if c.module == "norm"] == ["new"]  # listed as new, runs as traced
+    assert [r["module"] for r in rec.rejected if r["module"] == "norm"] == ["norm"]
+    assert recognise_norm(GatedNorm(32))[0][0].kind == "rms_norm"  # called without the gate, it is one
+
+
 def test_renamed_rmsnorm_is_recognised():
     comps, rejected = recognise_norm(FooNorm(32, tiny=1e-5))
     assert [(c.kind, c.variant.eps, c.variant.weight) for c in comps] == [("rms_norm", 1e-5, "scale_vec")]
