@@ -231,8 +231,9 @@ def _shrunk(entry: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
 
 
 def _head_dims_kept(default: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]:
-    """Head widths equal by default stay equal (MLA rotates ``qk_rope_head_dim`` channels with tables of
-    ``head_dim``): each group of equal ``*head_dim`` defaults takes the smallest tiny value among them."""
+    """Head widths equal to ``head_dim`` by default stay equal to it (MLA rotates ``qk_rope_head_dim`` channels with
+    rotary tables ``head_dim`` wide): each such group takes the smallest tiny value among them.  Other equal widths
+    (an indexer's and a value head's) may coincide by default and are left to shrink on their own."""
     groups: dict[int, list[str]] = {}
     for name, value in default.items():
         if name.endswith("head_dim") and name in shrunk and isinstance(value, int) and not isinstance(value, bool):
@@ -240,7 +241,7 @@ def _head_dims_kept(default: dict[str, Any], shrunk: dict[str, Any]) -> dict[str
     kept: dict[str, Any] = {}
     for names in groups.values():
         sizes = [shrunk[n] for n in names if isinstance(shrunk[n], int)]
-        if len(names) > 1 and sizes:
+        if len(names) > 1 and sizes and "head_dim" in names:
             kept.update(dict.fromkeys(names, min(sizes)))
     return kept
 
