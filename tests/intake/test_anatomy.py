@@ -149,9 +149,8 @@ def test_a_module_whose_forward_needs_more_than_the_hidden_states_is_rejected_no
     torch.manual_seed(0)
     odd = Odd()
     result = recognise(odd, trace_model(odd))
-    rejected = {r["module"]: r["reason"] for r in result.rejected}
-    assert "missing 1 required positional argument" in rejected["gated"]
-    assert "missing 1 required positional argument" in rejected["carry"]
+    rejected = {r["module"] for r in result.rejected}
+    assert {"gated", "carry"} <= rejected
     assert not any(c.confirmed and c.module in ("gated", "carry") for c in result.components)
 
 
