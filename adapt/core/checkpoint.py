@@ -91,14 +91,19 @@ def expected_checkpoint_tensors(model: torch.nn.Module) -> dict[str, list[int]]:
     and reverts that on save; we ask transformers' own ``revert_weight_conversion`` for the on-disk
     names so the comparison is like for like.
     """
-    state = dict(model.state_dict())
+    return {name: list(t.shape) for name, t in _on_disk_state(model).items()}
+
+
+def _on_disk_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The skeleton's state dict under on-disk names (tied names still share one tensor object)."""
+    state = dict(model.state_dict(keep_vars=True))
     try:
         from transformers.core_model_loading import revert_weight_conversion
 
         state = revert_weight_conversion(model, state)
     except ImportError:  # older layout without conversions: names are already on-disk names
         pass
-    return {name: list(t.shape) for name, t in state.items()}
+    return state
 
 
 def tied_groups(model: torch.nn.Module) -> list[list[str]]:
@@ -109,22 +114,32 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in by_tensor.values() if len(names) > 1]
 
 
+def on_disk_tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """``tied_groups`` under the names a checkpoint uses: a multimodal wrapper saves its tied head as
+    ``language_model.lm_head.weight`` while the module tree calls it ``lm_head.weight``."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in _on_disk_state(model).items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
 def cross_check(
     model: torch.nn.Module, tensors: dict[str, TensorInfo], files: list[str], fmt: str = "safetensors"
 ) -> CheckpointReport:
     """Compare checkpoint headers with the skeleton: missing, unexpected and mismatched keys, ties."""
     expected = expected_checkpoint_tensors(model)
     ties = tied_groups(model)
-    tied_followers = {name for group in ties for name in group[1:]}
-    tied_followers |= {name for group in ties for name in group if name not in tensors}
+    disk_ties = on_disk_tied_groups(model)
+    tied_followers = {name for group in ties + disk_ties for name in group[1:]}
+    tied_followers |= {name for group in ties + disk_ties for name in group if name not in tensors}
 
     # Some checkpoints (base models saved without the task head) omit a prefix: align on suffixes.
     prefix = _common_prefix_shift(expected, tensors)
     aligned = {prefix + name: info for name, info in tensors.items()} if prefix else dict(tensors)
 
     missing = sorted(n for n in expected if n not in aligned and n not in tied_followers)
-    # A tie group needs at least one member present in the checkpoint.
-    for group in ties:
+    # A tie group needs at least one member present in the checkpoint (named as on disk).
+    for group in disk_ties:
         if not any(n in aligned for n in group):
             missing.append(group[0])
     unexpected = sorted(n for n in aligned if n not in expected)

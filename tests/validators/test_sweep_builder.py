@@ -176,3 +176,21 @@ def test_an_all_zero_matrix_from_initialisation_is_redrawn():
     sweep.redraw_untrained_zeros(model)
     assert model[1].weight.any() and model[1].weight.abs().max() < 0.2
     assert torch.equal(model[0].weight, kept) and not model[0].bias.any()  # biases and drawn weights stay
+
+
+def test_a_multimodal_checkpoint_with_a_tied_head_is_complete(tmp_path, capsys):
+    """transformers 5 saves the tied head of a multimodal wrapper under its on-disk name: no tensor is missing; a
+    checkpoint that lost the embedding the head is tied to is."""
+    from safetensors.torch import load_file, save_file
+
+    from adapt.app.cli import main
+
+    sweep.build("gemma3", tmp_path)
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"]["missing"] == []
+    weights = load_file(tmp_path / "model.safetensors")
+    embedding = next(name for name in weights if name.startswith("language_model") and "embed_tokens" in name)
+    save_file({k: v for k, v in weights.items() if k != embedding}, tmp_path / "model.safetensors")
+    main(["inspect", str(tmp_path), "--json"])
+    assert json.loads(capsys.readouterr().out)["checkpoint"]["missing"]
