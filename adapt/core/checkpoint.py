@@ -91,7 +91,11 @@ def expected_checkpoint_tensors(model: torch.nn.Module) -> dict[str, list[int]]:
     and reverts that on save; we ask transformers' own ``revert_weight_conversion`` for the on-disk
     names so the comparison is like for like.
     """
-    return {name: list(t.shape) for name, t in _on_disk_state(model).items()}
+    return _shapes(_on_disk_state(model))
+
+
+def _shapes(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    return {name: list(t.shape) for name, t in state.items()}
 
 
 def _on_disk_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -114,11 +118,11 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in by_tensor.values() if len(names) > 1]
 
 
-def on_disk_tied_groups(model: torch.nn.Module) -> list[list[str]]:
-    """``tied_groups`` under the names a checkpoint uses: a multimodal wrapper saves its tied head as
+def on_disk_tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """``tied_groups`` of an on-disk state (``_on_disk_state``): a multimodal wrapper saves its tied head as
     ``language_model.lm_head.weight`` while the module tree calls it ``lm_head.weight``."""
     by_tensor: dict[int, list[str]] = {}
-    for name, tensor in _on_disk_state(model).items():
+    for name, tensor in state.items():
         by_tensor.setdefault(id(tensor), []).append(name)
     return [names for names in by_tensor.values() if len(names) > 1]
 
@@ -127,9 +131,10 @@ def cross_check(
     model: torch.nn.Module, tensors: dict[str, TensorInfo], files: list[str], fmt: str = "safetensors"
 ) -> CheckpointReport:
     """Compare checkpoint headers with the skeleton: missing, unexpected and mismatched keys, ties."""
-    expected = expected_checkpoint_tensors(model)
+    state = _on_disk_state(model)  # transformers' name reversion, once
+    expected = _shapes(state)
     ties = tied_groups(model)
-    disk_ties = on_disk_tied_groups(model)
+    disk_ties = on_disk_tied_groups(state)
     tied_followers = {name for group in ties + disk_ties for name in group[1:]}
     tied_followers |= {name for group in ties + disk_ties for name in group if name not in tensors}
 
