@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,30 @@ def zoo_model(request, zoo):
     return request.param, zoo(request.param)
 
 
-@pytest.fixture
-def fresh_seed() -> int:
-    """A new random draw every run; the seed is printed so a failure can be replayed with ``ADAPT_TEST_SEED``."""
+_SEED = pytest.StashKey[int]()
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request) -> int:
+    """A new draw for torch and ``random`` in every test; a failure names the seed for ``ADAPT_TEST_SEED``."""
     replay = os.environ.get("ADAPT_TEST_SEED")
     seed = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
-    print(f"torch seed {seed}")
+    random.seed(seed)
+    request.node.stash[_SEED] = seed
     return seed
+
+
+@pytest.fixture
+def rng(fresh_seed: int) -> random.Random:
+    """A Python generator seeded from ``fresh_seed``, so shape draws replay with ``ADAPT_TEST_SEED`` too."""
+    return random.Random(fresh_seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Adds the seed to a failed test's report; printing it would mix it into output a test reads with capsys."""
+    report = yield
+    if report.failed and _SEED in item.stash:
+        report.sections.append(("random seed", f"replay with ADAPT_TEST_SEED={item.stash[_SEED]}"))
+    return report

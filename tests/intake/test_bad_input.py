@@ -210,17 +210,17 @@ def test_input_errors_answer_without_importing_torch(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_size_given_per_layer_is_checked_per_layer():
+def test_a_size_given_per_layer_is_checked_per_layer(rng):
     """Gemma 3n ships ``intermediate_size`` as one size per layer: accepted while every entry is a positive integer."""
     import random
 
     from adapt.core.errors import BadInput
     from adapt.core.inputs import check_config_values
 
-    sizes = [random.randint(1, 4096) for _ in range(random.randint(2, 40))]
+    sizes = [rng.randint(1, 4096) for _ in range(rng.randint(2, 40))]
     check_config_values({"model_type": "x", "intermediate_size": sizes}, "config.json")
     bad = sizes.copy()
-    bad[random.randrange(len(bad))] = random.choice([0, -3, 2.5])
+    bad[random.randrange(len(bad))] = rng.choice([0, -3, 2.5])
     with pytest.raises(BadInput, match="intermediate_size"):
         check_config_values({"model_type": "x", "intermediate_size": bad}, "config.json")
     with pytest.raises(BadInput, match="intermediate_size"):

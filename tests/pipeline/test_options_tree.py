@@ -82,8 +82,8 @@ def test_every_command_takes_each_quantity_under_one_flag_and_default():
     assert set(TAKES) <= set(commands)
 
 
-def test_old_spellings_still_parse_into_the_same_quantity():
-    seq, batch, steps = (random.randint(2, 4096) for _ in range(3))
+def test_old_spellings_still_parse_into_the_same_quantity(rng):
+    seq, batch, steps = (rng.randint(2, 4096) for _ in range(3))
     for command in ("run", "align", "bench", "soak"):
         args = build_parser(command).parse_args([command, "m", "--seq", str(seq), "--batch", str(batch)])
         assert (args.seq_len, args.batch_size) == (seq, batch)
@@ -138,9 +138,8 @@ def test_the_tree_round_trips_through_adapt_run_and_report_json(seed):
 
 
 @pytest.mark.parametrize("name", [name for name, _ in groups(RunOptions) if name != "model"])
-def test_each_group_round_trips_through_its_own_parser(name):
+def test_each_group_round_trips_through_its_own_parser(name, rng):
     group = dict(groups(RunOptions))[name]
-    rng = random.Random()
     values = {field.name: _random_value(field, rng) for field in option_fields(group)}
     parser = argparse.ArgumentParser()
     add_options(parser, group)
@@ -148,8 +147,8 @@ def test_each_group_round_trips_through_its_own_parser(name):
     assert build(group, parser.parse_args([])) == group()  # every default is the field's own
 
 
-def test_bad_values_name_the_flag_they_came_from():
-    value = -random.randint(1, 100)
+def test_bad_values_name_the_flag_they_came_from(rng):
+    value = -rng.randint(1, 100)
     for group, name, flag in (
         (PlanOptions, "plan_global_batch", "--global-batch"),
         (PlanOptions, "plan_seq_len", "--plan-seq-len"),

@@ -4,7 +4,6 @@ fixed layouts that exist are evaluated while impossible ones are refused naming 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -41,8 +40,7 @@ def _measured_prediction(batch: int, seq: int) -> float:
     return plan_parallel(SPEC, make_cluster("h200", 1), Workload(seq, batch), fixed=fixed, top_k=1).best.tokens_per_s
 
 
-def test_calibration_file_round_trips(tmp_path):
-    rng = random.Random()
+def test_calibration_file_round_trips(tmp_path, rng):
     batch, seq = rng.choice([2, 3, 6]), rng.choice([512, 1024, 2048])
     run = _bench_run(batch, seq, rng.uniform(1e4, 9e4), rng.uniform(10, 60))
     blocks = [
@@ -79,8 +77,7 @@ def test_plan_reads_a_bad_calibration_file_as_bad_input(spec_json, tmp_path, cap
         assert len(err.splitlines()) == 1 and "calibration" in err
 
 
-def test_replan_meets_the_measured_step_and_keeps_both_plans():
-    rng = random.Random()
+def test_replan_meets_the_measured_step_and_keeps_both_plans(rng):
     batch, seq = rng.choice([2, 4, 6]), 2048
     slower = rng.uniform(0.4, 0.8)  # the machine runs slower than the physical model assumes
     measured = _measured_prediction(batch, seq) * slower

@@ -77,8 +77,8 @@ def _tiny_deepseek_v3(path: Path, rng: random.Random) -> int:
     return layers
 
 
-def test_cold_plan_keeps_torch_in_the_worker_and_the_worker_lean(tmp_path):
-    layers = _tiny_deepseek_v3(tmp_path / "model", random.Random())
+def test_cold_plan_keeps_torch_in_the_worker_and_the_worker_lean(tmp_path, rng):
+    layers = _tiny_deepseek_v3(tmp_path / "model", rng)
     model = str(tmp_path / "model")
     argv = ["plan", model, "--config-only", "--gpu", "h100", "--gpus", "8", "--seq", "128", "--global-batch", "16",
             "--json", "--no-cache"]  # fmt: skip

@@ -44,8 +44,7 @@ def with_decode(report: dict, timings: list[dict], device: str = "cuda") -> dict
     return report
 
 
-def test_targets_judge_each_batch_against_both_paths():
-    rng = random.Random()
+def test_targets_judge_each_batch_against_both_paths(rng):
     rates = meeting_targets(rng)
     targets = decode_targets(rows(rates), on_gpu=True)
     assert [t["batch"] for t in targets] == [1, 8] and all(t["verdict"] == "passed" for t in targets)
@@ -62,8 +61,8 @@ def test_targets_judge_each_batch_against_both_paths():
     assert "x2.50 of hf-eager (min x3): failed" in targets[1]["reason"]
 
 
-def test_targets_are_inconclusive_when_unmeasured_or_on_a_cpu_and_host_bound_is_said_not_excused():
-    rates = meeting_targets(random.Random())
+def test_targets_are_inconclusive_when_unmeasured_or_on_a_cpu_and_host_bound_is_said_not_excused(rng):
+    rates = meeting_targets(rng)
     host_bound = decode_targets(rows(rates, idle=0.45), on_gpu=True)
     assert {t["verdict"] for t in host_bound} == {"passed"} and all(t["host_bound"] for t in host_bound)
     assert "idle 45%" in host_bound[0]["reason"]
@@ -79,8 +78,8 @@ def test_targets_are_inconclusive_when_unmeasured_or_on_a_cpu_and_host_bound_is_
     assert {t["verdict"] for t in decode_targets(rows(rates), on_gpu=False)} == {"inconclusive"}
 
 
-def test_markdown_and_html_show_every_batch_with_rates_ratios_and_verdicts(report):
-    rates = meeting_targets(random.Random())
+def test_markdown_and_html_show_every_batch_with_rates_ratios_and_verdicts(report, rng):
+    rates = meeting_targets(rng)
     rates[("adapted", 1)] = rates[("hf-static-compile", 1)] * 0.9  # batch 1 misses the static target
     rates[("hf-eager", 1)] = rates[("adapted", 1)] / 5  # and still meets the eager one
     report = with_decode(report, rows(rates))
@@ -119,8 +118,8 @@ def _gate(tmp_path, report: dict, thresholds: str | None = None) -> tuple[int, d
     return code
 
 
-def test_gate_lists_the_decode_targets_and_rejudges_them(tmp_path, report, capsys):
-    rates = meeting_targets(random.Random())
+def test_gate_lists_the_decode_targets_and_rejudges_them(tmp_path, report, capsys, rng):
+    rates = meeting_targets(rng)
     report = with_decode(report, rows(rates))
     assert _gate(tmp_path, report) == 0
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"] if c["stage"] == "throughput"}
@@ -141,8 +140,8 @@ def test_gate_lists_the_decode_targets_and_rejudges_them(tmp_path, report, capsy
     capsys.readouterr()
 
 
-def test_gate_judges_decode_rows_of_a_report_that_predates_the_targets(tmp_path, report, capsys):
-    rates = meeting_targets(random.Random())
+def test_gate_judges_decode_rows_of_a_report_that_predates_the_targets(tmp_path, report, capsys, rng):
+    rates = meeting_targets(rng)
     rates[("adapted", 1)] = rates[("hf-static-compile", 1)] * 0.8
     report = with_decode(report, rows(rates))
     del summary(report, "throughput")["decode_targets"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 from validators.throughput import (
@@ -68,13 +67,13 @@ def test_a_cpu_figure_is_inconclusive_and_a_host_bound_one_is_marked():
     assert verdict == "inconclusive" and any("adapted is host-bound" in r and "50%" in r for r in reasons)
 
 
-def test_decode_is_judged_on_the_serving_paths_against_the_targets_when_they_were_timed():
+def test_decode_is_judged_on_the_serving_paths_against_the_targets_when_they_were_timed(rng):
     runs = [
         variant("eager", 100.0, decode=300.0),
         variant("compiled", 120.0, decode=250.0),
         variant("adapted", 130.0, decode=280.0),  # slower than eager in the training loop: not judged
     ]
-    static1, static8 = random.uniform(200, 400), random.uniform(1200, 1600)
+    static1, static8 = rng.uniform(200, 400), rng.uniform(1200, 1600)
     rows = [
         {"variant": v, "batch": b, "decode_tokens_per_s": r, "gpu_idle_share": 0.02 if v == "adapted" else None}
         for v, b, r in (
@@ -101,10 +100,10 @@ def test_decode_is_judged_on_the_serving_paths_against_the_targets_when_they_wer
     assert verdict == "inconclusive" and any("hf-static-compile not measured" in r for r in reasons)
 
 
-def test_decode_prompt_is_shortened_to_the_model_positions():
+def test_decode_prompt_is_shortened_to_the_model_positions(rng):
     notes: list[str] = []
     assert decode_shape(BenchOptions(), 131072, notes) == (512, 256) and not notes
-    positions = random.randint(300, 700)
+    positions = rng.randint(300, 700)
     prompt, new_tokens = decode_shape(BenchOptions(), positions, notes)
     assert prompt + new_tokens == positions and new_tokens == 256 and str(positions) in notes[0]
 

@@ -32,8 +32,7 @@ def finished(shape: str, variant: str, **result) -> bench.Job:
     return job
 
 
-def test_files_carry_rates_ratios_verdicts_and_what_was_not_measured(tmp_path):
-    rng = random.Random()
+def test_files_carry_rates_ratios_verdicts_and_what_was_not_measured(tmp_path, rng):
     static = {b: rng.uniform(100, 1000) * b for b in (1, 2)}
     rows = {v: [] for v in bench.DECODE_VARIANTS}
     for b in (1, 2):

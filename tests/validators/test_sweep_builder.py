@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -16,8 +15,7 @@ sys.modules[SPEC.name] = sweep
 SPEC.loader.exec_module(sweep)
 
 
-def test_token_ids_outside_the_vocabulary_land_on_its_last_id():
-    rng = random.Random()
+def test_token_ids_outside_the_vocabulary_land_on_its_last_id(rng):
     vocab = rng.randrange(64, 512)
     inside = rng.randrange(vocab)
     settings = {
@@ -63,9 +61,8 @@ def test_build_saves_a_tiny_checkpoint(model_type, tmp_path, capsys):
     assert saved["model_type"] == model_type
 
 
-def test_per_layer_settings_follow_the_layers_kept_at_the_tiny_depth():
+def test_per_layer_settings_follow_the_layers_kept_at_the_tiny_depth(rng):
     """Every layer kind keeps a layer, and each kept layer brings its own entry of every per-layer setting."""
-    rng = random.Random()
     before, depth, period = rng.randint(12, 60), rng.randint(2, 6), rng.randint(2, 8)
     types = ["full_attention" if i % period == period - 1 else "sliding_attention" for i in range(before)]
     shared = rng.randint(depth, before - 1)
@@ -93,8 +90,7 @@ def test_per_layer_settings_follow_the_layers_kept_at_the_tiny_depth():
     assert sweep.per_layer_trimmed({**settings, "num_hidden_layers": depth}, depth) == {}
 
 
-def test_sizes_tied_to_a_residual_width_shrink_with_it():
-    rng = random.Random()
+def test_sizes_tied_to_a_residual_width_shrink_with_it(rng):
     text, vision = rng.choice([2048, 4096, 5120]), rng.choice([1024, 1152, 1536])
     settings = {
         "hidden_size": text,
@@ -142,9 +138,9 @@ def test_a_per_layer_model_builds_tiny(tmp_path, capsys):
     assert 0 < built["params"] < 2_000_000
 
 
-def test_a_failed_build_is_summed_up_by_the_exception_it_ended_with():
+def test_a_failed_build_is_summed_up_by_the_exception_it_ended_with(rng):
     """Not the traceback's last line: an exception whose message spans lines (validation errors, missing packages)."""
-    reason = f"must equal num_hidden_layers ({random.randint(2, 99)})"
+    reason = f"must equal num_hidden_layers ({rng.randint(2, 99)})"
     trace = (
         'Traceback (most recent call last):\n  File "config.py", line 3, in __init__\n    validate(self)\n    ^^^^\n'
         "StrictDataclassClassValidationError: Class validation error for validator:\n"
