@@ -225,6 +225,25 @@ def tied_widths(settings: dict[str, Any], widths: set[int], keep: frozenset[str]
     }
 
 
+def tied_vocab_sizes(settings: dict[str, Any], vocab: Any, keep: frozenset[str]) -> dict[str, int]:
+    """Other vocabulary sizes of a config (``unpadded_vocab_size``, a per-layer input vocabulary) scaled with the
+    vocabulary, so that their order against it survives (an unpadded size above the tiny padded one is negative
+    padding)."""
+    default = settings.get("vocab_size")
+    if not isinstance(vocab, int) or not isinstance(default, int) or default <= 0:
+        return {}
+    return {
+        name: max(1, round(value * vocab / default))
+        for name, value in settings.items()
+        if "vocab" in name
+        and name.endswith("_size")
+        and name not in TINY
+        and name not in keep
+        and isinstance(value, int)
+        and not isinstance(value, bool)
+    }
+
+
 def _shrunk(entry: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
     shrunk = {**entry, **{n: tiny[n] for n in entry if tiny.get(n) is not None}}
     return {**shrunk, **_kv_heads_kept(entry, shrunk), **_head_dims_kept(entry, shrunk)}
@@ -276,6 +295,7 @@ def tiny_settings(
         overrides.update(tied_widths(settings, widths, keep))
     if fill_unset:
         overrides.update({k: v for k, v in _int_fields_unset(config).items() if k not in keep and k not in overrides})
+    overrides.update(tied_vocab_sizes(settings, overrides.get("vocab_size"), keep))
     overrides.update(clamped_token_ids(settings, overrides.get("vocab_size", settings.get("vocab_size"))))
     for name, value in per_layer_trimmed(settings, depth, every_kind).items():
         if _is_layer_keyed(value):  # per-layer overrides of a size knob shrink like the knob

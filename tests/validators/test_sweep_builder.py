@@ -31,6 +31,18 @@ def test_token_ids_outside_the_vocabulary_land_on_its_last_id(rng):
     assert sweep.clamped_token_ids(settings, None) == {}
 
 
+def test_other_vocabulary_sizes_scale_with_the_vocabulary_and_keep_their_order(rng):
+    default = rng.randrange(50_000, 300_000)
+    below, above = default - rng.randrange(1, 5_000), default + rng.randrange(1, 5_000)
+    settings = {"vocab_size": default, "unpadded_vocab_size": below, "input_vocab_size": above, "hidden_size": default}
+    tiny = rng.randrange(64, 512)
+    scaled = sweep.tied_vocab_sizes(settings, tiny, frozenset())
+    assert set(scaled) == {"unpadded_vocab_size", "input_vocab_size"}  # not the vocabulary itself, not a width
+    assert 1 <= scaled["unpadded_vocab_size"] <= tiny <= scaled["input_vocab_size"]
+    assert sweep.tied_vocab_sizes(settings, tiny, frozenset({"input_vocab_size"})).keys() == {"unpadded_vocab_size"}
+    assert sweep.tied_vocab_sizes(settings, None, frozenset()) == {}
+
+
 @pytest.mark.parametrize("model_type", ["kimi_linear", "olmo_hybrid"])
 def test_tiny_config_keeps_every_token_id_in_the_vocabulary(model_type):
     config = sweep.tiny_config(model_type)
