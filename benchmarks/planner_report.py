@@ -73,6 +73,7 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
             "flop_convention": run.flop_convention,
             "attention_dropout": bool(run.dropout),
             "grad_bits": run.grad_bits,
+            "grad_accum_fused": bool(run.grad_accum_fused),
             "launch_blocking": bool(run.launch_blocking),
         }
         if span:
@@ -225,7 +226,9 @@ def published_markdown(report: dict[str, Any]) -> str:
         "last columns show the error range those unstated knobs span. Error = predicted / published tokens/s per",
         "GPU - 1 (positive: predicted too fast). One FLOP convention, adapt's model FLOPs (3x causal forward, no",
         "recompute): Megatron-LM 2021's and BLOOM's TFLOP/s count full attention and the recomputed forward",
-        "(96Bslh^2(1+s/6h+V/16lh)) and are converted to tokens/s with that count; at a fixed model tokens/s is MFU.",
+        "(96Bslh^2(1+s/6h+V/16lh)), Megatron-Core's (r0.8 `num_floating_point_operations`) full attention without",
+        "recompute (72Bslh^2(1+s/6h+V/12lh) for these GPTs); each is converted to tokens/s with its own count, so at",
+        "a fixed model tokens/s is MFU. An unstated recompute is the planner's choice too (shown as `?`+choice).",
         "",
         "Nothing in the time model is fitted to these rows (docs/planner-model.md lists every constant's source),",
         "so leave-one-source-out error equals in-sample error by construction; both columns are computed.",
@@ -255,7 +258,8 @@ def published_markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         lay = r["layout"]
         knobs = (
-            f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} z{lay['zero']} {lay['recompute']} "
+            f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} z{lay['zero']} "
+            f"{lay.get('recompute') or '?' + r['chosen']['recompute']} "
             f"sp{lay['sp']} tpo{lay['tp_overlap']} go{lay['grad_overlap']}"
             + (f" {lay['split']}" if "split" in lay else "")
         )

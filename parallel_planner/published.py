@@ -53,6 +53,9 @@ SOURCE_ARCHITECTURE = {
     "megatron2021": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="absolute", tied=True),
     "llama3": dict(mlp="dense_gated", activation="silu", norm="rmsnorm", positional="rope", tied=False),
     "bloom": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="alibi", tied=True),
+    # Megatron-Core r0.8.0's GPT defaults (ffn 4h, GeLU, LayerNorm, learned absolute positions); the table's
+    # parameter counts (1.7B at h=2048, l=24, V=131072) hold only with untied embedding and output weights.
+    "mcore2024": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="absolute", tied=False),
 }
 # Columns naming how each run executed (see data/published_runs.csv's header); knobs go to --fixed.
 KNOB_COLUMNS = ("sp", "tp_overlap", "grad_overlap", "mbs", "vpp", "split")
@@ -78,7 +81,16 @@ def layout_fields(plan: Any, *figures: str) -> dict[str, Any]:
     return {k: v for k, v in plan.to_dict().items() if k in wanted}
 
 
-SOFTWARE_COLUMNS = ("framework", "attention", "dropout", "cp_comm", "grad_bits", "launch_blocking", "flop_convention")
+SOFTWARE_COLUMNS = (
+    "framework",
+    "attention",
+    "dropout",
+    "cp_comm",
+    "grad_bits",
+    "grad_accum_fused",
+    "launch_blocking",
+    "flop_convention",
+)
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,7 @@ class PublishedRun:
     ep: int
     zero: int
     global_batch_seqs: int
-    recompute: str
+    recompute: str  # blank in the CSV: unstated, the planner's choice
     reported_tflops_per_gpu: float
     reported_pct_peak: float
     framework: str = "megatron"
@@ -110,8 +122,10 @@ class PublishedRun:
     cp_comm: str = "ring"  # "allgather": K/V gathered before attention, exposed (Llama 3, arXiv 2407.21783 sec. 3.3.2)
     dropout: int = 0  # attention dropout in the run (Megatron-LM's default 0.1, which BLOOM inherited; Llama 3: none)
     grad_bits: int = 32  # 16: gradients accumulated and reduced in 16 bits (Megatron-LM 2021); 32: fp32 main grads
+    grad_accum_fused: int = 0  # 1: weight-gradient GEMMs accumulate into the fp32 main grads (Megatron-Core default)
     launch_blocking: int = 0  # 1: CUDA_LAUNCH_BLOCKING=1 in the run's environment (BLOOM's launch script)
-    flop_convention: str = "adapt"  # "megatron_recompute": 96Bslh^2(1+s/6h+V/16lh) per step; "adapt": 3x causal fwd
+    flop_convention: str = "adapt"  # "megatron_recompute": 96Bslh^2(1+s/6h+V/16lh) per step; "adapt": 3x causal fwd;
+    # "megatron_mfu": Megatron-Core's num_floating_point_operations (3x forward, full attention square, no recompute)
     sp: int = 0
     tp_overlap: int = 0
     grad_overlap: int = 1
@@ -137,12 +151,13 @@ class PublishedRun:
             cp=self.cp,
             ep=self.ep,
             zero=self.zero,
-            recompute=self.recompute,
             replicate=1,
             sp=self.sp if self.tp > 1 else 0,
             tp_overlap=self.tp_overlap if self.tp > 1 else 0,
             grad_overlap=self.grad_overlap,
         )
+        if self.recompute:
+            layout["recompute"] = self.recompute
         if self.pp > 1:  # a published vpp of 1 is plain 1F1B (DeepSpeed's pipeline engine)
             layout["schedule"] = "1f1b" if self.vpp == 1 else "interleaved_1f1b"
         for key in ("mbs", "vpp", "split"):
@@ -154,6 +169,23 @@ class PublishedRun:
             layout["inter_gbps"] = self.inter_gbps
         return layout
 
+    @property
+    def vpp_choices(self) -> tuple[int, ...]:
+        """Virtual stages to choose among when the source leaves them unstated and its framework builds only even
+        chunks: Megatron asserts that the layers per stage divide into whole chunks (``arguments.py``, 2021 and
+        Megatron-Core r0.8), so every divisor of ``layers / pp`` (1: plain 1F1B).  Empty when stated, unpipelined,
+        or the framework splits freely: the layout is planned as given."""
+        if self.vpp or self.pp == 1 or self.framework != "megatron" or self.split not in ("", "balanced"):
+            return ()
+        per_stage = self.layers // self.pp
+        return tuple(v for v in range(1, per_stage + 1) if per_stage % v == 0)
+
+    def layouts(self) -> list[dict[str, Any]]:
+        """The published layout, once per virtual-stage count its framework could have run (``vpp_choices``)."""
+        return [
+            dict(self.layout, vpp=v, schedule="1f1b" if v == 1 else "interleaved_1f1b") for v in self.vpp_choices
+        ] or [self.layout]
+
     def efficiency(self, base: Efficiency | None = None) -> Efficiency:
         """The time model with this run's software: its framework, attention kernel, fused kernels."""
         return dataclasses.replace(
@@ -164,6 +196,7 @@ class PublishedRun:
             attention_dropout=bool(self.dropout),
             cp_allgather=self.cp_comm == "allgather",
             grads16=self.grad_bits == 16,
+            grad_accum_fused=bool(self.grad_accum_fused),
             launch_blocking=bool(self.launch_blocking),
         )
 
@@ -172,9 +205,15 @@ class PublishedRun:
 
     def published_tokens_per_s_per_gpu(self, spec: ModelSpec) -> float:
         """The paper's per-GPU FLOP rate turned into tokens/s with the paper's FLOP count."""
+        l, h, s, v = self.layers, self.hidden, self.seq, self.vocab
         if self.flop_convention == "megatron_recompute":
-            l, h, s, v = self.layers, self.hidden, self.seq, self.vocab
             flops_per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        elif self.flop_convention == "megatron_mfu":
+            # megatron/training/training.py::num_floating_point_operations (Megatron-Core r0.8.0), per token
+            gated = 1.5 if SOURCE_ARCHITECTURE[self.source]["mlp"] == "dense_gated" else 1.0
+            query = h // self.heads * self.heads / h
+            attention = (1 + self.kv_heads / self.heads + s / h) * query
+            flops_per_token = 12 * l * h * h * (attention + self.ffn / h * gated + v / (2 * l * h))
         else:
             flops_per_token = profile_model(spec).model_flops_per_token(self.seq)
         return self.reported_tflops_per_gpu * 1e12 / flops_per_token
@@ -192,9 +231,9 @@ def load_published_runs(path: str | Path | None = None) -> list[PublishedRun]:
         kwargs = {}
         for f in dataclasses.fields(PublishedRun):
             value = row.get(f.name)
-            if value in (None, ""):
-                continue  # an optional column left blank keeps its default
-            kwargs[f.name] = value if f.type == "str" else (float if f.type == "float" else int)(value)
+            if value in (None, "") and f.name != "recompute":
+                continue  # an optional column left blank keeps its default (a blank recompute: unstated)
+            kwargs[f.name] = (value or "") if f.type == "str" else (float if f.type == "float" else int)(value)
         runs.append(PublishedRun(**kwargs))
     return runs
 
@@ -276,7 +315,7 @@ def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bo
         spec = run_spec(run)
         cluster = make_cluster(run.gpu, run.gpus)
         run_eff = run.efficiency(eff)
-        fixed = plan_parallel(spec, cluster, run.workload(), fixed=run.layout, top_k=1, efficiency=run_eff).best
+        fixed = _fastest(run, spec, cluster, run_eff, run.layouts())
         published = run.published_tokens_per_s_per_gpu(spec)
         row = {
             "source": run.source,
@@ -288,7 +327,7 @@ def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bo
             "error": fixed.tokens_per_s_per_gpu / published - 1,
             "fits": fixed.fits,
             "memory_gib_per_gpu": fixed.memory_gib_per_gpu,
-            "chosen": {k: getattr(fixed.plan, k) for k in ("micro_batch", "vpp", "pp_schedule")},
+            "chosen": {k: getattr(fixed.plan, k) for k in ("micro_batch", "vpp", "pp_schedule", "recompute")},
             "predicted_mfu": fixed.mfu,
             "published_pct_peak": run.reported_pct_peak,
         }
@@ -300,6 +339,20 @@ def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bo
             row["searched_speedup"] = best.tokens_per_s_per_gpu / fixed.tokens_per_s_per_gpu
         out.append(row)
     return out
+
+
+def _fastest(run: PublishedRun, spec: ModelSpec, cluster: Any, eff: Efficiency, layouts: list[dict[str, Any]]) -> Any:
+    """The planner's best plan over ``layouts`` (each pinned in turn): fitting plans first, then the fastest."""
+    plans = []
+    for layout in layouts:
+        try:
+            plans.append(plan_parallel(spec, cluster, run.workload(), fixed=layout, top_k=1, efficiency=eff).best)
+        except BadInput:
+            if len(layouts) == 1:
+                raise
+    if not plans:
+        raise BadInput(f"{run.name}: none of its framework's layouts is valid")
+    return max(plans, key=lambda p: (p.fits, p.tokens_per_s_per_gpu))
 
 
 def error_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -314,8 +367,9 @@ def knob_range(run: PublishedRun, eff: Efficiency | None = None) -> tuple[float,
         return None
     spec, cluster = run_spec(run), make_cluster(run.gpu, run.gpus)
     predictions = []
+    stated_vpp = (run.vpp or 1,) if run.vpp or run.pp == 1 else None
     for mbs in (run.mbs,) if run.mbs else (1, 2, 4, 8):
-        for vpp in (run.vpp,) if run.vpp or run.pp == 1 else (1, 2, 4, 8):
+        for vpp in stated_vpp or run.vpp_choices or (1, 2, 4, 8):
             layout = dict(run.layout, mbs=mbs, vpp=vpp)
             if run.pp > 1 and vpp == 1:
                 layout["schedule"] = "1f1b"

@@ -36,6 +36,13 @@ DS_MESSAGES_PER_TRANSFER = 2
 # (forward), then restores its partitioned output and gathers the received gradient (backward); Megatron gathers
 # the received activation and the received gradient.
 TP_GATHERS = {"torch": 0, "megatron": 2, DEEPSPEED_PIPE: 3}
+# Loss bytes per logit on the last stage, (forward, backward).  Megatron's vocab-parallel cross entropy (Megatron-LM
+# 2021 ``mpu/cross_entropy.py``, which Megatron-DeepSpeed kept, and Megatron-Core r0.8 ``tensor_parallel/
+# cross_entropy.py``, unfused by default) upcasts the 16-bit logits (read 2, write 4), takes the max (4), subtracts
+# it (4 + 4), exponentiates in place (4 + 4), sums (4) and divides in place (4 + 4): 38; backward scales the saved
+# softmax in place (4 + 4) and autograd casts the fp32 gradient back for the head GEMM (4 + 2): 14.  torch: the
+# loss reads and writes the logits about three times forward and twice that backward (12, 24).
+CROSS_ENTROPY_BYTES = {"torch": (12, 24), "megatron": (38, 14), DEEPSPEED_PIPE: (38, 14)}
 
 
 def check_runtime(runtime: str) -> str:

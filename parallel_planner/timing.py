@@ -37,7 +37,13 @@ from parallel_planner.layout import (
 )
 from parallel_planner.memory import ACT_BYTES, micro_batches, stage_params
 from parallel_planner.profile import KERNEL_SHARE, BlockProfile, ModelProfile
-from parallel_planner.runtimes import TP_GATHERS, check_runtime, grad_accum_bytes, p2p_seconds
+from parallel_planner.runtimes import (
+    CROSS_ENTROPY_BYTES,
+    TP_GATHERS,
+    check_runtime,
+    grad_accum_bytes,
+    p2p_seconds,
+)
 from parallel_planner.workload import Workload
 
 FULL = RECOMPUTE.index("full")
@@ -172,6 +178,14 @@ def score_bias_seconds(block: BlockProfile, tokens, tp, seq_len: int, cluster: C
         return 0.0
     scores = tokens * seq_len * block.num_heads / tp
     return SCORE_BIAS_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+
+
+def loss_seconds(tokens, vocab: int, tp, cluster: Cluster, eff: Efficiency):
+    """(forward, backward) HBM seconds of the cross-entropy loss over ``tokens`` local tokens' logits, split over
+    TP: the runtime's bytes per logit (``runtimes.CROSS_ENTROPY_BYTES``; Megatron's fp32 vocab-parallel loss)."""
+    per_byte = tokens * vocab / tp / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    forward, backward = CROSS_ENTROPY_BYTES[eff.runtime]
+    return forward * per_byte, backward * per_byte
 
 
 def block_forward_seconds(
@@ -344,12 +358,12 @@ def step_time(
         host_ops[j] = ops if workload.training else ops / 3
         ring_ops[:, j], ring_dtensor_ops[:, j] = _ring_host_ops(block, cp, eff, workload.training)
     counts = layout.type_counts.T  # (T, pp)
-    head_fwd = gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops(workload.precision), eff)
-    head_fwd = head_fwd + 3 * 4 * tokens * profile.vocab / tp / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    head_gemm = gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops(workload.precision), eff)
+    loss_fwd, loss_bwd = loss_seconds(tokens, profile.vocab, tp, cluster, eff)
+    head_fwd = head_gemm + loss_fwd
     stage_fwd = (fwd + exposed_comm) @ counts + layout.has_head[None, :] * head_fwd[:, None]
-    stage_bwd = (
-        bwd @ counts + layout.has_head[None, :] * (2 * head_fwd)[:, None] if workload.training else 0 * stage_fwd
-    )
+    head_bwd = 2 * head_gemm + loss_bwd
+    stage_bwd = bwd @ counts + layout.has_head[None, :] * head_bwd[:, None] if workload.training else 0 * stage_fwd
 
     pp = c.pp
     passes = 2 if workload.training else 1

@@ -1,4 +1,4 @@
-"""The time model against published runs (Megatron-LM 2021 Table 1, Llama 3 405B, BLOOM-176B)."""
+"""The time model against published runs (Megatron-LM 2021 Table 1, Megatron-Core r0.8 on H100, Llama 3 405B, BLOOM-176B)."""
 
 from __future__ import annotations
 

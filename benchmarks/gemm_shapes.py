@@ -1,0 +1,86 @@
+"""bf16 GEMM and attention rates by shape on one GPU: the microbenchmark behind the planner's GEMM shape term.
+
+    python benchmarks/gemm_shapes.py OUT.json
+
+Times ``(m x k) @ (k x n)`` through torch (cuBLAS) for: the 8192^3 reference the catalogue's ceiling is read
+at, a sweep of the inner dimension ``k`` at a large output (16384 x 8192), and the forward, input-gradient and
+weight-gradient GEMMs of the Megatron-Core GPT table's layers (hidden 2048..18432 at their TP degree, 4096 to
+16384 tokens) and their vocabulary head; then causal SDPA (head dim 128, seq 4096) forward and forward +
+backward under the cuDNN and flash backends.  Each figure is the mean of ``REPS`` back-to-back calls after
+warm-up, between two CUDA events.  Needs a GPU; the planner reads the JSON, never runs this.
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+REPS = 20
+LAYERS = [(2048, 1), (4096, 2), (6144, 4), (7168, 8), (8192, 8), (10240, 8), (12288, 8), (16384, 8), (18432, 8)]
+
+
+def rate(m: int, k: int, n: int) -> float:
+    """TFLOP/s of ``(m x k) @ (k x n)`` in bf16 (weights stored ``n x k``, as nn.Linear keeps them)."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b.t()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPS):
+        a @ b.t()
+    end.record()
+    end.synchronize()
+    return 2 * m * k * n * REPS / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def attention(backend: SDPBackend, backward: bool) -> float:
+    """TFLOP/s of causal attention (batch 4, 16 heads of 128, seq 4096), causal FLOPs counted."""
+    b, heads, s, d = 4, 16, 4096, 128
+    q, k, v = (torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    flops = 4 * b * heads * s * s * d / 2 * (3.5 if backward else 1)
+
+    def once() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if backward:
+            out.backward(torch.ones_like(out))
+
+    with sdpa_kernel(backend):
+        for _ in range(3):
+            once()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPS):
+            once()
+        end.record()
+        end.synchronize()
+    return flops * REPS / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def main(path: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": REPS}
+    out["reference_8192"] = [rate(8192, 8192, 8192) for _ in range(3)]
+    out["k_sweep"] = [[16384, k, 8192, rate(16384, k, 8192)] for k in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)]
+    shapes = []
+    for h, tp in LAYERS:
+        for m in (4096, 8192, 16384):
+            for k, n in ((h, 3 * h // tp), (h // tp, h), (h, 4 * h // tp), (4 * h // tp, h), (h, 131072 // tp)):
+                shapes += [["fwd", h, tp, m, k, n, rate(m, k, n)], ["dgrad", h, tp, m, n, k, rate(m, n, k)]]
+                shapes.append(["wgrad", h, tp, k, m, n, rate(k, m, n)])
+    out["layers"] = shapes
+    out["attention"] = {
+        f"{name}_{'fwd_bwd' if bwd else 'fwd'}": attention(backend, bwd)
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))
+        for bwd in (False, True)
+    }
+    out["reference_8192_after"] = [rate(8192, 8192, 8192) for _ in range(3)]
+    with open(path, "w") as f:
+        json.dump(out, f)
+    print(json.dumps({k: v for k, v in out.items() if k != "layers"}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
