@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from adapt.core.verdicts import gradient_floor
+from adapt.model.calls import without_cache
 from operators.generated import GeneratedKernel, generate
 from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
 from operators.mapping import KernelPlan, plan_kernels
@@ -359,8 +359,7 @@ def _forward_backward(
     try:
         with torch.set_grad_enabled(training):
             # no cache: recurrent and linear-attention layers may hold caches only their own generate() sets up
-            no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-            out = model(input_ids=ids, **no_cache)
+            out = model(input_ids=ids, **without_cache(model))
         logits = out.logits if getattr(out, "logits", None) is not None else out[0]
         if training:
             logits.float().pow(2).mean().backward()

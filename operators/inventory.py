@@ -23,6 +23,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from adapt.model.calls import without_cache
+
 ROOT = ""  # module path of the model itself
 # One meta-tensor example call per overload seen by any trace: what decomposition checks re-trace.
 _EXAMPLE_CALLS: dict[str, tuple[Any, tuple, dict]] = {}
@@ -430,9 +432,7 @@ def example_batch(
 
 def model_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """A scalar that depends on every output: the LM loss when the model takes labels, else a sum of squares."""
-    import inspect
-
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    extra = without_cache(model)
     try:
         out = model(input_ids=input_ids, labels=input_ids, **extra)
         loss = getattr(out, "loss", None)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from adapt.model.calls import without_cache
 from operators.inventory import OnnxReport
 
 
@@ -28,23 +29,12 @@ class _LogitsOnly(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = (
-            self.model(input_ids=input_ids, use_cache=False)
-            if _takes_use_cache(self.model)
-            else self.model(input_ids=input_ids)
-        )
+        out = self.model(input_ids=input_ids, **without_cache(self.model))
         if isinstance(out, torch.Tensor):
             return out
         if isinstance(out, (tuple, list)):
             return out[0]
         return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
-
-
-def _takes_use_cache(model: nn.Module) -> bool:
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return "use_cache" in params
 
 
 def export_onnx(model: nn.Module, input_ids: torch.Tensor, out_path: str | Path | None = None) -> OnnxReport:

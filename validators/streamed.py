@@ -24,6 +24,7 @@ from torch import nn
 
 from adapt.core.errors import BadInput
 from adapt.model.blocks import residual_width
+from adapt.model.calls import without_cache
 from adapt.model.skeleton import build_skeleton, loop_experts
 from validators.alignment import AlignmentReport, finish_report, float64_forward, peak_rss_bytes, reference_dtype
 from validators.compare import Thresholds, judge, parse_dtype
@@ -206,8 +207,7 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
                 twin.loader.load(f"{path}.")
             twin.loader.load_buffers("")
         with torch.no_grad():
-            kwargs = {"use_cache": False} if getattr(skeleton.config, "use_cache", False) else {}
-            skeleton(input_ids=ids, **kwargs)
+            skeleton(input_ids=ids, **without_cache(skeleton))
     except NonFiniteOutput as err:
         report.nonfinite_module = err.module_path
         report.notes.append(str(err))

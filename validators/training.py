@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adapt.model.calls import without_cache
 from validators.modules import first_tensor
 
 
@@ -26,8 +27,7 @@ def batch_for_step(
 
 def model_output(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits for a causal LM, last hidden states for an encoder; caches off so outputs are plain tensors."""
-    kwargs = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", False) else {}
-    out = first_tensor(model(input_ids=input_ids, **kwargs))
+    out = first_tensor(model(input_ids=input_ids, **without_cache(model)))
     if out is None:
         raise RuntimeError("the model returned no tensor")
     return out

@@ -10,7 +10,6 @@ router's ``topk`` with the scoring op before it.  A block whose forward cannot r
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adapt.model.blocks import BlockList
+from adapt.model.calls import without_cache
 
 SEQ = 9  # odd and unlike any width, so the attention product [N, s, d] x [N, d, s] is recognisable
 _ACTIVATIONS = {"aten.silu.default": "silu", "aten.relu.default": "relu", "aten.tanh.default": "tanh",
@@ -162,9 +162,7 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
             ids = torch.randint(0, vocab, (1, SEQ), device=device)
             # Caches as the model sets them up by default (without one, masks may read positions with .item(),
             # which meta tensors refuse); then without, for layers whose caches only their own generate() builds.
-            attempts = (
-                [{}, {"use_cache": False}] if "use_cache" in inspect.signature(model.forward).parameters else [{}]
-            )
+            attempts = [{}, without_cache(model)] if without_cache(model) else [{}]
             for index in representative:
                 handles.append(blocks.blocks[index].register_forward_hook(
                     lambda m, a, o, i=index: _harvest(recorder, by_block, representative[i])))  # fmt: skip

@@ -12,6 +12,7 @@ import io
 import logging
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,7 +81,12 @@ def model_class(src: ModelSource, config):
         try:
             MODEL_MAPPING[type(config)]
         except KeyError:
-            raise BadInput(f"{src.config_path}: transformers has no model class for {type(config).__name__}") from None
+            declared_cls = _declared_class(declared, config)
+            if declared_cls is None:
+                raise BadInput(
+                    f"{src.config_path}: transformers has no model class for {type(config).__name__}"
+                ) from None
+            return declared_cls
         return AutoModel
     if declared and causal_cls.__name__ not in declared:
         # The checkpoint declares a non-causal class (e.g. an encoder's base model).
@@ -90,6 +96,32 @@ def model_class(src: ModelSource, config):
         if declared_cls is not None and declared_cls is not causal_cls:
             return AutoModel
     return AutoModelForCausalLM
+
+
+class DeclaredClass:
+    """A class the checkpoint names in ``architectures`` when no Auto mapping lists its config class (a
+    multimodal model's text tower saved on its own): built and loaded as ``Class.from_pretrained`` would,
+    behind the Auto classes' two entry points."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def from_config(self, config: Any, trust_remote_code: bool = False, **kwargs: Any) -> nn.Module:
+        return self.cls._from_config(config, **kwargs)
+
+    def from_pretrained(self, path: Any, trust_remote_code: bool = False, **kwargs: Any) -> nn.Module:
+        return self.cls.from_pretrained(path, **kwargs)
+
+
+def _declared_class(declared: list[str], config: Any) -> DeclaredClass | None:
+    """The first declared transformers class whose config class is exactly ``config``'s."""
+    import transformers
+
+    for name in declared:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and getattr(cls, "config_class", None) is type(config):
+            return DeclaredClass(cls)
+    return None
 
 
 def build_meta_model(src: ModelSource, config=None) -> torch.nn.Module:

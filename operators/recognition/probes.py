@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from adapt.model.activations import ACTIVATIONS
+from adapt.model.calls import without_cache
 
 # Modules may upcast/downcast internally (e.g. RMSNorm computing in float32), so the float64 reference
 # is matched at float32 resolution.  Every probe input is built so that the look-alike variants differ
@@ -603,7 +604,7 @@ def probe_lm_head_loss(model: nn.Module, head_path: str, softcap: float | None, 
     device = head.weight.device
     ids = torch.randint(0, head.weight.shape[0], (2, 9), generator=generator).to(device)
     labels = torch.where(torch.rand(ids.shape, generator=generator).to(device) < 0.25, -100, ids)
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(owner.forward).parameters else {}
+    extra = without_cache(owner)
     # Gradients upstream of the decoder output are the same computation in both paths; the head weight's
     # gradient (which includes the embedding's when tied) is where the loss composition can differ.
     # Asking for it alone skips every other weight gradient: the probe costs a forward at any depth.

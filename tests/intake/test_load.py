@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from adapt.core.errors import BadInput
 from adapt.model.intake import load_model, resolve_source
 
 
@@ -61,3 +64,33 @@ def test_a_model_larger_than_memory_is_refused_before_allocation(zoo, monkeypatc
         load_model(src)
     monkeypatch.setattr(skeleton, "available_memory", lambda device: 2 * need)
     assert sum(p.numel() for p in load_model(src).parameters()) == 106816
+
+
+def _text_tower_checkpoint(path, architectures):
+    """A multimodal model's text tower saved on its own: no Auto mapping lists its config class."""
+    from transformers import Emu3ForCausalLM, Emu3TextConfig
+
+    config = Emu3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = Emu3ForCausalLM(config)
+    model.save_pretrained(path)
+    config_path = path / "config.json"
+    saved = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**saved, "architectures": architectures}))
+    return model
+
+
+def test_a_checkpoint_is_loaded_through_the_class_it_declares_when_no_auto_mapping_lists_its_config(tmp_path):
+    saved = _text_tower_checkpoint(tmp_path, ["Emu3ForCausalLM"])
+    loaded = load_model(resolve_source(str(tmp_path)), dtype=torch.float32, device="cpu")
+    assert type(loaded).__name__ == "Emu3ForCausalLM"
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_declared_class_of_another_config_is_not_taken_for_it(tmp_path):
+    _text_tower_checkpoint(tmp_path, ["LlamaForCausalLM"])
+    with pytest.raises(BadInput, match="no model class for Emu3TextConfig"):
+        load_model(resolve_source(str(tmp_path)), dtype=torch.float32, device="cpu")
