@@ -431,14 +431,18 @@ def example_batch(
 
 
 def model_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """A scalar that depends on every output: the LM loss when the model takes labels, else a sum of squares."""
+    """A scalar that depends on every output: the LM loss when the model takes labels, else a sum of squares.
+
+    A model whose loss needs more than token ids (an image-to-text model shifts its labels past image
+    tokens that a text-only batch lacks) raises on the labelled call; its plain forward is traced instead.
+    """
     extra = without_cache(model)
     try:
         out = model(input_ids=input_ids, labels=input_ids, **extra)
         loss = getattr(out, "loss", None)
         if loss is not None:
             return loss
-    except TypeError:
+    except (TypeError, ValueError):
         out = model(input_ids=input_ids, **extra)
     hidden = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", None)
     if hidden is None:

@@ -48,20 +48,30 @@ _SEED = pytest.StashKey[int]()
 
 
 @pytest.fixture(autouse=True)
-def fresh_seed(request) -> int:
-    """A new draw for torch and ``random`` in every test; a failure names the seed for ``ADAPT_TEST_SEED``."""
+def test_seed(request) -> int:
+    """One seed per test, new every run (``ADAPT_TEST_SEED`` replays it; a failure names it).
+
+    It seeds Python's ``random`` in every test; torch only in tests that ask for ``fresh_seed``, so a
+    test that never asked keeps the draws it was written against.
+    """
     replay = os.environ.get("ADAPT_TEST_SEED")
     seed = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
     random.seed(seed)
     request.node.stash[_SEED] = seed
     return seed
 
 
 @pytest.fixture
-def rng(fresh_seed: int) -> random.Random:
-    """A Python generator seeded from ``fresh_seed``, so shape draws replay with ``ADAPT_TEST_SEED`` too."""
-    return random.Random(fresh_seed)
+def fresh_seed(test_seed: int) -> int:
+    """Fresh torch draws for this test, from its seed."""
+    torch.manual_seed(test_seed)
+    return test_seed
+
+
+@pytest.fixture
+def rng(test_seed: int) -> random.Random:
+    """A Python generator of its own from the test's seed, so shape draws replay with ``ADAPT_TEST_SEED``."""
+    return random.Random(test_seed)
 
 
 @pytest.hookimpl(wrapper=True)

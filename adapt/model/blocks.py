@@ -10,7 +10,9 @@ The rule, by structure only (no class names, no ``model_type``):
   of MLPs, per-layer sub-lists), never the block list itself, however long it is;
 - entries may be of several classes: hybrid stacks that alternate attention with recurrent or
   convolutional mixers are one block list;
-- among the outermost candidates, the one holding the most parameters wins.
+- among the outermost candidates, the ones nearest the input embedding in the module tree come first
+  (a multimodal or encoder-decoder model holds a vision or audio stack beside the one its tokens run
+  through, which may be the larger at a given size), and of those the one holding the most parameters wins.
 """
 
 from __future__ import annotations
@@ -82,11 +84,34 @@ def find_blocks(model: nn.Module) -> BlockList:
     if not outer:
         raise NoBlockList("no repeated block list (a ModuleList of layers, each with several parametric parts) found")
 
-    def size(item: tuple[str, nn.Module]) -> tuple[int, int]:
-        return sum(p.numel() for p in item[1].parameters()), len(item[1])
+    embedding = _input_embedding_path(model)
 
-    path, module = max(outer, key=size)
+    def rank(item: tuple[str, nn.Module]) -> tuple[int, int, int]:
+        distance = _tree_distance(item[0], embedding) if embedding is not None else 0
+        return -distance, sum(p.numel() for p in item[1].parameters()), len(item[1])
+
+    path, module = max(outer, key=rank)
     return BlockList(path=path, blocks=list(module))
+
+
+def _input_embedding_path(model: nn.Module) -> str | None:
+    """Where the token embedding lives, when the model names it (``get_input_embeddings``)."""
+    try:
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):
+        return None
+    if embedding is None:
+        return None
+    return next((path for path, module in model.named_modules() if module is embedding), None)
+
+
+def _tree_distance(a: str, b: str) -> int:
+    """Edges between two modules of one tree, given their dotted paths ("" is the root)."""
+    left, right = (a.split(".") if a else []), (b.split(".") if b else [])
+    shared = 0
+    while shared < min(len(left), len(right)) and left[shared] == right[shared]:
+        shared += 1
+    return len(left) + len(right) - 2 * shared
 
 
 def is_expert_list(module: nn.Module) -> bool:

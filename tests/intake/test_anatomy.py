@@ -51,6 +51,38 @@ def test_a_list_of_experts_is_never_the_block_list():
     assert blocks.path == "rows" and len(blocks) == 2
 
 
+def test_the_stack_the_tokens_run_through_wins_over_a_larger_tower_beside_it(rng):
+    """A picture tower with more and wider layers than the text stack: the blocks are the ones next to the
+    token embedding; without an embedding the model names, the larger stack is taken."""
+
+    def stack(width: int, depth: int) -> nn.ModuleList:
+        return nn.ModuleList(
+            [nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width)) for _ in range(depth)]
+        )
+
+    text_width, text_depth = rng.randint(4, 16), rng.randint(1, 4)
+
+    class Reader(nn.Module):
+        def __init__(self, named_embedding: bool):
+            super().__init__()
+            self.named_embedding = named_embedding
+            self.optics = nn.Module()
+            self.optics.retina = nn.Module()
+            self.optics.retina.rings = stack(text_width * 4, text_depth + rng.randint(1, 3))
+            self.words = nn.Module()
+            self.words.lookup = nn.Embedding(32, text_width)
+            self.words.chain = stack(text_width, text_depth)
+
+        def get_input_embeddings(self):
+            if not self.named_embedding:
+                raise NotImplementedError
+            return self.words.lookup
+
+    blocks = find_blocks(Reader(named_embedding=True))
+    assert blocks.path == "words.chain" and len(blocks) == text_depth
+    assert find_blocks(Reader(named_embedding=False)).path == "optics.retina.rings"
+
+
 def test_no_block_list_is_said_as_such():
     with pytest.raises(NoBlockList):
         find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))

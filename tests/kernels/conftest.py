@@ -31,3 +31,8 @@ def poisoned_outputs(monkeypatch):
     """Every ``torch.empty*`` during a test starts as NaN (or a huge negative int): unwritten output shows."""
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real_empty_like(*a, **k)))
+
+
+@pytest.fixture(autouse=True)
+def every_kernel_test_draws_fresh(fresh_seed):
+    return fresh_seed

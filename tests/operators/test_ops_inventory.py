@@ -8,8 +8,9 @@ import time
 
 import torch
 from ops_testlib import load, recognised
+from torch import nn
 
-from operators.inventory import ROOT
+from operators.inventory import ROOT, model_loss, trace_model
 from operators.meta_trace import trace_meta_model
 
 # DeepSeek-V3's published config.json (671B parameters), as a config-only source.
@@ -88,3 +89,30 @@ def test_onnx_failure_is_reported_not_raised():
 
     report = export_onnx(DataDependentBranch(), torch.randint(0, 5, (2, 3)))
     assert not report.exported and report.error
+
+
+def test_a_model_whose_loss_needs_more_than_tokens_is_traced_through_its_plain_forward():
+    """An image-to-text model shifts its labels past image tokens a text-only batch lacks: its labelled call
+    raises, and the trace takes every op of the plain forward instead of failing the stage."""
+
+    class PictureCaptioner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lookup = nn.Embedding(16, 8)
+            self.out = nn.Linear(8, 16)
+
+        def get_input_embeddings(self):
+            return self.lookup
+
+        def forward(self, input_ids, labels=None):
+            logits = self.out(self.lookup(input_ids))
+            if labels is not None:
+                raise ValueError("Expected input batch_size (0) to match target batch_size (12).")
+            return (logits,)
+
+    model = PictureCaptioner()
+    ids = torch.randint(0, 16, (2, 6))
+    loss = model_loss(model, ids)
+    torch.testing.assert_close(loss, model(ids)[0].float().pow(2).mean())
+    inventory = trace_model(model, seq_len=6)
+    assert {"aten.embedding.default", "aten.addmm.default"} <= {op.overload for op in inventory.ops}
