@@ -178,7 +178,11 @@ def _failed(rule, data: dict, section: dict) -> list[str]:
 
 
 def test_one_limit_in_a_thresholds_section_flips_exactly_its_check(rng, report):
-    ops = _operators(rng, report, clean=True).summary().data
+    result = _operators(rng, report, clean=True)
+    strict = SummaryContext(thresholds={"operators": {"min_fast_flop_share": 1.01}})  # `adapt run --thresholds`
+    assert result.summary().passed and not result.summary(strict).passed
+    assert [c.name for c in result.summary(strict).checks if not c.passed] == ["fast_flop_share"]
+    ops = result.summary().data
     rule = STAGE_CHECKS["operators"]
     assert _failed(rule, ops, {}) == []
     ops["fast_flop_share"] = share = rng.uniform(0.3, 0.95)
