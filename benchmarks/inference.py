@@ -135,7 +135,7 @@ def alignment_variant(path: Path, tiny: bool) -> dict[str, Any]:
     report = generation_check(
         resolve_source(str(path)), _kernel_plan(path), dtype="bf16", device=device, options=options
     )
-    log(f"  generation: {report.verdict}: {report.summary()}")
+    log(f"  generation: {report.outcome}: {report.describe()}")
     return report.to_dict()
 
 

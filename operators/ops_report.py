@@ -11,9 +11,20 @@ captured inputs stay with the process that traced them; the per-overload decisio
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapt.core.jsonio import to_jsonable
+from adapt.core.stage_verdicts import (
+    Check,
+    StageSummary,
+    SummaryContext,
+    num,
+    operator_checks,
+    pct,
+    unsupported_count,
+)
 from operators.generated import GeneratedKernel
 from operators.inventory import OnnxReport, OpInventory, json_ready
 from operators.mapping import KernelChoice, KernelPlan, OpDecision
@@ -128,6 +139,24 @@ class OpsReport:
             }
         )
 
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """What the report shows of the operators stage, judged by ``operator_checks``."""
+        data = _operators_data(to_jsonable(self.to_dict()))
+        checks = operator_checks(data, (context or SummaryContext()).section("operators"))
+        counts, coverage, patch = data["status_counts"], data["coverage"], data["patch_check"]
+        unmapped = coverage.get("unmapped")
+        line = (
+            f"{len(data['components'])} components ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
+            f"{coverage.get('ops_total', '?')} ops, unmapped {unmapped if unmapped is not None else '?'}, "
+            f"unsupported {unsupported_count(data)}, FLOPs on fused/native paths {pct(data['fast_flop_share'])}"
+        )
+        if patch.get("ran"):
+            line += f", patched model {'matches' if patch.get('passed') else 'DIFFERS FROM'} unpatched"
+        return StageSummary(line, data, checks)
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return operator_checks(self.summary().data, thresholds)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OpsReport:
         """The typed report back from ``to_dict()`` (see the module docstring for what the inventory keeps)."""
@@ -211,3 +240,23 @@ def _profile(data: dict[str, Any]) -> BackendProfile:
 def _pair(value: Any) -> tuple[int, int] | None:
     """JSON turns tuples into lists; compute capabilities and opset ranges are pairs again."""
     return tuple(value) if value is not None else None  # type: ignore[return-value]
+
+
+def _operators_data(report: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``ops.json`` the report's tables read, with the status counts its verdict is judged on."""
+    components = [
+        {k: c.get(k) for k in ("module", "kind", "provider", "kernel", "status")} for c in report.get("components", [])
+    ]
+    return {
+        "components": components,
+        "status_counts": dict(Counter(c["status"] for c in components)),
+        "op_status_counts": dict(Counter(o.get("status") for o in report.get("ops", []))),
+        "coverage": dict(report.get("coverage") or {}),
+        "fast_flop_share": num((report.get("coverage") or {}).get("flops_share_fused_or_native")),
+        "new": report.get("new", []),
+        "ops": report.get("ops", []),
+        "onnx": report.get("onnx"),
+        "generated": report.get("generated", []),
+        "patch_check": report.get("patch_check") or {},
+        "profile": (report.get("profile") or {}).get("name"),
+    }

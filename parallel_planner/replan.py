@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from adapt.core.spec import ModelSpec
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, fmt, replan_checks
 from parallel_planner.calibration import (
     Calibration,
     calibration_from_dict,
@@ -64,6 +65,27 @@ class CalibratedPlan:
         names = {f.name for f in dataclasses.fields(cls)} - {"result"}
         result = PlannerResult.from_dict(data["result"]) if data.get("result") else None
         return cls(result=result, **{k: v for k, v in data.items() if k in names})
+
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """The plan before and after this machine's measurements; a measurement that does not apply passes, saying
+        why."""
+        data: dict[str, Any] = {
+            k: getattr(self, k) for k in ("applied", "reason", "device", "target", "before", "after")
+        }
+        data["changes"], data["measured_runs"] = list(self.changes), list(self.measured_runs)
+        checks = replan_checks(data, (context or SummaryContext()).section("replan"))
+        if not self.applied or not self.after:
+            return StageSummary(f"plan unchanged: {self.reason}", data, checks)
+        before, after = self.before or {}, self.after
+        line = (
+            f"{self.reason}; step {fmt(before.get('step_time_s'), '.3g')} s -> "
+            f"{fmt(after.get('step_time_s'), '.3g')} s, {fmt(before.get('tokens_per_s'), ',.0f')} -> "
+            f"{fmt(after.get('tokens_per_s'), ',.0f')} tok/s; {data['changes'][0] if data['changes'] else ''}"
+        )
+        return StageSummary(line, data, checks)
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return replan_checks(self.summary().data, thresholds)
 
 
 def planning_inputs(result: PlannerResult) -> tuple[Cluster, Workload]:

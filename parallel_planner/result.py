@@ -5,9 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from adapt.core.jsonio import to_jsonable
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, fmt, num, pct, plan_checks
 from parallel_planner.plan import ParallelPlan
 
 KNOB_KEYS = ("sp", "tp_overlap", "grad_overlap")  # the evaluated knobs a ranked plan carries
+SUMMARY_FIELDS = (
+    "tp", "pp", "dp", "cp", "ep", "zero", "recompute", "micro_batch", "grad_accum", "vpp",
+    "memory_gib_per_gpu", "step_time_s", "tokens_per_s", "mfu", "hfu",
+)  # fmt: skip  # a ranked plan's columns in the report
 
 
 @dataclass
@@ -102,3 +108,52 @@ class PlannerResult:
         names = {f.name for f in fields(cls)} - {"plans"}
         plans = [RankedPlan.from_dict(p) for p in data.get("plans", [])]
         return cls(plans=plans, **{k: v for k, v in data.items() if k in names})
+
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """What the report shows of the plan stage: the ranked layouts, the best one's breakdowns and command."""
+        context = context or SummaryContext()
+        result = to_jsonable(self.to_dict())
+        plans = result.get("plans", [])
+        ranked = [{k: p.get(k) for k in SUMMARY_FIELDS} for p in plans]
+        best = plans[0] if plans else None
+        cluster = cluster_label(result.get("cluster") or {}, context)
+        data = {
+            "cluster": cluster,
+            "workload": {
+                "seq_len": context.plan_seq_len,
+                "global_batch": context.plan_global_batch,
+                "precision": context.precision,
+            },
+            "plans": ranked,
+            "best": {
+                **ranked[0],
+                "memory_breakdown": best.get("memory_breakdown", {}),
+                "time_breakdown": best.get("time_breakdown", {}),
+                "command": best.get("torchrun"),
+            }
+            if best
+            else None,
+            "fits": bool(best and best.get("fits", True)),
+            "binding_constraint": result.get("binding_constraint"),
+            "searched": result.get("searched"),
+            "feasible": result.get("feasible"),
+        }
+        checks = plan_checks(data, context.section("plan"))
+        if not data["fits"]:
+            return StageSummary(f"no layout fits {cluster}: {result.get('binding_constraint')}", data, checks)
+        layout = " ".join(f"{k}={best.get(k)}" for k in ("tp", "pp", "dp", "cp", "ep", "zero"))
+        line = (
+            f"{cluster}: {layout}, {fmt(best.get('memory_gib_per_gpu'), '.1f')} GiB/GPU, "
+            f"{fmt(best.get('tokens_per_s'), ',.0f')} tok/s, MFU {pct(num(best.get('mfu')))}"
+        )
+        return StageSummary(line, data, checks)
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return plan_checks(self.summary().data, thresholds)
+
+
+def cluster_label(cluster: dict[str, Any], context: SummaryContext) -> str:
+    """The cluster as asked for; a local one also names the GPUs it measured (``local (1xH200)``)."""
+    if not context.local_cluster or not cluster:
+        return str(context.cluster)
+    return f"{context.cluster} ({cluster.get('num_gpus')}x{str(cluster['gpu'].get('name', '?')).upper()})"

@@ -13,7 +13,8 @@ Top level (schema_version 1)::
     stages          list, one per pipeline stage in order:
         name, status (passed|failed|error|blocked|skipped|interrupted|pending), verdict (one line),
         key, duration_s, cached, error, error_kind,
-        summary   the normalised fields the tables and plots use (see adapt.app.pipeline.summaries)
+        summary   the normalised fields the tables and plots use (each result type's ``summary()``,
+                  judged by ``adapt.core.stage_verdicts``)
         result    the stage's own to_dict(), unchanged
         result_type
 """

@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from adapt.core.stage_verdicts import recorded_decode_targets
 from reports.schema import stage, summary
 
 GIB = 1024**3
@@ -365,8 +366,6 @@ DECODE_COLUMNS = {  # decode target row key -> column title
 
 def decode_targets_of(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The throughput stage's decode target rows (judged from its decode timings for reports that predate them)."""
-    from reports.judge import recorded_decode_targets
-
     return recorded_decode_targets(summary(report, "throughput"))
 
 

@@ -15,11 +15,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from adapt.core.errors import BadInput
+from adapt.core.jsonio import to_jsonable
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, alignment_checks, fmt, num
 from validators.compare import LayerResult, parse_dtype
 
 # Widths from which a float64 CPU reference costs more than it tells: use float32 there.
 FP32_REFERENCE_FROM_WIDTH = 4096
 PARITY_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 3e-2}
+SUMMARY_TENSOR_FIELDS = ("name", "block", "component", "cosine", "rel_err", "max_abs", "err_ratio",
+                         "baseline_rel_err", "negligible", "passed")  # fmt: skip  # what the gate re-judges
 
 
 @dataclass
@@ -80,6 +84,42 @@ class AlignmentReport:
         data["gradients"] = [r.to_dict() for r in self.gradients]
         data["parity"] = dataclasses.asdict(self.parity) if self.parity else None
         return data
+
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """What the report shows of the alignment stage, judged by ``alignment_checks`` on the recorded limits."""
+        context = context or SummaryContext()
+        report = to_jsonable(self.to_dict())
+        layers = [{k: t.get(k) for k in SUMMARY_TENSOR_FIELDS} for t in report["layers"]]
+        gradients = [{k: g.get(k) for k in SUMMARY_TENSOR_FIELDS} for g in report["gradients"]]
+        keys = ("dtype", "device", "reference_dtype", "seed", "first_divergent", "first_divergent_block",
+                "first_divergent_component", "nonfinite_module", "inconclusive", "thresholds")  # fmt: skip
+        data = {k: report.get(k) for k in keys}
+        parity = report.get("parity")
+        data |= {"layers": layers, "gradients": gradients, "parity": parity}
+        data["shapes"] = {"seq_len": context.seq_len, "batch_size": context.batch_size}
+        checks = alignment_checks(data, context.section("alignment"))
+        failed = sum(not t["passed"] for t in layers)
+        worst = max(layers, key=lambda t: num(t["rel_err"]) or 0.0, default=None)
+        line = f"{len(layers) - failed}/{len(layers)} tensors within {self.dtype} limits"
+        if gradients:
+            line += f", {sum(bool(g['passed']) for g in gradients)}/{len(gradients)} gradients"
+        if parity:
+            line += f", loss parity {'ok' if parity.get('passed') else 'FAILED'} over {parity.get('steps')} steps"
+        if self.nonfinite_module:
+            line += f"; NaN/Inf first produced by {self.nonfinite_module}"
+        elif self.first_divergent:
+            line += f"; first divergent: {self.first_divergent}"
+        elif worst is not None:
+            line += f"; worst rel err {fmt(worst['rel_err'], '.2e')} ({worst['name']})"
+        summary = StageSummary(line, data, checks)
+        parity_failed = bool(parity) and not parity.get("passed")
+        if not summary.passed and not (self.nonfinite_module or self.first_divergent or parity_failed):
+            # every count above can read as a pass: say first why it is not one
+            summary.verdict = f"not passed ({self.inconclusive or 'no tensor was judged'}); " + line
+        return summary
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return alignment_checks(self.summary().data, thresholds)
 
 
 def reference_dtype(

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from adapt.core.jsonio import to_jsonable
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, environment_checks
+
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have fp8 tensor cores
 
 
@@ -73,6 +76,38 @@ class EnvReport:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """What the report shows of the environment stage: any problem found fails it."""
+        context = context or SummaryContext()
+        report = to_jsonable(self.to_dict())
+        measured = {
+            k: report.get(k) for k in ("copy_gbps", "matmul_tflops", "matmul_dtype", "allreduce_gbps") if k in report
+        }
+        data = {
+            "versions": report.get("versions", {}),
+            "device_type": report.get("device_type"),
+            "devices": report.get("devices", []),
+            "measured": measured,
+            "problems": list(self.problems),
+            "unchecked": list(self.unchecked),
+            "plan_target": self.plan_target,
+            "judged_against_plan": self.judged_against_plan,
+        }
+        problems, rate = data["problems"], measured.get("matmul_tflops")
+        line = f"{data['device_type'] or context.device}: {len(problems)} problem(s)" + (
+            f" ({problems[0]})" if problems else ""
+        )
+        if rate is not None:
+            line += f", matmul {rate:.2f} TFLOP/s {measured.get('matmul_dtype', '')}"
+        if self.plan_target and not self.judged_against_plan:
+            line += f"; the plan for {self.plan_target} is not judged on this machine"
+        if self.unchecked:
+            line += f"; {len(self.unchecked)} check(s) not possible here"
+        return StageSummary(line, data, environment_checks(data, context.section("environment")))
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return environment_checks(self.summary().data, thresholds)
 
 
 def _version(package: str) -> str | None:

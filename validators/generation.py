@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from adapt.core.errors import BadInput
+from adapt.core.jsonio import to_jsonable
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, generation_checks
 from validators.align import CandidateTransform, kernel_plan_transform
 from validators.alignment import check_device
 from validators.compare import Thresholds, parse_dtype, thresholds_for
@@ -107,14 +109,14 @@ class GenerationReport:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def verdict(self) -> str:
+    def outcome(self) -> str:
         if not self.applicable:
             return "not applicable"
         if self.inconclusive:
             return "inconclusive"
         return "passed" if self.passed else "failed"
 
-    def summary(self) -> str:
+    def describe(self) -> str:
         if not self.applicable:
             return "not a causal language model: nothing to generate"
         n, steps = len(self.prompt_lengths), self.new_tokens
@@ -129,9 +131,22 @@ class GenerationReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["verdict"] = self.verdict
-        data["summary"] = self.summary()
+        data["verdict"] = self.outcome
+        data["summary"] = self.describe()
         return data
+
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """The generation check's own outcome and line, with the fields a report table needs."""
+        result = to_jsonable(self.to_dict())
+        keys = ("verdict", "dtype", "device", "reference_dtype", "seed", "prompt_lengths", "new_tokens", "checks",
+                "ties", "first_divergence", "cache_kinds", "applicable")  # fmt: skip
+        data = {k: result.get(k) for k in keys}
+        return StageSummary(
+            self.describe(), data, generation_checks(data, (context or SummaryContext()).section("generation"))
+        )
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return generation_checks(self.summary().data, thresholds)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationReport:

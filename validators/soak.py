@@ -29,6 +29,8 @@ import torch
 
 from adapt.core.errors import BadInput
 from adapt.core.interrupts import deferred_interrupts
+from adapt.core.jsonio import to_jsonable
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, fmt, soak_checks
 from validators.align import kernel_plan_transform
 from validators.alignment import check_device
 from validators.compare import parse_dtype
@@ -84,6 +86,44 @@ class SoakReport:
         data = dataclasses.asdict(self)
         data["losses"] = [x if math.isfinite(x) else None for x in self.losses]
         return data
+
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """What the report shows of the soak stage, judged by ``soak_checks``: finite losses and no leak."""
+        context = context or SummaryContext()
+        report = to_jsonable(self.to_dict())
+        step_keys = ("step", "loss", "grad_norm", "step_time_s", "allocated_bytes", "reserved_bytes")
+        losses = report.get("losses") or [None]
+        data = {
+            "device": report.get("device", context.device),
+            "dtype": report.get("dtype", context.dtype),
+            "steps": report.get("steps_done"),
+            "steps_planned": report.get("steps_planned"),
+            "resumed_from": report.get("resumed_from"),
+            "checkpoints": report.get("checkpoints", []),
+            "loss_finite": report.get("loss_finite"),
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "step_time_cv": report.get("step_time_cv"),
+            "step_time_drift": report.get("step_time_drift"),
+            "memory_slope_bytes_per_step": report.get("memory_slope_bytes_per_step"),
+            "leak": report.get("leak"),
+            "timeline": [{k: step.get(k) for k in step_keys} for step in report.get("steps", [])],
+            "shapes": {"seq_len": context.seq_len, "batch_size": context.batch_size},
+        }
+        slope = self.memory_slope_bytes_per_step
+        line = (
+            f"{self.steps_done}/{self.steps_planned} steps, loss {fmt(data['first_loss'], '.3f')} -> "
+            f"{fmt(data['last_loss'], '.3f')} ({'finite' if self.loss_finite else 'NON-FINITE'}), "
+            f"step-time CV {fmt(self.step_time_cv, '.2f')}, "
+            f"memory slope {fmt(None if slope is None else slope / 2**20, '.2f')} "
+            f"MiB/step ({'LEAK' if self.leak else 'no leak'}), {len(self.checkpoints)} checkpoints"
+        )
+        if self.resumed_from is not None:
+            line += f", resumed from step {self.resumed_from}"
+        return StageSummary(line, data, soak_checks(data, context.section("soak")))
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return soak_checks(self.summary().data, thresholds)
 
 
 def _release_unreachable(device: str) -> None:

@@ -4,7 +4,7 @@ Each variant is trained for a few steps by the distributed trainer under a one-r
 on CUDA); tokens/s come from the trainer's own step timings after warm-up.  The baselines are HF eager
 and, on CUDA, ``torch.compile`` of the unpatched model; the adapted model is the kernel plan with its
 compilation (``operators.adapt_model``).  The adapted model is judged against the best baseline per
-part (train, prefill, decode): slower than it by more than ``SLOWER_TOLERANCE`` fails the stage and
+part (train, prefill, decode): slower than it by more than ``adapt.core.stage_verdicts.SLOWER_TOLERANCE`` fails the stage and
 says where.  On CUDA decode is judged on the serving paths instead (``validators.decode``, prompt 512,
 256 new tokens, batch 1 and 8): the adapted static-cache decoder against HF ``generate`` with the dynamic
 cache (eager) and with the static cache compiled, against ``adapt.core.verdicts.STAGE_DECODE_MINIMA`` (no slower than either).  On CUDA the shapes are realistic unless given (``cuda_shapes``); on a CPU the verdict is
@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from adapt.core.errors import BadInput
+from adapt.core.jsonio import to_jsonable
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, slower_than_best, throughput_checks
 from adapt.core.verdicts import STAGE_DECODE_MINIMA, decode_targets
 from adapt.model.skeleton import quiet_transformers
 from validators.align import kernel_plan_transform
@@ -39,11 +41,11 @@ from validators.bench_calibration import block_calibration, device_name, planner
 from validators.compare import parse_dtype
 from validators.modules import find_blocks, first_tensor
 from validators.session import prepare_run
+from validators.throughput_summary import throughput_summary
 from validators.training import batch_for_step, vocab_size
 
 # Dense 16-bit tensor-core peaks from the vendors' datasheets, for MFU on known parts.
 DATASHEET_PEAK_16BIT = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
-SLOWER_TOLERANCE = 0.02  # adapted below 98% of the best baseline counts as slower (run-to-run noise allowance)
 HOST_BOUND_IDLE = 0.3  # GPU idle share of a training step above which the figure is the host's, not the kernels'
 CUDA_SEQ_CAP = 2048
 MEMORY_FRACTION = 0.6  # of the free device memory the training step is sized to use
@@ -108,14 +110,16 @@ class ThroughputReport:
     calibration: dict[str, Any]
     passed: bool
     notes: list[str] = field(default_factory=list)
-    verdict: str = "passed"  # "passed", "failed" (adapted slower than the best baseline) or "inconclusive"
+    # the measured verdict, "verdict" in to_dict(): "passed", "failed" (adapted slower than the best baseline) or
+    # "inconclusive"; ``verdict()`` is the stage's checks
+    outcome: str = "passed"
     reasons: list[str] = field(default_factory=list)  # why the verdict, part by part
     shapes_basis: str = ""
     decode: list[dict[str, Any]] = field(default_factory=list)  # validators.decode.DecodeTiming rows
     decode_targets: list[dict[str, Any]] = field(default_factory=list)  # adapt.core.verdicts.decode_targets rows
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = {("verdict" if k == "outcome" else k): v for k, v in dataclasses.asdict(self).items()}
         data["speedup_train"] = self.speedup("train_tokens_per_s")
         data["speedup_vs_best_baseline"] = {
             part: ratio for part, (_, ratio) in best_baseline_ratios(self.variants).items()
@@ -128,7 +132,17 @@ class ThroughputReport:
         names = {f.name for f in dataclasses.fields(cls)} - {"variants"}
         variant_names = {f.name for f in dataclasses.fields(VariantResult)}
         variants = [VariantResult(**{k: v for k, v in d.items() if k in variant_names}) for d in data["variants"]]
+        data = {("outcome" if k == "verdict" else k): v for k, v in data.items()}
         return cls(variants=variants, **{k: v for k, v in data.items() if k in names})
+
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """What the report shows of the throughput stage, judged by ``throughput_checks``."""
+        return throughput_summary(
+            to_jsonable(self.to_dict()), variants_finite(self.variants), context or SummaryContext()
+        )
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return throughput_checks(self.summary().data, thresholds)
 
     def speedup(self, metric: str) -> float | None:
         by_name = {v.name: getattr(v, metric) for v in self.variants}
@@ -238,10 +252,7 @@ def bench(
         decode = [{k: v for k, v in t.to_dict().items() if k != "tokens"} for t in timings]  # rates, not token lists
     datasheet = peak if peak_basis == "given" or "datasheet" in peak_basis else None  # not a rate measured here
     calibration = planner_calibration(blocks, dataclasses.asdict(results[-1]), options, device, datasheet)
-    verdict, reasons = judge(results, device, options, decode)
-    finite = all(r.train_tokens_per_s > 0 and all(map(_finite, r.losses)) for r in results)
-    if not finite:
-        verdict, reasons = "failed", ["a variant produced no rate or a non-finite loss", *reasons]
+    verdict, reasons = measured_verdict(results, device, options, decode)
     return ThroughputReport(
         source=src.text,
         device=device,
@@ -259,7 +270,7 @@ def bench(
         calibration=calibration,
         passed=verdict != "failed",
         notes=notes,
-        verdict=verdict,
+        outcome=verdict,
         reasons=reasons,
         shapes_basis=basis,
         decode=decode,
@@ -342,9 +353,7 @@ def judge(
     targets = decode_targets(decode or [], on_cuda, STAGE_DECODE_MINIMA)
     if targets:
         ratios.pop("decode", None)
-    slower = [
-        f"{part} x{ratio:.2f} of {name}" for part, (name, ratio) in ratios.items() if ratio < 1 - SLOWER_TOLERANCE
-    ]
+    slower = [f"{part} x{ratio:.2f} of {name}" for part, (name, ratio) in ratios.items() if slower_than_best(ratio)]
     slower += [t["reason"] for t in targets if t["verdict"] == "failed"]
     doubts += [t["reason"] for t in targets if t["verdict"] == "inconclusive" and on_cuda]
     for v in variants:
@@ -368,8 +377,19 @@ def judge(
     return "passed", [f"adapted vs best baseline: {compared}", *(t["reason"] for t in targets), *reasons]
 
 
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
+def measured_verdict(
+    variants: list[VariantResult], device: str, options: BenchOptions, decode: list[dict[str, Any]]
+) -> tuple[str, list[str]]:
+    """``judge``, failed outright where a variant measured no rate or a non-finite loss."""
+    verdict, reasons = judge(variants, device, options, decode)
+    if not variants_finite(variants):
+        return "failed", ["a variant produced no rate or a non-finite loss", *reasons]
+    return verdict, reasons
+
+
+def variants_finite(variants: list[VariantResult]) -> bool:
+    """Every variant measured a training rate and only finite losses: otherwise the stage fails, whatever the rates."""
+    return all(v.train_tokens_per_s > 0 and all(math.isfinite(x) for x in v.losses) for v in variants)
 
 
 def _reset_peak(device: str) -> None:

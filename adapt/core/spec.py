@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, human, intake_checks, plural
+
 SCHEMA_VERSION = 1
 
 MixerKind = Literal[
@@ -206,6 +208,64 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         return from_dict(cls, data)
+
+    def summary(self, context: SummaryContext | None = None) -> StageSummary:
+        """What the report shows of the intake stage.  Only tensors the model needs that the checkpoint lacks fail it:
+        unexpected tensors (a saved ``position_ids`` buffer) are reported, and transformers' loader ignores them too;
+        shape mismatches never get here, intake rejects them as bad input."""
+        data = _intake_data(self.to_dict())
+        checks = intake_checks(data, (context or SummaryContext()).section("intake"))
+        kinds = sorted({f"{b['attention']}/{b['mlp']}" for b in data["blocks"]})
+        line = (
+            f"{self.model_class}: {self.num_layers} blocks ({', '.join(kinds)}), {human(data['params_total'])} params, "
+            f"{plural(len(self.novelties), 'novelty', 'novelties')}"
+        )
+        problems, unexpected = data["checkpoint_problems"], data["checkpoint_unexpected"]
+        if problems:
+            line += f"; checkpoint: {problems[0]}" + (f" (+{len(problems) - 1})" if len(problems) > 1 else "")
+        if unexpected:
+            line += f"; {plural(len(unexpected), 'unused checkpoint tensor', 'unused checkpoint tensors')}"
+        return StageSummary(line, data, checks)
+
+    def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
+        return intake_checks(self.summary().data, thresholds)
+
+
+def _intake_data(spec: dict[str, Any]) -> dict[str, Any]:
+    ckpt = spec.get("checkpoint") or {}
+    problems = [f"missing tensor {n}" for n in ckpt.get("missing", [])]
+    problems += [f"shape mismatch {m.get('name', m)}" for m in ckpt.get("shape_mismatches", [])]
+    blocks = [
+        {
+            "index": b["index"],
+            "module": b["module"],
+            "mixer": b["mixer"],
+            "attention": (b.get("attention") or {}).get("kind", "none"),
+            "mlp": b["mlp"]["kind"],
+            "norm": f"{b['norm']['kind']} ({b['norm']['placement']})",
+            "params": b["params"],
+        }
+        for b in spec.get("blocks", [])
+    ]
+    params = spec.get("params", {})
+    return {
+        "model_type": spec.get("model_type"),
+        "architectures": spec.get("architectures", []),
+        "model_class": spec.get("model_class"),
+        "dtype": spec.get("dtype"),
+        "is_causal": spec.get("is_causal"),
+        "hidden_size": spec.get("hidden_size"),
+        "num_layers": spec.get("num_layers"),
+        "vocab_size": spec.get("vocab_size"),
+        "params_total": params.get("total"),
+        "params_active": params.get("active_per_token"),
+        "blocks": blocks,
+        "novelties": spec.get("novelties", []),
+        "features": spec.get("features", []),
+        "unrecognized": spec.get("unrecognized", []),
+        "checkpoint_problems": problems,
+        "checkpoint_unexpected": list(ckpt.get("unexpected", [])),
+    }
 
 
 T = TypeVar("T")

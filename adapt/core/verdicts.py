@@ -1,5 +1,6 @@
-"""The pass rule of a compared tensor, shared by the alignment stage and ``adapt gate``: per-dtype thresholds and the
-verdict, in plain Python so the reports layer judges a finished report without importing torch."""
+"""The pass rule of a compared tensor, shared by the alignment stage and ``adapt gate``: per-dtype thresholds, the
+verdict and the gradients' widened limits, in plain Python so the reports layer judges a finished report without
+importing torch.  The decode targets are here for the same reason."""
 
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def verdict(
     return (
         within_limits or no_worse_than_dtype
     ) and rel_err <= limits.max_err_ratio * baseline_rel_err + limits.rel_err_floor
+
+
+def gradient_thresholds(limits: Thresholds) -> Thresholds:
+    """The limits a gradient is judged by: gradients compound every forward error, so the absolute limit is relaxed
+    4x and the ratio to the unadapted model's gradient error 2x (a ratio of two compounded errors spreads wider than a
+    forward tensor's: bf16 router-weight gradients of a correct MoE plan measured 2.2-3.3 on some fresh draws)."""
+    return dataclasses.replace(
+        limits,
+        max_rel_err=min(1.0, 4 * limits.max_rel_err),
+        min_cosine=1 - 4 * (1 - limits.min_cosine),
+        max_err_ratio=2 * limits.max_err_ratio,
+    )
 
 
 # A gradient that vanishes in exact arithmetic (a router row no token's loss reaches, a bias a softmax cancels) holds

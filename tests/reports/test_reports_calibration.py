@@ -6,11 +6,11 @@ import json
 import random
 
 from adapt.app.pipeline.options import RunOptions
-from adapt.app.pipeline.stages import STAGES
+from adapt.app.pipeline.stages import summary_context
 from adapt.core.jsonio import to_jsonable
 from adapt.core.spec import ModelSpec
 from parallel_planner.calibration import calibration_from_measurements
-from parallel_planner.replan import replan
+from parallel_planner.replan import CalibratedPlan, replan
 from parallel_planner.result import PlannerResult
 from reports.html import render_html
 from reports.markdown import render_markdown
@@ -36,7 +36,7 @@ def _calibrated(report: dict, device: str) -> dict:
     raw = to_jsonable(replan(spec, before, measured).to_dict())
     options = RunOptions.from_dict({"source": "x", "out_dir": "y", "cluster": report["options"]["cluster"]})
     entry = stage(report, "replan")
-    entry["result"], entry["summary"] = raw, STAGES["replan"].summarise(raw, options).data
+    entry["result"], entry["summary"] = raw, CalibratedPlan.from_dict(raw).summary(summary_context(options)).data
     return json.loads(json.dumps(report))  # what report.json holds
 
 

@@ -64,9 +64,9 @@ def ignore_padding_mask(model):
 def test_unadapted_model_generates_like_its_reference(zoo, name):
     report = check(zoo, name)
     if name == "bert":
-        assert not report.applicable and report.verdict == "not applicable"
+        assert not report.applicable and report.outcome == "not applicable"
         return
-    assert report.passed, report.summary()
+    assert report.passed, report.describe()
     checked = {c.name for c in report.checks if c.checked}
     assert {"tokens", "logprobs"} <= checked
     if name != "custom":  # the custom family's model keeps no KV cache, and says so
@@ -77,7 +77,7 @@ def test_unadapted_model_generates_like_its_reference(zoo, name):
 
 def test_sixty_four_tokens_with_sliding_window_cache(zoo):
     report = check(zoo, "mistral", GenerationOptions(prompts=2, prompt_len=12, new_tokens=64))
-    assert report.passed, report.summary()
+    assert report.passed, report.describe()
     assert "sliding_attention" in report.cache_kinds
     tokens = next(c for c in report.checks if c.name == "tokens")
     assert tokens.steps == 2 * 64  # past the 16-token window
@@ -93,7 +93,7 @@ def test_cache_that_drops_a_position_is_caught_and_named(zoo, name):
     assert first is not None and first.check == "cache"
     assert first.step == 1 and first.position == report.prompt_lengths[first.prompt] + 1  # the first cached decode
     assert first.layer is not None and first.layer.startswith("model.layers.1.") and first.block == 1
-    assert "first divergent layer model.layers.1." in report.summary()
+    assert "first divergent layer model.layers.1." in report.describe()
 
 
 def test_broken_norm_is_named_at_the_first_step(zoo):
@@ -146,7 +146,7 @@ def test_report_round_trips_through_json(zoo):
 def test_config_only_source_gets_one_set_of_random_weights(zoo, tmp_path):
     (tmp_path / "config.json").write_text((zoo("qwen2") / "config.json").read_text())
     report = generation_check(resolve_source(str(tmp_path / "config.json")), dtype="fp32", options=FEW)
-    assert report.passed, report.summary()
+    assert report.passed, report.describe()
     assert report.random_weights
 
 
@@ -171,5 +171,5 @@ def test_adapted_model_generates_like_its_reference(zoo, name):
     src = resolve_source(str(zoo(name)), trust_remote_code=name == "custom")
     plan = run_ops(src, onnx=False, check_patch=False).plan
     report = generation_check(src, plan, dtype="fp32", options=FEW)
-    assert report.passed, report.summary()
+    assert report.passed, report.describe()
     assert report.patched_modules and all(": " in entry for entry in report.patched_modules)

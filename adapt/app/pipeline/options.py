@@ -249,8 +249,8 @@ class ValidationOptions(OptionGroup):
     thresholds: str | None = option(
         None,
         metavar="FILE",
-        help="thresholds file (YAML/JSON, see reports.judge for the format); its alignment section also "
-        "judges the alignment and generation stages of `adapt run`",
+        help="thresholds file (YAML/JSON, see reports.judge for the format): `adapt run` judges each stage with "
+        "its section, as `adapt gate` does; the alignment section also sets the generation stage's limits",
     )
 
     def __post_init__(self) -> None:

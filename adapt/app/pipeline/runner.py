@@ -26,12 +26,15 @@ from adapt.app.pipeline.stages import (
     StageBlocked,
     StageContext,
     StageUnavailable,
+    summarise,
+    summary_context,
     to_result_dict,
 )
 from adapt.app.pipeline.store import RunLock, RunStore, StageRecord, source_fingerprint, stage_key
 from adapt.core.errors import BadInput
 from adapt.core.interrupts import Terminated, deferred_interrupts
 from adapt.core.jsonio import adapt_version, atomic_write_json, to_jsonable
+from adapt.core.stage_verdicts import STAGE_CHECKS, SummaryContext, judged
 
 REUSABLE = ("passed", "failed")  # statuses whose stored result can stand in for a rerun
 NOT_AVAILABLE = ("error", "blocked", "interrupted", "skipped", "pending")
@@ -87,6 +90,13 @@ class PipelineRun:
         self.typed: dict[str, Any] = {}
         self.rebuilt: list[str] = []  # cached stages re-executed because their result type has no from_dict
         self.preflight_notes: dict[str, list[str]] = {}  # what the input checks changed, per stage
+        self._summary_context: SummaryContext | None = None
+
+    def summary_context(self) -> SummaryContext:
+        """Built once the options have their device defaults: the facts summaries state, the thresholds they use."""
+        if self._summary_context is None:
+            self._summary_context = summary_context(self.options)
+        return self._summary_context
 
     # ---- upstream typed results ------------------------------------------------------------
     def upstream(self, name: str) -> Any:
@@ -149,6 +159,9 @@ class PipelineRun:
         stored = self.store.load(stage.name)
         if stored is not None and stored.key == key and stored.status in REUSABLE and not opts.run.force:
             stored.cached = True
+            section = self.summary_context().section(stage.name)
+            if section is not None:  # the stored summary, judged by this run's thresholds
+                stored.status = "passed" if judged(STAGE_CHECKS[stage.name](stored.summary, section)) else "failed"
             return stored
         return self._execute(stage, key)
 
@@ -165,7 +178,7 @@ class PipelineRun:
                 result = stage.run(ctx)
             raw = record.result = to_jsonable(to_result_dict(result))
             record.result_type = f"{type(result).__module__}:{type(result).__qualname__}"
-            summary = stage.summarise(raw, self.options)
+            summary = summarise(result, self.summary_context())
             record.status = "passed" if summary.passed else "failed"
             record.verdict = summary.verdict
             rebuilt = [f"re-ran the cached {n} stage to rebuild its typed result (time included)" for n in self.rebuilt]
@@ -176,7 +189,8 @@ class PipelineRun:
                 *rebuilt,
                 *(raw.get("notes") or []),
             ]  # the pipeline's notes, then the stage's own
-            record.summary = {**summary.data, "notes": notes} if notes else summary.data
+            data = to_jsonable(summary.data)
+            record.summary = {**data, "notes": notes} if notes else data
             self.typed[stage.name] = result
         except KeyboardInterrupt:
             record.status, record.verdict = "interrupted", "interrupted by the user"

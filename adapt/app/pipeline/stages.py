@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapt.app.pipeline import summaries
 from adapt.app.pipeline.options import LOCAL_CLUSTER, RunOptions, ValidationOptions
 from adapt.app.pipeline.progress import ProgressCallback
+from adapt.core.stage_verdicts import StageSummary, SummaryContext
 
 CALIBRATION_FILE = "calibration.json"  # the throughput stage's measurements, in its artifacts directory
 
@@ -55,7 +55,6 @@ class Stage:
     needs: tuple[str, ...]  # upstream stages whose typed results ``execute`` reads
     option_keys: tuple[str, ...]  # RunOptions fields that change the result (part of the cache key)
     execute: Callable[[StageContext], Any]
-    summarise: Callable[[dict[str, Any], RunOptions], summaries.Summary]
     description: str = ""
     uses: tuple[str, ...] = ()  # upstream stages read when they are part of the run, not required
     # The typed result from its stored ``to_dict()``; None: a later stage that needs it re-runs this one.
@@ -84,6 +83,32 @@ def to_result_dict(result: Any) -> dict[str, Any]:
     if hasattr(result, "to_dict"):
         return result.to_dict()
     raise TypeError(f"stage returned {type(result).__name__}, which has no to_dict()")
+
+
+def summary_context(options: RunOptions) -> SummaryContext:
+    """The run facts a stage's summary states, and the thresholds file's sections its verdict is judged with."""
+    from reports.judge import load_thresholds
+
+    plan, validation = options.plan, options.validation
+    return SummaryContext(
+        device=validation.device,
+        dtype=validation.dtype,
+        seq_len=validation.seq_len,
+        batch_size=validation.batch_size,
+        cluster=str(plan.cluster),
+        local_cluster=plan.cluster == LOCAL_CLUSTER,
+        plan_seq_len=plan.plan_seq_len,
+        plan_global_batch=plan.plan_global_batch,
+        precision=plan.precision,
+        thresholds=load_thresholds(validation.thresholds),
+    )
+
+
+def summarise(result: Any, context: SummaryContext) -> StageSummary:
+    """The stage result's own summary and verdict: every result type judges itself (``summary(context)``)."""
+    if hasattr(result, "summary"):
+        return result.summary(context)
+    raise TypeError(f"stage returned {type(result).__name__}, which has no summary()")
 
 
 # ---- intake ---------------------------------------------------------------------------------
@@ -272,7 +297,8 @@ def alignment_thresholds(options: ValidationOptions) -> dict[str, float] | None:
     """The ``alignment`` section of ``--thresholds`` (the gate's file format) for the run's dtype."""
     if options.thresholds is None:
         return None
-    from reports.judge import alignment_limits, load_thresholds
+    from adapt.core.stage_verdicts import alignment_limits
+    from reports.judge import load_thresholds
 
     return alignment_limits(load_thresholds(options.thresholds).get("alignment", {}), options.dtype) or None
 
@@ -293,15 +319,6 @@ def _generation(ctx: StageContext) -> Any:
             transform=transform,
             options=GenerationOptions(seed=opts.seed),
         )
-
-
-def _generation_summary(result: dict[str, Any], options: RunOptions) -> summaries.Summary:
-    """The generation check's own verdict and summary line, with the fields a report table needs."""
-    keys = ("verdict", "dtype", "device", "reference_dtype", "seed", "prompt_lengths", "new_tokens", "checks", "ties",
-            "first_divergence", "cache_kinds", "applicable")  # fmt: skip
-    return summaries.Summary(
-        bool(result.get("passed")), str(result.get("summary", "")), {k: result.get(k) for k in keys}
-    )
 
 
 def _throughput(ctx: StageContext) -> Any:
@@ -384,7 +401,6 @@ STAGES: dict[str, Stage] = {
             needs=(),
             option_keys=_SOURCE_KEYS,
             execute=_intake,
-            summarise=summaries.intake,
             description="read the checkpoint into a ModelSpec",
             load=_load_spec,
         ),
@@ -393,7 +409,6 @@ STAGES: dict[str, Stage] = {
             needs=(),
             option_keys=(*_SOURCE_KEYS, "profile"),
             execute=_operators,
-            summarise=summaries.operators,
             description="map every op to a kernel",
             uses=("intake",),  # one anatomy: a model intake cannot read is not mapped as if it were understood
             load=_load_ops_report,
@@ -405,7 +420,6 @@ STAGES: dict[str, Stage] = {
             # "machine": a local cluster is measured, so the plan belongs to the machine that measured it
             option_keys=("cluster", "plan_seq_len", "plan_global_batch", "precision", "machine"),
             execute=_plan,
-            summarise=summaries.plan,
             description="lay the model out on the cluster",
             load=_load_planner_result,
         ),
@@ -414,7 +428,6 @@ STAGES: dict[str, Stage] = {
             needs=(),
             option_keys=("precision", "device", "cluster", "machine"),
             execute=_environment,
-            summarise=summaries.environment,
             description="check this machine",
             uses=("plan",),
         ),
@@ -423,7 +436,6 @@ STAGES: dict[str, Stage] = {
             needs=("operators",),
             option_keys=(*_VALIDATION_KEYS, "seed", "thresholds"),
             execute=_alignment,
-            summarise=summaries.alignment,
             description="compare the adapted model with a float64 reference, block by block",
             uses=("intake",),
         ),
@@ -432,7 +444,6 @@ STAGES: dict[str, Stage] = {
             needs=("operators",),
             option_keys=("device", "dtype", "seed", "thresholds"),
             execute=_generation,
-            summarise=_generation_summary,
             description="generate greedily against the unadapted model: tokens, log-probs, KV cache, left-padded batches",
         ),
         Stage(
@@ -440,7 +451,6 @@ STAGES: dict[str, Stage] = {
             needs=("operators",),
             option_keys=(*_VALIDATION_KEYS, "bench_steps"),
             execute=_throughput,
-            summarise=summaries.throughput,
             description="measure baseline against adapted",
             load=_load_throughput,
         ),
@@ -449,7 +459,6 @@ STAGES: dict[str, Stage] = {
             needs=("intake", "plan"),
             option_keys=(),
             execute=_replan,
-            summarise=summaries.replan,
             description="plan again with this machine's measurements",
             uses=("throughput",),
         ),
@@ -458,7 +467,6 @@ STAGES: dict[str, Stage] = {
             needs=("operators",),
             option_keys=(*_VALIDATION_KEYS, "seed", "soak_steps", "ckpt_every"),
             execute=_soak,
-            summarise=summaries.soak,
             description="train for a while and watch loss, time and memory",
         ),
     )
