@@ -316,17 +316,20 @@ def _loss_parity(baseline, candidate, options: AlignOptions, seed, vocab, device
     weights move) still shows at the step it happens."""
     losses: dict[str, list[float]] = {"baseline": [], "candidate": []}
     norms: dict[str, list[float]] = {"baseline": [], "candidate": []}
-    probe_ids = batch_for_step(seed, 1, options.batch, options.seq_len, vocab, device)
-    random_ops = _training_forward_is_random(baseline, probe_ids)
     # Training-time randomness (dropout, router jitter) is drawn by each path in its own order: two runs would
-    # compare different draws.  Such a model trains with that randomness off.
+    # compare different draws.  Such a model trains with that randomness off.  It is looked for on every batch the
+    # steps will use: a random op may act only on some tokens (a sampled expert choice among scores that are close).
+    every_batch = [
+        batch_for_step(seed, step + 1, options.batch, options.seq_len, vocab, device)
+        for step in range(options.parity_steps)
+    ]
+    random_ops = _training_forward_is_random(baseline, torch.cat(every_batch))
     baseline.train(not random_ops)
     candidate.train(not random_ops)
     optimizer = make_optimizer(candidate, options.lr)
     weights = dict(candidate.named_parameters())
     try:
-        for step in range(options.parity_steps):
-            ids = batch_for_step(seed, step + 1, options.batch, options.seq_len, vocab, device)
+        for step, ids in enumerate(every_batch):
             with torch.no_grad():
                 for name, param in baseline.named_parameters():
                     if name in weights:
