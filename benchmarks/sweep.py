@@ -225,6 +225,21 @@ def tied_widths(settings: dict[str, Any], widths: set[int], keep: frozenset[str]
     }
 
 
+def tied_head_counts(settings: dict[str, Any], keep: frozenset[str]) -> dict[str, int]:
+    """Head counts under other names (an encoder's and a decoder's ``*_attention_heads``) shrunk with the width they
+    divide, to the tiny head count."""
+    return {
+        name: TINY["num_attention_heads"]
+        for name, value in settings.items()
+        if name.endswith("attention_heads")
+        and name not in TINY
+        and name not in keep
+        and isinstance(value, int)
+        and not isinstance(value, bool)
+        and value > 0
+    }
+
+
 def tied_vocab_sizes(settings: dict[str, Any], vocab: Any, keep: frozenset[str]) -> dict[str, int]:
     """Other vocabulary sizes of a config (``unpadded_vocab_size``, a per-layer input vocabulary) scaled with the
     vocabulary, so that their order against it survives (an unpadded size above the tiny padded one is negative
@@ -293,6 +308,7 @@ def tiny_settings(
     overrides = {k: v for k, v in tiny.items() if v is not None and _has(config, k)}
     if "hidden_size" in tiny:
         overrides.update(tied_widths(settings, widths, keep))
+        overrides.update(tied_head_counts(settings, keep))
     if fill_unset:
         overrides.update({k: v for k, v in _int_fields_unset(config).items() if k not in keep and k not in overrides})
     overrides.update(tied_vocab_sizes(settings, overrides.get("vocab_size"), keep))

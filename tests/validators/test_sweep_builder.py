@@ -43,6 +43,18 @@ def test_other_vocabulary_sizes_scale_with_the_vocabulary_and_keep_their_order(r
     assert sweep.tied_vocab_sizes(settings, None, frozenset()) == {}
 
 
+def test_head_counts_under_other_names_shrink_with_the_width(rng):
+    heads = rng.randrange(5, 64)
+    settings = {"encoder_attention_heads": heads, "decoder_attention_heads": heads + 1, "num_attention_heads": heads}
+    settings["attention_heads_ratio"] = 0.5  # not a count
+    tiny = sweep.TINY["num_attention_heads"]
+    assert sweep.tied_head_counts(settings, frozenset()) == {
+        "encoder_attention_heads": tiny,
+        "decoder_attention_heads": tiny,
+    }
+    assert sweep.tied_head_counts(settings, frozenset({"encoder_attention_heads"})) == {"decoder_attention_heads": tiny}
+
+
 @pytest.mark.parametrize("model_type", ["kimi_linear", "olmo_hybrid"])
 def test_tiny_config_keeps_every_token_id_in_the_vocabulary(model_type):
     config = sweep.tiny_config(model_type)
