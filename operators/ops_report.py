@@ -122,6 +122,7 @@ class OpsReport:
                         "replacement": o.replacement,
                         "modules": o.modules,
                         "flops": o.flops,
+                        "recognised_flops": o.recognised_flops,
                     }
                     for o in self.plan.ops
                 ],
@@ -149,6 +150,7 @@ class OpsReport:
             f"{len(data['components'])} components ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
             f"{coverage.get('ops_total', '?')} ops, unmapped {unmapped if unmapped is not None else '?'}, "
             f"unsupported {unsupported_count(data)}, FLOPs on fused/native paths {pct(data['fast_flop_share'])}"
+            f" (in recognised components {pct(data['recognised_flop_share'])})"
         )
         if patch.get("ran"):
             line += f", patched model {'matches' if patch.get('passed') else 'DIFFERS FROM'} unpatched"
@@ -253,6 +255,7 @@ def _operators_data(report: dict[str, Any]) -> dict[str, Any]:
         "op_status_counts": dict(Counter(o.get("status") for o in report.get("ops", []))),
         "coverage": dict(report.get("coverage") or {}),
         "fast_flop_share": num((report.get("coverage") or {}).get("flops_share_fused_or_native")),
+        "recognised_flop_share": num((report.get("coverage") or {}).get("flops_share_recognised")),
         "new": report.get("new", []),
         "ops": report.get("ops", []),
         "onnx": report.get("onnx"),

@@ -49,7 +49,7 @@ def _model_name(text: str) -> str:
 
 
 def _coverage(report: dict[str, Any]) -> str:
-    """Share of components on fused or native kernels, and the FLOP share when the operators stage gives it."""
+    """Share of components on fused or native kernels, and the FLOP shares (fast, recognised) the operators stage gives."""
     ops = summary(report, "operators")
     counts = ops.get("status_counts", {})
     total = sum(counts.values())
@@ -57,9 +57,11 @@ def _coverage(report: dict[str, Any]) -> str:
         return ""
     fast = counts.get("fused", 0) + counts.get("native", 0)
     text = f"{fast}/{total} fused+native"
-    share = ops.get("fast_flop_share")
+    share, known = ops.get("fast_flop_share"), ops.get("recognised_flop_share")
     if isinstance(share, (int, float)):
-        text += f" ({100 * share:.0f}% FLOPs)"
+        text += f" ({100 * share:.0f}% FLOPs" + (
+            f", {100 * known:.0f}% recognised)" if isinstance(known, float) else ")"
+        )
     return text
 
 

@@ -9,8 +9,11 @@ from torch import nn
 
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.model.intake import describe_model
+from operators import plan_kernels
 from operators.inventory import trace_model
+from operators.profiles import load_profile
 from operators.recognition import recognise
+from operators.registry import Target
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +144,21 @@ def test_an_unknown_mixer_is_new_with_its_path_not_silently_native(recognition):
     new = {c.module for c in recognition.components if c.kind == "new"}
     assert {"strands.1.ripple", "strands.1.ripple.smear"} <= new
     assert not any(c.confirmed for c in recognition.components if c.kind == "new")
+
+
+def test_coverage_counts_flops_of_a_new_mixer_as_run_natively_but_not_recognised(model, recognition):
+    inventory = trace_model(model)
+    plan = plan_kernels(inventory, recognition, load_profile("cuda-hopper"), Target("cpu", "float32", True, None))
+    coverage = plan.coverage()
+    known = [c.module for c in recognition.components if c.kind != "new"]
+
+    def inside_known(module: str) -> bool:
+        return any(module == path or module.startswith(f"{path}.") for path in known)
+
+    expected = sum(r.flops for r in inventory.ops if not r.module.startswith("<") and inside_known(r.module))
+    assert 0 < expected < coverage["flops_total"]  # the ripple mixer's FLOPs are outside every known component
+    assert coverage["flops_share_recognised"] == round(expected / coverage["flops_total"], 4)
+    assert coverage["flops_share_recognised"] < coverage["flops_share_fused_or_native"]
 
 
 def test_a_module_whose_forward_needs_more_than_the_hidden_states_is_rejected_not_fatal():
