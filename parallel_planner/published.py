@@ -1,9 +1,8 @@
-"""Validation against published training runs (``data/published_runs.csv``).
+"""Published training runs (``data/published_runs.csv``): each row as the source ran it, and its ModelSpec.
 
 Each row names a model by its dimensions, a cluster, the layout the authors ran and the knobs and
-software they state (CSV header).  We write the row's ModelSpec from those dimensions, plan that layout
-with ``--fixed`` semantics under the row's software (framework, attention kernel), and compare per-GPU
-token throughput with the source's figure.
+software they state (CSV header).  ``run_spec`` writes the row's ModelSpec from those dimensions;
+``published_eval`` plans it and compares with the source's figure.
 
 One FLOP convention: adapt's model FLOPs (3x the forward, causal attention averaging ``(s+1)/2``
 context, no recompute).  A source's TFLOP/s is turned into tokens/s with the source's own count and
@@ -11,27 +10,18 @@ compared as tokens/s, which at a fixed model is MFU under adapt's convention.  M
 BLOOM count ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step: the full (non-causal) attention square and
 the recomputed forward, so their "% of peak" is hardware FLOPs, not MFU; the conversion undoes both.
 Llama 3 reports MFU under a model-FLOPs count, read as adapt's.
-
-Nothing in the time model is fitted to these rows (``timing.Efficiency`` states every constant's
-source), so every error here is out of sample; leave-one-source-out equals in-sample by construction.
-Knobs a source leaves unstated (micro-batch, virtual stages) are the planner's choice; ``knob_range``
-shows how far they move the prediction.  ``benchmarks/planner_report.py`` writes the tables.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import io
-import json
-import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from adapt.core.errors import BadInput
 from adapt.core.spec import (
     SCHEMA_VERSION,
     AttentionSpec,
@@ -42,9 +32,7 @@ from adapt.core.spec import (
     NormSpec,
     ParamCounts,
 )
-from parallel_planner.cluster import make_cluster
 from parallel_planner.profile import profile_model
-from parallel_planner.search import plan_parallel
 from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 
@@ -59,28 +47,6 @@ SOURCE_ARCHITECTURE = {
 }
 # Columns naming how each run executed (see data/published_runs.csv's header); knobs go to --fixed.
 KNOB_COLUMNS = ("sp", "tp_overlap", "grad_overlap", "mbs", "vpp", "split")
-# What a report shows of a planned layout: its parallel degrees and knobs, and its memory per GPU.
-LAYOUT_KEYS = (
-    "tp",
-    "pp",
-    "dp",
-    "cp",
-    "ep",
-    "zero",
-    "recompute",
-    "micro_batch",
-    "vpp",
-    "pp_schedule",
-    "memory_gib_per_gpu",
-)
-
-
-def layout_fields(plan: Any, *figures: str) -> dict[str, Any]:
-    """``plan.to_dict()`` cut to ``LAYOUT_KEYS`` and the named ``figures``."""
-    wanted = (*LAYOUT_KEYS, *figures)
-    return {k: v for k, v in plan.to_dict().items() if k in wanted}
-
-
 SOFTWARE_COLUMNS = (
     "framework",
     "attention",
@@ -305,215 +271,3 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         unrecognized=[],
         novelties=[],
     )
-
-
-def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bool = True) -> list[dict[str, Any]]:
-    """Predicted vs published per-GPU throughput for each row (and the searched plan when ``search``)."""
-    eff = eff or Efficiency()
-    out = []
-    for run in runs:
-        spec = run_spec(run)
-        cluster = make_cluster(run.gpu, run.gpus)
-        run_eff = run.efficiency(eff)
-        fixed = _fastest(run, spec, cluster, run_eff, run.layouts())
-        published = run.published_tokens_per_s_per_gpu(spec)
-        row = {
-            "source": run.source,
-            "run": run.name,
-            "layout": run.layout,
-            "published_tflops_per_gpu": run.reported_tflops_per_gpu,
-            "published_tokens_per_s_per_gpu": published,
-            "predicted_tokens_per_s_per_gpu": fixed.tokens_per_s_per_gpu,
-            "error": fixed.tokens_per_s_per_gpu / published - 1,
-            "fits": fixed.fits,
-            "memory_gib_per_gpu": fixed.memory_gib_per_gpu,
-            "chosen": {k: getattr(fixed.plan, k) for k in ("micro_batch", "vpp", "pp_schedule", "recompute")},
-            "predicted_mfu": fixed.mfu,
-            "published_pct_peak": run.reported_pct_peak,
-        }
-        if search:
-            started = time.perf_counter()
-            best = plan_parallel(spec, cluster, run.workload(), top_k=1, efficiency=run_eff).best
-            row["search_s"] = time.perf_counter() - started
-            row["searched"] = layout_fields(best, "fits", "tokens_per_s_per_gpu")
-            row["searched_speedup"] = best.tokens_per_s_per_gpu / fixed.tokens_per_s_per_gpu
-        out.append(row)
-    return out
-
-
-def _fastest(run: PublishedRun, spec: ModelSpec, cluster: Any, eff: Efficiency, layouts: list[dict[str, Any]]) -> Any:
-    """The planner's best plan over ``layouts`` (each pinned in turn): fitting plans first, then the fastest."""
-    plans = []
-    for layout in layouts:
-        try:
-            plans.append(plan_parallel(spec, cluster, run.workload(), fixed=layout, top_k=1, efficiency=eff).best)
-        except BadInput:
-            if len(layouts) == 1:
-                raise
-    if not plans:
-        raise BadInput(f"{run.name}: none of its framework's layouts is valid")
-    return max(plans, key=lambda p: (p.fits, p.tokens_per_s_per_gpu))
-
-
-def error_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    errors = [abs(r["error"]) for r in rows]
-    return {"mean_abs_error": sum(errors) / len(errors), "max_abs_error": max(errors), "rows": len(errors)}
-
-
-def knob_range(run: PublishedRun, eff: Efficiency | None = None) -> tuple[float, float] | None:
-    """(lowest, highest) predicted tokens/s/GPU over the knobs the source leaves unstated (micro-batch and
-    virtual stages), or None when it states them all: how much of an error the unstated knobs can explain."""
-    if run.mbs and (run.vpp or run.pp == 1):
-        return None
-    spec, cluster = run_spec(run), make_cluster(run.gpu, run.gpus)
-    predictions = []
-    stated_vpp = (run.vpp or 1,) if run.vpp or run.pp == 1 else None
-    for mbs in (run.mbs,) if run.mbs else (1, 2, 4, 8):
-        for vpp in stated_vpp or run.vpp_choices or (1, 2, 4, 8):
-            layout = dict(run.layout, mbs=mbs, vpp=vpp)
-            if run.pp > 1 and vpp == 1:
-                layout["schedule"] = "1f1b"
-            try:
-                best = plan_parallel(
-                    spec, cluster, run.workload(), fixed=layout, top_k=1, efficiency=run.efficiency(eff)
-                ).best
-            except BadInput:
-                continue  # the batch does not split into these micro-batches, or the layers into these chunks
-            predictions.append(best.tokens_per_s_per_gpu)
-    return (min(predictions), max(predictions)) if predictions else None
-
-
-# A fresh interpreter importing what describing the config needs before intake reads a module: torch, and
-# transformers' modelling code for the config (resolving the model class imports it); without cyclic
-# collections, as in the spec worker.
-_IMPORT_FLOOR = """import gc, sys, time
-started = time.perf_counter()
-gc.disable()
-from adapt.core.source import resolve_source
-from adapt.model.skeleton import load_config, model_class
-src = resolve_source(sys.argv[1], config_only=True)
-model_class(src, load_config(src))
-print(time.perf_counter() - started)
-"""
-
-
-def planning_speed(cold_runs: int = 5, cases: int = 2) -> list[dict[str, Any]]:
-    """Seconds to plan the two giants of the issue, from a config-only checkpoint to the ranked answer.
-
-    ``intake_s`` builds the ModelSpec from a meta skeleton (torch/transformers start-up included when cold);
-    ``cli_cold_s`` is ``adapt plan --no-cache`` end to end in a fresh process (the median and the least of
-    ``cold_runs``) and ``cli_cold_cpu_s`` its CPU seconds, planner and spec worker together (the median: wall
-    time on a shared machine follows its load, CPU time much less); ``cli_cached_s`` the same once the spec is
-    cached; ``imports_s`` (median of ``cold_runs``) is what a fresh interpreter takes to import torch and
-    transformers' modelling code for the config, the floor under a cold spec that intake's own work comes on
-    top of.
-    """
-    import os
-    import resource
-    import statistics
-    import subprocess
-    import sys
-    import tempfile
-
-    from transformers import DeepseekV3Config
-
-    from adapt.model.intake import inspect
-
-    giants = [
-        ("DeepSeek-V3 (671B MoE, MLA), 2048 x H800", DeepseekV3Config(), "h800", 2048, 4096, 15360),
-        (
-            "3T MoE (DeepSeek-V3 shape, 1024 experts, 70 layers), 16384 x H100",
-            DeepseekV3Config(n_routed_experts=1024, num_hidden_layers=70),
-            "h100",
-            16384,
-            4096,
-            16384,
-        ),
-    ]
-    out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, ADAPT_CACHE_DIR=os.path.join(tmp, "cache"))
-        for i, (name, config, gpu, gpus, seq, batch) in enumerate(giants[:cases]):
-            path = os.path.join(tmp, f"model{i}")
-            config.save_pretrained(path)
-            started = time.perf_counter()
-            spec = inspect(path, config_only=True, seq_len=seq)
-            intake_s = time.perf_counter() - started
-            started = time.perf_counter()
-            result = plan_parallel(spec, make_cluster(gpu, gpus), Workload(seq, batch))
-            plan_s = time.perf_counter() - started
-            command = [
-                sys.executable,
-                "-m",
-                "adapt.app.cli",
-                "plan",
-                path,
-                "--config-only",
-                "--gpu",
-                gpu,
-                "--gpus",
-                str(gpus),
-                "--seq",
-                str(seq),
-                "--global-batch",
-                str(batch),
-                "--json",
-            ]
-            cold, cpu, imports = [], [], []
-            for _ in range(cold_runs):  # each cold run beside an import floor, under the same load
-                used = resource.getrusage(resource.RUSAGE_CHILDREN)
-                started = time.perf_counter()
-                subprocess.run(command + ["--no-cache"], env=env, check=True, capture_output=True)
-                cold.append(time.perf_counter() - started)
-                now = resource.getrusage(resource.RUSAGE_CHILDREN)  # the CLI and the spec worker it waited for
-                cpu.append(now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime)
-                floor = subprocess.run([sys.executable, "-c", _IMPORT_FLOOR, path], check=True, capture_output=True)
-                imports.append(float(floor.stdout))
-            started = time.perf_counter()
-            subprocess.run(command, env=env, check=True, capture_output=True)
-            cli_s = time.perf_counter() - started
-            best = result.best
-            out.append(
-                {
-                    "load_average": round(os.getloadavg()[0], 1),
-                    "case": name,
-                    "params_total": spec.params_total,
-                    "layouts_scored": result.searched,
-                    "intake_s": intake_s,
-                    "plan_s": plan_s,
-                    "cli_cached_s": cli_s,
-                    "cli_cold_s": statistics.median(cold),
-                    "cli_cold_min_s": min(cold),
-                    "cold_runs": cold_runs,
-                    "cli_cold_cpu_s": statistics.median(cpu),
-                    "imports_s": statistics.median(imports),
-                    "best": layout_fields(best, "tokens_per_s", "mfu"),
-                }
-            )
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
-    rows = evaluate(load_published_runs(), search=False)
-    print(
-        json.dumps(
-            {
-                "all": error_summary(rows),
-                "rows": [
-                    {
-                        k: r[k]
-                        for k in ("run", "error", "predicted_tokens_per_s_per_gpu", "published_tokens_per_s_per_gpu")
-                    }
-                    for r in rows
-                ],
-            },
-            indent=2,
-        )
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

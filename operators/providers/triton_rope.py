@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from operators.recognition.component import Component
-from operators.recognition.probes import forward_function, is_default
+from operators.recognition.rotary_probes import forward_function, is_default
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class RotarySpec:
     """What the running patched module asked for: which original function to stand in for, and how."""
 
     original: Callable[..., Any]
-    style: str  # "half" | "interleaved" | "deinterleaved" (see probes.rotation_reference)
+    style: str  # "half" | "interleaved" | "deinterleaved" (see rotary_probes.rotation_reference)
     module: str
 
 
@@ -121,7 +121,7 @@ def rotary_forward(module: nn.Module, component: Component):
 def self_test_cases(gen: torch.Generator) -> dict[str, tuple]:
     """(kernel, float64 reference, inputs) per rotation style for the provider's self-test: GQA heads,
     partial rotary (8 of 12 dims), tables in Hugging Face's ``cat(f, f)`` layout."""
-    from operators.recognition.probes import rotation_reference
+    from operators.recognition.rotary_probes import rotation_reference
 
     angles = torch.rand(1, 5, 4, generator=gen) * 6.3
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)

@@ -42,3 +42,8 @@ def local_path(path: str, base: str) -> str:
     if base and not path.startswith(base + "."):
         raise ValueError(f"{path} is not inside {base}")
     return path[len(base) + 1 :] if base else path
+
+
+def inside(path: str, claimed: set[str], *, strict: bool) -> bool:
+    """Is ``path`` below one of ``claimed`` (or, unless ``strict``, one of them): recognition skips what a component holds."""
+    return any(path.startswith(c + ".") or (not strict and path == c) for c in claimed if c)

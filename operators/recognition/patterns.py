@@ -22,6 +22,45 @@ SOFTMAX_OPS = ("aten._softmax.default", "aten._safe_softmax.default")
 SDPA_PREFIX = "aten._scaled_dot_product"
 FLEX_PREFIX = "higher_order.flex_attention"
 
+# Ops that move or view data, or are pure bookkeeping: a module made only of these computes nothing new.
+STRUCTURAL_OPS = {
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.t.default",
+    "aten.permute.default",
+    "aten.expand.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.slice.Tensor",
+    "aten.clone.default",
+    "aten.detach.default",
+    "aten.alias.default",
+    "aten.lift_fresh.default",
+    "aten._to_copy.default",
+    "aten.contiguous.default",
+    "aten.select.int",
+    "aten.split.Tensor",
+    "aten.split_with_sizes.default",
+    "aten.embedding.default",
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.native_dropout.default",
+}
+
+ACTIVATION_OPS = {
+    "aten.gelu.default",
+    "aten.silu.default",
+    "aten.relu.default",
+    "aten.tanh.default",
+    "aten.sigmoid.default",
+    "aten.hardtanh.default",
+    "aten.elu.default",
+    "aten.leaky_relu.default",
+    "aten.mish.default",
+}
+
 
 @dataclass
 class TracedProjection:
@@ -165,6 +204,17 @@ def lm_head_candidate(inv: OpInventory) -> TracedProjection | None:
     vocab = last_dim(root.output_shapes)
     heads = [p for p in projections_under(inv, "") if p.out_features == vocab]
     return heads[-1] if heads else None
+
+
+def compute_ops(rec: ModuleRecord) -> list[str]:
+    """The module's own ops that compute something (``STRUCTURAL_OPS`` left out)."""
+    return sorted(op for op in rec.own_ops if op not in STRUCTURAL_OPS)
+
+
+def is_activation_only(rec: ModuleRecord) -> bool:
+    """A parameterless leaf whose only computing op is one elementwise activation."""
+    ops = compute_ops(rec)
+    return not rec.children and not rec.params and len(ops) == 1 and ops[0] in ACTIVATION_OPS
 
 
 def _subtree(inv: OpInventory, path: str) -> list[ModuleRecord]:

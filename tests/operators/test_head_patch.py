@@ -9,7 +9,7 @@ import torch
 from ops_testlib import count_kernel_calls, load, planned, recognised
 
 from operators import apply_kernel_plan, kernels
-from operators.recognition.probes import probe_lm_head_loss
+from operators.recognition.head_probe import probe_lm_head_loss
 from operators.registry import Target
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in Triton's CPU interpreter")

@@ -9,6 +9,8 @@ from torch import nn
 
 from operators import recognition
 from operators.inventory import trace_callable, trace_model
+from operators.recognition import attention as attention_recognition
+from operators.recognition import classifiers
 
 
 class Rms(nn.Module):
@@ -41,21 +43,21 @@ class Tower(nn.Module):
         return self.fake1(self.fake0(self.wide(self.widen(x))))
 
 
-def counting(monkeypatch, name: str) -> list[str]:
-    """Wrap ``operators.recognition.<name>`` so every real probe run is recorded."""
+def counting(monkeypatch, module, name: str) -> list[str]:
+    """Wrap the probe ``name`` where ``module`` calls it, so every real probe run is recorded."""
     calls: list[str] = []
-    original = getattr(recognition, name)
+    original = getattr(module, name)
 
     def wrapper(*args, **kwargs):
         calls.append(name)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(recognition, name, wrapper)
+    monkeypatch.setattr(module, name, wrapper)
     return calls
 
 
 def test_identical_norms_probed_once_different_eps_width_and_lookalikes_probed_again(monkeypatch):
-    calls = counting(monkeypatch, "probe_norm")
+    calls = counting(monkeypatch, classifiers, "probe_norm")
     model = Tower()
     cache = recognition.ProbeCache()
     found = recognition.recognise(model, trace_callable(model, torch.randn(2, 7, 32)), cache=cache)
@@ -74,7 +76,7 @@ def test_identical_norms_probed_once_different_eps_width_and_lookalikes_probed_a
 @pytest.mark.parametrize(("name", "probes", "windows"), [("llama", 1, {None}), ("gemma2", 2, {16, None})])
 def test_attention_probed_once_per_structure_and_mask(zoo, monkeypatch, name, probes, windows):
     """All llama layers share one visibility probe; Gemma-2's sliding and global layers see different masks."""
-    calls = counting(monkeypatch, "attention_visibility")
+    calls = counting(monkeypatch, attention_recognition, "attention_visibility")
     model = load(zoo(name))
     found = recognition.recognise(model, trace_model(model))
     attention = [c for c in found.components if c.kind == "attention"]
@@ -87,7 +89,7 @@ def test_attention_probed_once_per_structure_and_mask(zoo, monkeypatch, name, pr
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_identical_moe_blocks_probed_once_each_keeping_its_own_paths(zoo, monkeypatch, name):
     """The MoE probe is the costliest; the verdict's router and expert paths move to each block that reuses it."""
-    calls = counting(monkeypatch, "probe_moe")
+    calls = counting(monkeypatch, classifiers, "probe_moe")
     model = load(zoo(name))
     found = recognition.recognise(model, trace_model(model))
     moes = [c for c in found.components if c.kind == "moe"]

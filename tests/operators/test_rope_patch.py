@@ -13,7 +13,7 @@ from torch import nn
 
 from operators import apply_kernel_plan, kernels
 from operators.providers.triton_rope import rotary_dispatcher
-from operators.recognition.probes import forward_function, probe_rotary_application
+from operators.recognition.rotary_probes import forward_function, probe_rotary_application
 from operators.registry import Target
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in Triton's CPU interpreter")

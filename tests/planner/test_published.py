@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_planner.published import error_summary, evaluate, load_published_runs
+from parallel_planner.published import load_published_runs
+from parallel_planner.published_eval import error_summary, evaluate
 from parallel_planner.runtimes import RUNTIMES
 
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from parallel_planner.cluster import make_cluster
 from parallel_planner.profile import profile_model
-from parallel_planner.published import PublishedRun, evaluate, knob_range, load_published_runs, run_spec
+from parallel_planner.published import PublishedRun, load_published_runs, run_spec
+from parallel_planner.published_eval import evaluate, knob_range
 from parallel_planner.timing import Efficiency, loss_seconds
 
 

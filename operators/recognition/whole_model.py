@@ -1,0 +1,92 @@
+"""Components found over the whole model once every module is classified: a norm fused with the residual add
+before it, the vocabulary head with its loss, and modules that compute but match no kind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from adapt.model.blocks import NoBlockList, find_blocks
+from operators.inventory import OpInventory
+from operators.recognition import patterns as pat
+from operators.recognition import variants
+from operators.recognition.attention import tanh_cap
+from operators.recognition.component import Component, inside
+from operators.recognition.head_probe import probe_lm_head_loss
+
+
+def residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]:
+    """Norms whose input is the output of an ``aten.add`` run by the enclosing block: fusable add+norm."""
+    out = []
+    for comp in found:
+        if comp.kind in ("rms_norm", "layer_norm") and comp.confirmed:
+            rec = inv.modules[comp.module]
+            if rec.fed_by_add is not None and (rec.fed_by_add == "" or comp.module.startswith(rec.fed_by_add + ".")):
+                variant = variants.ResidualAddNormVariant(
+                    norm=comp.kind,
+                    add_in=rec.fed_by_add,
+                    add_after=rec.fed_by_add_after,
+                    add_index=rec.fed_by_add_index,
+                    **dataclasses.asdict(comp.variant),
+                )
+                out.append(
+                    Component(
+                        comp.module,
+                        "residual_add_norm",
+                        variant,
+                        True,
+                        "norm input is the tensor an aten.add of an enclosing block produced",
+                    )
+                )
+    return out
+
+
+def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool) -> Component | None:
+    """The vocabulary projection whose output the model's loss consumes, confirmed by the fused-loss probe."""
+    head = pat.lm_head_candidate(inv)
+    if head is None:
+        return None
+    root = inv.modules[""]
+    names = [e[0] for e in root.sequence]
+    softcap = tanh_cap(root.sequence, names.index("aten.tanh.default")) if "aten.tanh.default" in names else None
+    variant = variants.HeadLossVariant(vocab=head.out_features, hidden=head.in_features, final_softcap=softcap)
+    confirmed, evidence = (
+        probe_lm_head_loss(model, head.path, softcap, generator) if can_probe else (False, "pattern only")
+    )
+    return Component(
+        head.path,
+        "lm_head_cross_entropy",
+        variant,
+        confirmed,
+        f"projection onto the vocabulary feeds log_softmax + nll_loss; {evidence}",
+    )
+
+
+def block_paths(model: nn.Module) -> set[str]:
+    """Paths of the model's repeated blocks (none when it has no block list)."""
+    try:
+        return {path for path, _ in find_blocks(model).named()}
+    except NoBlockList:
+        return set()
+
+
+_RESIDUAL_OPS = {"aten.add.Tensor", "aten.add_.Tensor"}
+
+
+def new_modules(inv: OpInventory, found: list[Component], blocks: set[str]) -> list[Component]:
+    """Modules that compute (non-structural own ops) but sit in no recognised component: leaves, and
+    containers inside a block whose own code does more than add residuals (a gate, a recurrence)."""
+    covered = {c.module for c in found}
+    out = []
+    for rec in inv.modules.values():
+        if not rec.path or rec.path in covered or inside(rec.path, covered, strict=True):
+            continue
+        if any(rec.path.startswith(c.module + ".") for c in found):
+            continue
+        compute = pat.compute_ops(rec)
+        in_block = rec.path not in blocks and any(rec.path.startswith(b + ".") for b in blocks)
+        if compute and (not rec.children or (in_block and set(compute) - _RESIDUAL_OPS)):
+            variant = variants.NewVariant(ops=tuple(compute), container=bool(rec.children))
+            out.append(Component(rec.path, "new", variant, False, "computes, matches no known kind"))
+    return out
