@@ -45,18 +45,6 @@ SOURCE_ARCHITECTURE = {
     # parameter counts (1.7B at h=2048, l=24, V=131072) hold only with untied embedding and output weights.
     "mcore2024": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="absolute", tied=False),
 }
-# Columns naming how each run executed (see data/published_runs.csv's header); knobs go to --fixed.
-KNOB_COLUMNS = ("sp", "tp_overlap", "grad_overlap", "mbs", "vpp", "split")
-SOFTWARE_COLUMNS = (
-    "framework",
-    "attention",
-    "dropout",
-    "cp_comm",
-    "grad_bits",
-    "grad_accum_fused",
-    "launch_blocking",
-    "flop_convention",
-)
 
 
 @dataclass(frozen=True)
