@@ -192,6 +192,17 @@ def _choose(
     comp: Component, provs, profile: BackendProfile, target: Target, model: nn.Module | None, compiled: bool = False
 ) -> KernelChoice:
     if comp.kind == "new" and not comp.variant.container:  # a container's own code runs as traced
+        if comp.variant.python_sizes:
+            return KernelChoice(
+                comp.module,
+                comp.kind,
+                comp.variant,
+                None,
+                "as traced",
+                "native",
+                False,
+                note="its forward takes Python integers; a compiled graph would be rebuilt whenever they change",
+            )
         if profile.codegen == "none":
             return KernelChoice(
                 comp.module,

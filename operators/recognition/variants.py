@@ -385,6 +385,9 @@ class NewVariant(Variant):
     """Its computing ATen ops."""
     container: bool = False
     """It has children and its own code computes between them (it runs as traced)."""
+    python_sizes: bool = False
+    """Its forward takes Python integers (per-expert token counts, lengths): a compiled graph is specialised to
+    their values, so Inductor would compile again whenever they change; it runs as traced."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from adapt.model.blocks import NoBlockList, find_blocks
 from operators.inventory import OpInventory
@@ -87,6 +88,17 @@ def new_modules(inv: OpInventory, found: list[Component], blocks: set[str]) -> l
         compute = pat.compute_ops(rec)
         in_block = rec.path not in blocks and any(rec.path.startswith(b + ".") for b in blocks)
         if compute and (not rec.children or (in_block and set(compute) - _RESIDUAL_OPS)):
-            variant = variants.NewVariant(ops=tuple(compute), container=bool(rec.children))
+            variant = variants.NewVariant(
+                ops=tuple(compute), container=bool(rec.children), python_sizes=takes_python_sizes(inv, rec.path)
+            )
             out.append(Component(rec.path, "new", variant, False, "computes, matches no known kind"))
     return out
+
+
+def takes_python_sizes(inv: OpInventory, path: str) -> bool:
+    """The module's first traced call passed a Python integer, or a list of them, besides its tensors."""
+    call = inv.captured.get(path)
+    if call is None:
+        return False
+    values, _ = tree_flatten(call)
+    return any(isinstance(v, int) and not isinstance(v, bool) for v in values)

@@ -7,9 +7,12 @@ import torch
 from ops_testlib import kinds, recognised
 from torch import nn
 
-from operators.inventory import trace_callable
+from operators import plan_kernels
+from operators.inventory import trace_callable, trace_model
+from operators.profiles import load_profile
 from operators.recognition import recognise
 from operators.recognition.variants import RopeStyle
+from operators.registry import Target
 
 
 def by_module(recognition, kind):
@@ -304,3 +307,51 @@ def test_rmsnorm_that_takes_the_root_as_a_power_is_recognised(with_scale):
         ("rms_norm", eps, "weight" if with_scale else None)
     ]
     assert not rejected
+
+
+class _SplitBank(nn.Module):
+    """Rows split by per-group counts given as Python integers, one weight per group (no known kind)."""
+
+    def __init__(self, groups: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(groups, width, width) / width**0.5)
+
+    def forward(self, rows, counts):
+        return torch.cat([part @ self.weight[i] for i, part in enumerate(torch.split(rows, counts))])
+
+
+class _Scramble(nn.Module):
+    """The same bank's arithmetic with its counts fixed inside: tensors are its only inputs."""
+
+    def __init__(self, groups: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(groups, width, width) / width**0.5)
+
+    def forward(self, rows):
+        return torch.cat([rows[i::2] @ self.weight[i] for i in range(2)])
+
+
+class _Counted(nn.Module):
+    def __init__(self, vocab: int = 32, width: int = 8):
+        super().__init__()
+        self.lookup = nn.Embedding(vocab, width)
+        self.bank, self.scramble = _SplitBank(2, width), _Scramble(2, width)
+
+    def get_input_embeddings(self):
+        return self.lookup
+
+    def forward(self, input_ids, **_):
+        rows = self.lookup(input_ids).reshape(-1, self.lookup.embedding_dim)
+        first = int((input_ids.reshape(-1) % 2 == 0).sum())  # counts that change with the batch
+        return (self.scramble(self.bank(rows, [first, rows.shape[0] - first])),)
+
+
+def test_a_new_module_that_takes_python_counts_runs_as_traced_not_through_inductor():
+    model = _Counted()
+    inventory = trace_model(model, seq_len=6)
+    recognition = recognise(model, inventory)
+    plan = plan_kernels(inventory, recognition, load_profile("cuda-hopper"), Target("cpu", "float32", True, None))
+    bank, scramble = plan.component("bank", "new"), plan.component("scramble", "new")
+    assert bank.variant.python_sizes and not scramble.variant.python_sizes
+    assert (bank.provider, bank.status, bank.patch) == (None, "native", False)
+    assert (scramble.provider, scramble.status, scramble.patch) == ("inductor", "generated", True)
