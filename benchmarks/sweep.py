@@ -226,18 +226,23 @@ def tied_widths(settings: dict[str, Any], widths: set[int], keep: frozenset[str]
 
 
 def tied_head_counts(settings: dict[str, Any], keep: frozenset[str]) -> dict[str, int]:
-    """Head counts under other names (an encoder's and a decoder's ``*_attention_heads``) shrunk with the width they
-    divide, to the tiny head count."""
-    return {
-        name: TINY["num_attention_heads"]
-        for name, value in settings.items()
-        if name.endswith("attention_heads")
-        and name not in TINY
-        and name not in keep
-        and isinstance(value, int)
-        and not isinstance(value, bool)
-        and value > 0
-    }
+    """Head counts under other names (an encoder's, a decoder's, a sliding-window layer's ``*attention_heads``)
+    shrunk with the width they divide, and each one's own ``*key_value_heads`` with it: equal to the query heads
+    when they were equal by default, else the tiny KV count (a KV count above the query count groups no heads)."""
+    heads, kv_heads = TINY["num_attention_heads"], TINY["num_key_value_heads"]
+    shrunk: dict[str, int] = {}
+    for name, value in settings.items():
+        if not name.endswith("attention_heads") or name in TINY or name in keep or not _is_count(value):
+            continue
+        shrunk[name] = heads
+        kv_name = name.removesuffix("attention_heads") + "key_value_heads"
+        if kv_name not in TINY and kv_name not in keep and _is_count(settings.get(kv_name)):
+            shrunk[kv_name] = heads if settings[kv_name] == value else kv_heads
+    return shrunk
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def tied_vocab_sizes(settings: dict[str, Any], vocab: Any, keep: frozenset[str]) -> dict[str, int]:

@@ -53,6 +53,13 @@ def test_head_counts_under_other_names_shrink_with_the_width(rng):
         "decoder_attention_heads": tiny,
     }
     assert sweep.tied_head_counts(settings, frozenset({"encoder_attention_heads"})) == {"decoder_attention_heads": tiny}
+    grouped = {"swa_num_attention_heads": heads, "swa_num_key_value_heads": rng.randrange(1, heads)}
+    assert sweep.tied_head_counts(grouped, frozenset()) == {
+        "swa_num_attention_heads": tiny,
+        "swa_num_key_value_heads": sweep.TINY["num_key_value_heads"],  # never more KV heads than query heads
+    }
+    full = {"swa_num_attention_heads": heads, "swa_num_key_value_heads": heads}
+    assert sweep.tied_head_counts(full, frozenset())["swa_num_key_value_heads"] == tiny
 
 
 @pytest.mark.parametrize("model_type", ["kimi_linear", "olmo_hybrid"])
