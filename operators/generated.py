@@ -7,15 +7,17 @@ forward and backward of the compiled module.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 
 @dataclass
@@ -39,6 +41,29 @@ def compile_module(module: nn.Module) -> Callable[..., Any]:
     return torch.compile(original, backend="inductor", fullgraph=True, dynamic=None)
 
 
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+@contextlib.contextmanager
+def _state_detached(module: nn.Module) -> Iterator[None]:
+    """Plain tensor attributes a forward left on the modules (a recurrence's last state) detached for the capture,
+    then put back: they belong to the traced model's graph, which its backward freed."""
+    saved = [
+        (sub, name, value)
+        for sub in module.modules()
+        for name, value in vars(sub).items()
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    ]
+    for sub, name, value in saved:
+        setattr(sub, name, value.detach())
+    try:
+        yield
+    finally:
+        for sub, name, value in saved:
+            setattr(sub, name, value)
+
+
 def generate(
     module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: str | Path | None
 ) -> tuple[Callable[..., Any], GeneratedKernel]:
@@ -51,14 +76,16 @@ def generate(
     fresh = [
         torch.randn_like(a).requires_grad_(a.is_floating_point())
         if isinstance(a, torch.Tensor) and a.is_floating_point()
-        else a
+        else tree_map(_detached, a)
         for a in args
     ]
-    # captured keyword tensors belong to the traced model's graph: detached, so this backward cannot reach it again
-    kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    out = fn(*fresh, **kwargs)
-    if isinstance(out, torch.Tensor) and out.requires_grad:
-        out.float().sum().backward()
+    # Captured tensors anywhere else (keywords, nested in tuples) belong to the traced model's graph, freed by its
+    # backward: detached, so this backward cannot reach it again.
+    kwargs = tree_map(_detached, kwargs)
+    with _state_detached(module):
+        out = fn(*fresh, **kwargs)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.float().sum().backward()
     elapsed = time.perf_counter() - start
     new = [m for m in PyCodeCache.modules if id(m) not in before and getattr(m, "__file__", None)]
     sources = [Path(m.__file__).read_text() for m in new]

@@ -1,0 +1,36 @@
+"""Capturing a generated kernel runs the module on fresh inputs, apart from the graph the trace built and freed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from operators.generated import generate
+
+
+class _Leaky(nn.Module):
+    """Keeps its last output as a plain attribute and folds it into the next call (a recurrence's state)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.state = None
+
+    def forward(self, x, extras):
+        out = torch.tanh(x @ self.mix) + extras[0] * extras[1]
+        if self.state is not None:
+            out = out + self.state
+        self.state = out
+        return out
+
+
+def test_capture_does_not_backpropagate_into_the_freed_trace(tmp_path):
+    width = 6
+    module = _Leaky(width)
+    x = torch.randn(3, width, requires_grad=True)
+    extras = (torch.randn(3, width, requires_grad=True), torch.randn(3, width, requires_grad=True))
+    module(x, extras).sum().backward()  # the trace: its graph is freed, yet ``state`` and ``extras`` still point in
+    before = module.state
+    _, kernel = generate(module, "leaky", (x, extras), {}, tmp_path)
+    assert kernel.module == "leaky" and kernel.source_chars > 0 and kernel.files
+    assert module.state is before  # the state the model left is restored after the capture
