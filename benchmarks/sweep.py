@@ -457,9 +457,9 @@ def sweep_one(model_type: str, work: Path, timeout: float) -> dict[str, Any]:
     return row
 
 
-def write_results(rows: list[dict[str, Any]], out: Path, partial: str = "") -> None:
-    """sweep.json (every row) and sweep.md (the pass rate and one line per architecture); ``partial`` says which
-    types a partial run covered and why, under the title of both."""
+def write_results(rows: list[dict[str, Any]], out: Path, provenance: str = "") -> None:
+    """sweep.json (every row) and sweep.md (the pass rate and one line per architecture); ``provenance`` says how
+    the rows were made (which types, which code, what was rerun and why), under the title of both."""
     import torch
     import transformers
 
@@ -475,7 +475,7 @@ def write_results(rows: list[dict[str, Any]], out: Path, partial: str = "") -> N
         "passed_all_stages": len(passed),
         "pass_rate": round(len(passed) / len(built), 4) if built else 0.0,
         "per_stage_passed": {s: sum(r["stages"].get(s, {}).get("status") == "passed" for r in built) for s in STAGES},
-        "partial": partial,
+        "provenance": provenance,
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
@@ -488,7 +488,7 @@ def write_results(rows: list[dict[str, Any]], out: Path, partial: str = "") -> N
         + ", ".join(f"{s} {n}" for s, n in summary["per_stage_passed"].items())
         + ".",
         "",
-        *([f"**Partial run**: {partial}", ""] if partial else []),
+        *([f"**How these rows were made**: {provenance}", ""] if provenance else []),
         "| model type | intake | operators | alignment | first error |",
         "| --- | --- | --- | --- | --- |",
     ]
@@ -510,7 +510,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per subprocess")
     parser.add_argument("--first", default="", help="comma list of model types to run before the others")
     parser.add_argument("--resume", action="store_true", help="keep rows already in --out/sweep.json")
-    parser.add_argument("--partial", default="", help="for a partial run: which types ran and why (written out)")
+    parser.add_argument(
+        "--provenance", default="", help="how the rows were made: which types, which code, what was rerun (written out)"
+    )
     parser.add_argument("--build", nargs=2, metavar=("MODEL_TYPE", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build:
@@ -534,7 +536,7 @@ def main() -> int:
         mark = "pass" if row.get("passed") else ("skip" if not row["built"] else "FAIL")
         print(f"[{index + 1}/{len(names)}] {name}: {mark} {row['error'][:120]}", flush=True)
         merged = {**previous, **{r["model_type"]: r for r in rows}}
-        write_results([merged[k] for k in sorted(merged)], out, args.partial)
+        write_results([merged[k] for k in sorted(merged)], out, args.provenance)
     return 0
 
 
