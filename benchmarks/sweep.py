@@ -255,12 +255,7 @@ def tied_vocab_sizes(settings: dict[str, Any], vocab: Any, keep: frozenset[str])
     return {
         name: max(1, round(value * vocab / default))
         for name, value in settings.items()
-        if "vocab" in name
-        and name.endswith("_size")
-        and name not in TINY
-        and name not in keep
-        and isinstance(value, int)
-        and not isinstance(value, bool)
+        if "vocab" in name and name.endswith("_size") and name not in TINY and name not in keep and _is_count(value)
     }
 
 

@@ -162,7 +162,8 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
             ids = torch.randint(0, vocab, (1, SEQ), device=device)
             # Caches as the model sets them up by default (without one, masks may read positions with .item(),
             # which meta tensors refuse); then without, for layers whose caches only their own generate() builds.
-            attempts = [{}, without_cache(model)] if without_cache(model) else [{}]
+            uncached = without_cache(model)
+            attempts = [{}, uncached] if uncached else [{}]
             for index in representative:
                 handles.append(blocks.blocks[index].register_forward_hook(
                     lambda m, a, o, i=index: _harvest(recorder, by_block, representative[i])))  # fmt: skip
