@@ -34,7 +34,9 @@ from operators.ops_report import OpsReport, PatchCheck
 from operators.patch import PatchHandle, apply_kernel_plan
 from operators.profiles import BackendProfile, load_profile
 from operators.recognition import recognise
+from operators.recognition.probe_cache import ProbeCache
 from operators.registry import Target
+from operators.timing_cache import DiskCache
 
 PATCH_RTOL = 1e-5  # float32 logits/gradients of patched vs unpatched model
 
@@ -137,7 +139,7 @@ def run_ops(
         with _phase(phases, "trace"):
             inventory = trace_model(model)
         with _phase(phases, "recognise"):
-            recognition = recognise(model, inventory)
+            recognition = recognise(model, inventory, cache=ProbeCache(DiskCache("probe_verdicts")))
         with _phase(phases, "plan"):
             plan = plan_kernels(inventory, recognition, prof, tgt, model, compile_mode=compile_mode)
         with _phase(phases, "generated"):

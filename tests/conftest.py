@@ -20,6 +20,20 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 from adapt.model.zoo import ZOO_NAMES, build_tiny_checkpoint
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_adapt_cache(tmp_path_factory):
+    """adapt's on-disk caches (kernel timings, self-tests, probe verdicts) in one directory per test session,
+    set in the environment so CLI subprocesses share it: no verdict or timing leaks in from an earlier
+    session's code or out into the user's cache.  Tests about the caches point it elsewhere themselves."""
+    previous = os.environ.get("ADAPT_CACHE")
+    os.environ["ADAPT_CACHE"] = str(tmp_path_factory.mktemp("adapt-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("ADAPT_CACHE", None)
+    else:
+        os.environ["ADAPT_CACHE"] = previous
+
+
 @pytest.fixture(scope="session")
 def zoo_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("zoo")

@@ -11,6 +11,7 @@ from operators import recognition
 from operators.inventory import trace_callable, trace_model
 from operators.recognition import attention as attention_recognition
 from operators.recognition import classifiers
+from operators.timing_cache import DiskCache
 
 
 class Rms(nn.Module):
@@ -99,3 +100,71 @@ def test_identical_moe_blocks_probed_once_each_keeping_its_own_paths(zoo, monkey
         assert c.variant.router.startswith(c.module + ".")
         paths = [v for v in c.variant.to_dict().values() if isinstance(v, str) and v.startswith("model.")]
         assert paths and all(p.startswith(c.module + ".") for p in paths)
+
+
+def _variants(found) -> list[tuple]:
+    return sorted((c.module, c.kind, c.confirmed, c.variant) for c in found.components)
+
+
+def _disk_run(model: nn.Module) -> tuple[recognition.Recognition, recognition.ProbeCache]:
+    cache = recognition.ProbeCache(DiskCache("probe_verdicts"))
+    return recognition.recognise(model, trace_callable(model, torch.randn(2, 7, 32)), cache=cache), cache
+
+
+def test_verdicts_kept_on_disk_are_reused_by_a_later_run_without_probing(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPT_CACHE", str(tmp_path))
+    first, first_cache = _disk_run(Tower())
+    calls = counting(monkeypatch, classifiers, "probe_norm")
+    second, second_cache = _disk_run(Tower())
+    assert (first_cache.probes_run, first_cache.reused_from_disk) == (4, 0)
+    assert (second_cache.probes_run, second_cache.reused_from_disk, calls) == (0, 4, [])
+    assert _variants(second) == _variants(first) and second.rejected != []
+    assert sorted(r["module"] for r in second.rejected) == sorted(r["module"] for r in first.rejected)
+    norms = [c for c in second.components if c.kind == "rms_norm"]
+    assert norms and all("earlier run" in c.evidence for c in norms)
+
+
+def test_a_class_without_a_source_file_is_never_answered_from_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPT_CACHE", str(tmp_path))
+
+    class LocalRms(Rms):  # defined in a function: its code has no file identity
+        pass
+
+    def tower() -> nn.Module:
+        model = Tower()
+        model.n0, model.n1 = LocalRms(32, 1e-6), LocalRms(32, 1e-6)
+        return model
+
+    _disk_run(tower())
+    _, cache = _disk_run(tower())
+    assert cache.probes_run == 1 and cache.reused_from_disk == 3  # LocalRms probed again, once for n0 and n1
+
+
+def test_editing_a_class_file_probes_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPT_CACHE", str(tmp_path / "cache"))
+    package = tmp_path / "edited_norms"
+    package.mkdir()
+    source = "import torch\nfrom torch import nn\n\n\nclass Scaled(nn.Module):\n" + "\n".join(
+        [
+            "    def __init__(self):",
+            "        super().__init__()",
+            "        self.gain = nn.Parameter(torch.ones(32))",
+            "",
+            "    def forward(self, h):",
+            "        return self.gain * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)",
+            "",
+        ]
+    )
+    (package / "norms.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from edited_norms.norms import Scaled
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 32), Scaled())
+
+    _disk_run(model())
+    _, kept = _disk_run(model())
+    (package / "norms.py").write_text(source + "\n# an edit beside the class\n")
+    _, edited = _disk_run(model())
+    assert (kept.probes_run, kept.reused_from_disk) == (0, 1)
+    assert (edited.probes_run, edited.reused_from_disk) == (1, 0)
