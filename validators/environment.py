@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from adapt.core.jsonio import to_jsonable
-from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, environment_checks
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, environment_checks, judged
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have fp8 tensor cores
 
@@ -72,15 +72,21 @@ class EnvReport:
     notes: list[str] = field(default_factory=list)
     plan_target: str | None = None  # the cluster the judged plan targets
     judged_against_plan: bool = False
-    passed: bool = True
+
+    @property
+    def passed(self) -> bool:
+        """The environment rule at its default limits: the one place that decides, so ``adapt gate`` cannot
+        disagree."""
+        return judged(self.verdict())
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields, with the pass flag that report.json's readers expect beside them."""
+        return {**dataclasses.asdict(self), "passed": self.passed}
 
     def summary(self, context: SummaryContext | None = None) -> StageSummary:
         """What the report shows of the environment stage: any problem found fails it."""
         context = context or SummaryContext()
-        report = to_jsonable(self.to_dict())
+        report = to_jsonable(dataclasses.asdict(self))
         measured = {
             k: report.get(k) for k in ("copy_gbps", "matmul_tflops", "matmul_dtype", "allreduce_gbps") if k in report
         }
@@ -274,5 +280,4 @@ def check_environment(
         report.allreduce_gbps = measure_allreduce_gbps(len(devices))
     elif cuda and len(devices) == 1:
         report.unchecked.append("all-reduce bandwidth (one GPU)")
-    report.passed = not report.problems
     return report

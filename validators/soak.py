@@ -30,7 +30,7 @@ import torch
 from adapt.core.errors import BadInput
 from adapt.core.interrupts import deferred_interrupts
 from adapt.core.jsonio import to_jsonable
-from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, fmt, soak_checks
+from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, fmt, judged, soak_checks
 from validators.align import kernel_plan_transform
 from validators.alignment import check_device
 from validators.compare import parse_dtype
@@ -78,11 +78,19 @@ class SoakReport:
     step_time_drift: float | None  # median of the last quarter / median of the first quarter
     memory_slope_bytes_per_step: float | None
     leak: bool
-    passed: bool
     steps: list[SoakStep] = field(default_factory=list)  # steps run by this process
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def passed(self) -> bool:
+        """The soak rule at its default limits: the one place that decides, so ``adapt gate`` cannot disagree."""
+        return judged(self.verdict())
+
     def to_dict(self) -> dict[str, Any]:
+        """The fields, with the pass flag that report.json's readers expect beside them."""
+        return {**self._fields(), "passed": self.passed}
+
+    def _fields(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["losses"] = [x if math.isfinite(x) else None for x in self.losses]
         return data
@@ -90,7 +98,7 @@ class SoakReport:
     def summary(self, context: SummaryContext | None = None) -> StageSummary:
         """What the report shows of the soak stage, judged by ``soak_checks``: finite losses and no leak."""
         context = context or SummaryContext()
-        report = to_jsonable(self.to_dict())
+        report = to_jsonable(self._fields())
         step_keys = ("step", "loss", "grad_norm", "step_time_s", "allocated_bytes", "reserved_bytes")
         losses = report.get("losses") or [None]
         data = {
@@ -402,7 +410,6 @@ def _verdict(src, device, options, resumed_from, history, records, checkpoints, 
         step_time_drift=drift,
         memory_slope_bytes_per_step=slope,
         leak=leak,
-        passed=finite and not leak,
         steps=records,
         notes=notes,
     )

@@ -113,6 +113,23 @@ def group(cls: type, required: bool = False) -> Any:
     return dataclasses.field(default_factory=cls, metadata={"group": cls})
 
 
+def argument_keywords(field: dataclasses.Field) -> dict[str, Any]:
+    """How a field's value is read from a command line (a switch, or its type, choices and metavar): one answer
+    for every command and for the pytest plugin, whose options are the same fields."""
+    spec, kwargs = flag_spec(field), {}
+    if field.type in ("bool", bool):
+        kwargs["action"] = "store_true"
+    elif spec.type is not None:
+        kwargs["type"] = spec.type
+    if spec.choices is not None:
+        kwargs["choices"] = spec.choices
+    if spec.metavar is not None:
+        kwargs["metavar"] = spec.metavar
+    elif spec.flag is not None and "action" not in kwargs and spec.choices is None:  # --global-batch GLOBAL_BATCH
+        kwargs["metavar"] = flag_name(field).lstrip("-").replace("-", "_").upper()
+    return kwargs
+
+
 def add_options(
     parser: argparse.ArgumentParser | argparse._ActionsContainer,
     cls: type,
@@ -130,17 +147,7 @@ def add_options(
     for field in fields:
         if only is not None and field.name not in only:
             continue
-        spec, kwargs = flag_spec(field), {}
-        if field.type in ("bool", bool):
-            kwargs["action"] = "store_true"
-        elif spec.type is not None:
-            kwargs["type"] = spec.type
-        if spec.choices is not None:
-            kwargs["choices"] = spec.choices
-        if spec.metavar is not None:
-            kwargs["metavar"] = spec.metavar
-        elif spec.flag and "action" not in kwargs and spec.choices is None:  # --global-batch GLOBAL_BATCH
-            kwargs["metavar"] = flag_name(field).lstrip("-").replace("-", "_").upper()
+        spec, kwargs = flag_spec(field), argument_keywords(field)
         if spec.flag is None:
             parser.add_argument(field.name, help=spec.help, **kwargs)
             continue

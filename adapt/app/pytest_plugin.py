@@ -4,34 +4,50 @@ component its own test item, so a CI run lists ``model.layers.1.mlp`` as the tes
 The plugin runs the pipeline's intake, operators and alignment stages once per session (always
 recomputed, never taken from a cache), then collects one item per compared tensor plus one per
 stage.  Registered through the ``pytest11`` entry point ``adapt``; without ``--adapt-model`` it
-does nothing.
+does nothing.  Its options are fields of ``adapt run``'s options tree, added from the tree: each is
+``--adapt-`` and the field's ``adapt run`` flag, with that flag's default, type and help (so the run
+directory is ``adapt run``'s, ``adapt-runs/<name>``, unless ``--adapt-out`` names another).
 """
 
 from __future__ import annotations
 
-import tempfile
+import dataclasses
 from typing import Any
 
 import pytest
 
+from adapt.app.options import argument_keywords, default_of, flag_name, flag_spec, groups, option_fields
+from adapt.app.pipeline.options import RunOptions
+
 _STAGES = ["intake", "operators", "alignment"]
+# The options-tree fields a pytest run sets; the stages and a fresh computation are the plugin's own choice.
+PLUGIN_FIELDS = ("source", "trust_remote_code", "out_dir", "device", "dtype", "seq_len", "thresholds")
+PREFIX = "--adapt-"
+
+
+def plugin_options() -> dict[str, dataclasses.Field]:
+    """Each plugin flag and the options-tree field it sets: ``--out`` is ``--adapt-out``; the checkpoint, positional
+    on the command line, is named after the group that holds it (``--adapt-model``)."""
+    options = {}
+    for group_name, cls in groups(RunOptions):
+        for field in option_fields(cls):
+            if field.name in PLUGIN_FIELDS:
+                name = group_name if flag_spec(field).flag is None else flag_name(field).removeprefix("--")
+                options[PREFIX + name] = field
+    return options
+
+
+def dest(field: dataclasses.Field) -> str:
+    """Where pytest keeps a field's value: its tree name, prefixed apart from pytest's own options."""
+    return f"adapt_{field.name}"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("adapt", "adapt model alignment")
-    group.addoption(
-        "--adapt-model", metavar="SOURCE", help="align this model (hub id or directory); one test per block/component"
-    )
-    group.addoption(
-        "--adapt-dtype", choices=("fp32", "bf16", "fp16"), help="candidate dtype (default: chosen by the device)"
-    )
-    group.addoption("--adapt-device", default="cpu", help="device of the candidate (default cpu)")
-    group.addoption(
-        "--adapt-seq-len", type=int, help="sequence length of the alignment batch (default: chosen by the device)"
-    )
-    group.addoption("--adapt-thresholds", metavar="FILE", help="thresholds file (the `adapt gate` format)")
-    group.addoption("--adapt-out", metavar="DIR", help="keep the run directory (report.json, report.html) here")
-    group.addoption("--adapt-trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
+    group = parser.getgroup("adapt", "adapt model alignment: one test per aligned block and component")
+    for name, field in plugin_options().items():
+        group.addoption(
+            name, dest=dest(field), default=default_of(field), help=flag_spec(field).help, **argument_keywords(field)
+        )
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -62,27 +78,12 @@ class AdaptAlignment(pytest.Collector):
         return items
 
     def _run(self) -> dict[str, Any]:
-        from adapt.app.pipeline.options import RunOptions
         from adapt.app.pipeline.runner import run_pipeline
         from adapt.core.errors import AdaptError
 
-        opt = self.config.getoption
-        out_dir = opt("--adapt-out") or tempfile.mkdtemp(prefix="adapt-pytest-")
-        options = RunOptions.from_dict(
-            {
-                "source": opt("--adapt-model"),
-                "out_dir": out_dir,
-                "stages": list(_STAGES),
-                "force": True,
-                "trust_remote_code": opt("--adapt-trust-remote-code"),
-                "device": opt("--adapt-device"),
-                "dtype": opt("--adapt-dtype"),
-                "seq_len": opt("--adapt-seq-len"),
-                "thresholds": opt("--adapt-thresholds"),
-            }
-        )
+        values = {field.name: self.config.getoption(dest(field)) for field in plugin_options().values()}
         try:
-            return run_pipeline(options).report
+            return run_pipeline(RunOptions.from_dict({**values, "stages": list(_STAGES), "force": True})).report
         except AdaptError as err:  # a bad --adapt-* value is a usage error: one line, no traceback
             raise pytest.UsageError(f"--adapt-model: {err}") from None
 

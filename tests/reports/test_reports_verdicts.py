@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -12,7 +13,7 @@ import torch
 
 from adapt.core.source import resolve_source
 from adapt.core.spec import ModelSpec
-from adapt.core.stage_verdicts import STAGE_CHECKS, SummaryContext
+from adapt.core.stage_verdicts import STAGE_CHECKS, SummaryContext, judged
 from adapt.core.verdicts import STAGE_DECODE_MINIMA, decode_targets, gradient_thresholds
 from operators.ops_report import OpsReport
 from parallel_planner.replan import CalibratedPlan
@@ -126,7 +127,7 @@ def fresh_results(rng: random.Random, fixture: dict) -> dict[str, object]:
     plan.plans[0].fits = rng.random() < 0.8
     plan.plans = plan.plans if rng.random() < 0.9 else []
     problems = rng.sample(["no CUDA", "old driver"], rng.choice([0, 0, 1]))
-    env = EnvReport({}, "cpu", [], None, rng.uniform(0.1, 1), "float32", None, problems, passed=not problems)
+    env = EnvReport({}, "cpu", [], None, rng.uniform(0.1, 1), "float32", None, problems)
     applicable, inconclusive = rng.random() < 0.8, rng.random() < 0.2
     passed = not applicable or (not inconclusive and rng.random() < 0.7)
     generation = GenerationReport("x", "fp32", "cpu", "float64", 1, [8], 4, {}, applicable, inconclusive=inconclusive,
@@ -171,6 +172,22 @@ def test_the_run_and_the_gate_give_every_stage_the_same_verdict(tmp_path, rng, r
         expected = {name: s.passed for name, s in summaries.items()}
         assert _gate(tmp_path, built, "") == expected  # recorded statuses
         assert _gate(tmp_path, built, "".join(f"{s}: {{}}\n" for s in SECTIONED)) == expected  # re-judged, defaults
+
+
+def test_soak_and_environment_flags_come_from_their_rule_and_stay_in_report_json(rng):
+    """The validators build the report; its ``passed`` (a field report.json's readers still find) is the rule's."""
+    outcomes = set()
+    for _ in range(12):
+        soak = _soak(rng)
+        env = EnvReport({}, "cpu", [], None, rng.uniform(0.1, 1), "float32", None, [])
+        if rng.random() < 0.5:
+            env.problems.append("old driver")  # a problem found after the report was built still counts
+        for name, result in (("soak", soak), ("environment", env)):
+            stored = result.to_dict()
+            assert set(stored) == {f.name for f in dataclasses.fields(result)} | {"passed"}
+            assert stored["passed"] == result.passed == judged(STAGE_CHECKS[name](result.summary().data, None))
+            outcomes.add((name, result.passed))
+    assert ("environment", False) in outcomes and ("environment", True) in outcomes
 
 
 def _failed(rule, data: dict, section: dict) -> list[str]:
