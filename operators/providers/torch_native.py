@@ -45,6 +45,18 @@ class TorchNativeProvider:
             return self._attention(component, target)
         if component.kind in ("gated_mlp", "mlp") and component.confirmed:
             return [KernelOption(self.name, f"aten mm + {v.activation} (eager)", "native", None)]
+        if component.kind == "projection_activation" and component.confirmed:
+            return [KernelOption(self.name, f"aten linear + {v.activation} as traced", "native", None)]
+        if component.kind == "projection_residual_norm" and component.confirmed:
+            return [
+                KernelOption(
+                    self.name,
+                    f"aten linear + add + {v.norm} as traced",
+                    "native",
+                    None,
+                    note="its norm keeps its own kernel choice (a fused add + norm where one exists)",
+                )
+            ]
         if component.kind == "moe":
             return [KernelOption(self.name, "router + expert GEMMs as traced", "native", None)]
         if component.kind in ("rotary", "embedding", "activation", "residual_add_norm", "lm_head_cross_entropy"):

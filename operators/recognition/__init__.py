@@ -30,6 +30,8 @@ KINDS = (
     "layer_norm",
     "gated_mlp",
     "mlp",
+    "projection_activation",
+    "projection_residual_norm",
     "attention",
     "rotary",
     "rotary_application",
@@ -41,8 +43,9 @@ KINDS = (
 )
 
 
-# Components whose children stay separately recognisable (q/k norms, MLA latent norms, shared experts).
-_OPEN_KINDS = ("attention", "moe")
+# Components whose children stay separately recognisable (q/k norms, MLA latent norms, shared experts, the norm
+# after a projection's residual add, which keeps its own kernel choice).
+_OPEN_KINDS = ("attention", "moe", "projection_residual_norm")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from operators.recognition.moe import probe_moe, routing_from_sequence
 from operators.recognition.norm_probe import probe_norm
 from operators.recognition.probe_cache import ProbeCache, structure_key
 from operators.recognition.rotary_probes import probe_rotary_tables
+from operators.recognition.split_halves import classify_split_half, split_half_candidate
 
 
 def classify(
@@ -45,6 +46,8 @@ def classify(
             reject(rec.path, "mlp", "no gated/plain MLP composition of its projections matched")
         elif comp is None:
             comp = Component(rec.path, "mlp", variants.MLPVariant(), False, "pattern only (meta tensors)")
+    elif (half := split_half_candidate(inventory, rec)) is not None:
+        comp = classify_split_half(half, module, rec, inventory, generator, can_probe, cache, reject)
     elif pat.is_norm_candidate(rec):
         comp = _norm(module, rec, inventory, generator, can_probe, reject, cache)
     elif pat.rotary_generator(rec):
@@ -96,7 +99,7 @@ def candidate_name(inventory: OpInventory, rec: ModuleRecord) -> str:
         return "attention"
     if pat.is_mlp_candidate(inventory, rec):
         return "mlp"
-    return "norm" if pat.is_norm_candidate(rec) else "component"
+    return split_half_candidate(inventory, rec) or ("norm" if pat.is_norm_candidate(rec) else "component")
 
 
 def _norm(

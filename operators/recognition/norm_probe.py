@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,27 +24,30 @@ def layer_norm_reference(x, weight, bias, eps):
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
-def _norm_inputs(width: int, generator) -> torch.Tensor:
-    """Rows at tiny, unit and large magnitude with a common shift: separates mean-centred from RMS and
+def norm_inputs(shape: tuple[int, ...], generator) -> torch.Tensor:
+    """Rows at tiny, unit and large magnitude in turn, with a common shift: separates mean-centred from RMS and
     eps-inside-sqrt from eps-outside."""
-    base = torch.randn(3, 4, width, generator=generator, dtype=torch.float64)
-    scales = torch.tensor([1e-3, 1.0, 40.0], dtype=torch.float64).view(3, 1, 1)
-    shift = torch.randn(1, 1, width, generator=generator, dtype=torch.float64) * 0.3 + 0.7
+    base = torch.randn(shape, generator=generator, dtype=torch.float64)
+    rows = base[..., 0].numel()
+    scales = torch.tensor([1e-3, 1.0, 40.0], dtype=torch.float64).repeat(rows // 3 + 1)[:rows]
+    scales = scales.view(*shape[:-1], 1)
+    shift = torch.randn(shape[-1], generator=generator, dtype=torch.float64) * 0.3 + 0.7
     return base * scales + shift * scales
 
 
-def probe_norm(module: nn.Module, width: int, scalars: list[float], generator) -> dict[str, Any] | None:
-    """RMSNorm (offset 0 or 1, any eps seen in the trace) or LayerNorm; returns the variant or None."""
-    m = float64_copy(module, generator)
-    params = dict(m.named_parameters(recurse=False))
-    eps_values = sorted(
-        {s for s in scalars if 0.0 < s < 1e-2}
-        | {v for v in vars(module).values() if isinstance(v, float) and 0.0 < v < 1e-2}
-    )
-    if not eps_values:
-        eps_values = [0.0]
-    x = _norm_inputs(width, generator).requires_grad_(True)
-    leaves = [x, *params.values()]
+def eps_candidates(scalars: list[float], modules: Iterable[nn.Module]) -> list[float]:
+    """Epsilons to try: small positive constants the trace passed to ops, and small float attributes of
+    ``modules`` (read by value, never by name); [0.0] when there are none."""
+    found = {s for s in scalars if 0.0 < s < 1e-2}
+    found |= {v for m in modules for v in vars(m).values() if isinstance(v, float) and 0.0 < v < 1e-2}
+    return sorted(found) or [0.0]
+
+
+def norm_references(
+    params: dict[str, nn.Parameter], eps_values: list[float]
+) -> Iterator[tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]]]:
+    """Every RMSNorm (offset 0 or 1) and LayerNorm that ``params`` (name -> 1-D parameter) and an epsilon
+    could make: the fields that describe it and its float64 reference, most specific first."""
     for eps in eps_values:
         for w_name, b_name in _weight_bias_assignments(params):
             w = params[w_name] if w_name else None
@@ -51,16 +56,23 @@ def probe_norm(module: nn.Module, width: int, scalars: list[float], generator) -
                 for offset in (0.0, 1.0):
                     if w is None and offset:
                         continue
-                    if grads_match(lambda: m(x), lambda: rms_reference(x, w, eps, offset), leaves, generator):
-                        return {
-                            "kind": "rms_norm",
-                            "eps": eps,
-                            "offset": offset,
-                            "weight": w_name,
-                            **_rms_cast(module, w_name, eps, offset, width, generator),
-                        }
-            if grads_match(lambda: m(x), lambda: layer_norm_reference(x, w, b, eps), leaves, generator):
-                return {"kind": "layer_norm", "eps": eps, "weight": w_name, "bias": b_name}
+                    fields = {"kind": "rms_norm", "eps": eps, "offset": offset, "weight": w_name}
+                    yield fields, functools.partial(rms_reference, weight=w, eps=eps, offset=offset)
+            fields = {"kind": "layer_norm", "eps": eps, "weight": w_name, "bias": b_name}
+            yield fields, functools.partial(layer_norm_reference, weight=w, bias=b, eps=eps)
+
+
+def probe_norm(module: nn.Module, width: int, scalars: list[float], generator) -> dict[str, Any] | None:
+    """RMSNorm (offset 0 or 1, any eps seen in the trace) or LayerNorm; returns the variant or None."""
+    m = float64_copy(module, generator)
+    params = dict(m.named_parameters(recurse=False))
+    x = norm_inputs((3, 4, width), generator).requires_grad_(True)
+    leaves = [x, *params.values()]
+    for fields, reference in norm_references(params, eps_candidates(scalars, [module])):
+        if grads_match(lambda: m(x), lambda: reference(x), leaves, generator):
+            if fields["kind"] == "rms_norm":
+                fields.update(_rms_cast(module, fields["weight"], fields["eps"], fields["offset"], width, generator))
+            return fields
     return None
 
 

@@ -114,11 +114,16 @@ def is_norm_candidate(rec: ModuleRecord) -> bool:
         return False
     if has_any(rec.ops, MATMUL_OPS):
         return False
-    reduces = has_any(rec.ops, ("aten.mean.dim", "aten.var_mean.correction", "aten.sum.dim_IntList"))
-    fused = any("layer_norm" in op or "rms_norm" in op for op in rec.ops)
+    return runs_norm(rec.ops, rec.scalars)
+
+
+def runs_norm(ops: dict[str, int], scalars: list[float]) -> bool:
+    """The ops hold a row normalisation: a fused ATen norm, or a reduction and a root."""
+    reduces = has_any(ops, ("aten.mean.dim", "aten.var_mean.correction", "aten.sum.dim_IntList"))
+    fused = any("layer_norm" in op or "rms_norm" in op for op in ops)
     # The root as rsqrt, sqrt, or a power of -0.5 or 0.5 (Gemma 4 writes ``torch.pow(mean_squared, -0.5)``).
-    half_power = "aten.pow.Tensor_Scalar" in rec.ops and any(abs(s) == 0.5 for s in rec.scalars)
-    root = has_any(rec.ops, ("aten.rsqrt.default", "aten.sqrt.default")) or half_power
+    half_power = "aten.pow.Tensor_Scalar" in ops and any(abs(s) == 0.5 for s in scalars)
+    root = has_any(ops, ("aten.rsqrt.default", "aten.sqrt.default")) or half_power
     return fused or (reduces and root)
 
 
@@ -135,6 +140,47 @@ def is_mlp_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
     ups = [p for p in projs if p.in_features == width]
     downs = [p for p in projs if p.out_features == width and p.in_features != width]
     return bool(ups) and len(downs) == 1
+
+
+def lone_projection(inv: OpInventory, rec: ModuleRecord) -> TracedProjection | None:
+    """The one projection of a container that neither attends nor routes and owns no matrix itself: what each
+    half of an MLP or attention output split across two modules (BERT's) is built around."""
+    if not rec.children or len(rec.output_shapes) != 1 or any(len(s) >= 2 for s in rec.params.values()):
+        return None
+    if attention_core_ops(rec.ops) or "aten.topk.default" in rec.ops:
+        return None
+    projs = projections_under(inv, rec.path)
+    return projs[0] if len(projs) == 1 else None
+
+
+def is_projection_activation_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
+    """One tensor in, its projection out through an activation, no norm: an MLP's up half in a module of its own."""
+    proj = lone_projection(inv, rec)
+    if proj is None or len(rec.input_shapes) != 1 or runs_norm(rec.ops, rec.scalars):
+        return False
+    (inp,), (out,) = rec.input_shapes, rec.output_shapes
+    return (
+        inp[:-1] == out[:-1]
+        and (proj.in_features, proj.out_features) == (inp[-1], out[-1])
+        and has_any(rec.ops, tuple(ACTIVATION_OPS))
+    )
+
+
+def is_projection_residual_norm_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
+    """Called with two tensors, the branch and the residual: the branch's projection, an add and a norm (the down
+    half of a split MLP, or an attention's output projection in a module of its own)."""
+    proj = lone_projection(inv, rec)
+    if proj is None or len(rec.input_shapes) != 2:
+        return False
+    (out,) = rec.output_shapes
+    branch = [s for s in rec.input_shapes if s[:-1] == out[:-1] and s[-1] == proj.in_features]
+    return (
+        proj.out_features == out[-1]
+        and out in rec.input_shapes
+        and bool(branch)
+        and "aten.add.Tensor" in rec.ops
+        and runs_norm(rec.ops, rec.scalars)
+    )
 
 
 def is_attention_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:

@@ -8,7 +8,7 @@ generic path.  A look-alike that computes something else therefore never gets a 
 
 This module holds what every probe shares (the float64 copy, the comparison, the replay of a captured
 call); the probes themselves are one module per kind (``norm_probe``, ``mlp_probe``, ``rotary_probes``,
-``attention_probes``, ``head_probe``, ``moe``).
+``attention_probes``, ``head_probe``, ``moe``, ``split_halves``).
 """
 
 from __future__ import annotations
