@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from adapt.model.calls import without_cache
+from adapt.core.errors import ModelCannotRun
+from adapt.model.calls import own_refusal, without_cache
 
 ROOT = ""  # module path of the model itself
 # One meta-tensor example call per overload seen by any trace: what decomposition checks re-trace.
@@ -463,6 +464,12 @@ def trace_model(
     saved_grads = {p: p.grad for p in model.parameters()}  # the trace must leave no gradients behind
     try:
         records, modules, captured = trace_ops(model, lambda m: model_loss(m, ids), backward=backward, capture=capture)
+    except Exception:
+        # The model's first forward here: told apart from a failure of the trace by running it plainly
+        refusal = own_refusal(model, ids)
+        if refusal is not None:
+            raise ModelCannotRun(f"the model cannot run from token ids alone: its forward raised {refusal}") from None
+        raise
     finally:
         for param, grad in saved_grads.items():
             param.grad = grad

@@ -23,3 +23,7 @@ class CheckFailed(AdaptError):
     """A stage ran to completion and its verdict is a failure."""
 
     exit_code = EXIT_FAILED
+
+
+class ModelCannotRun(BadInput):
+    """The model's own forward refuses a valid batch of token ids: no stage can run it, so the run stops here."""

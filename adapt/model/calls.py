@@ -1,9 +1,11 @@
-"""How adapt calls a model it did not write: one answer for the keyword that turns its caches off."""
+"""How adapt calls a model it did not write: one answer for the keyword that turns its caches off, and one for
+whether the model's own code refuses a batch of token ids."""
 
 from __future__ import annotations
 
 import inspect
 
+import torch
 from torch import nn
 
 
@@ -24,3 +26,35 @@ def without_cache(model: nn.Module) -> dict[str, bool]:
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     config = getattr(model, "config", None)
     return {"use_cache": False} if takes_kwargs and hasattr(config, "use_cache") else {}
+
+
+def own_refusal(model: nn.Module, input_ids: torch.Tensor) -> str | None:
+    """The model's own reason, on one line, when its plain forward on ``input_ids`` raises from its own code.
+
+    A draft model that needs its target's states, or one that needs a language chosen first, refuses a batch
+    of token ids with an exception its own forward raises.  Only the model's code counts: the raising frame must
+    belong to a module that defines a class the model is built from (torch's own classes left out), so an op
+    failing deep inside torch, or adapt's own code, is never taken for the model's refusal.  None when it runs.
+    """
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, **without_cache(model))
+    except Exception as err:  # noqa: BLE001 - judged below: anything but the model's own refusal stays the caller's
+        if _raising_module(err) in _model_code(model):
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            return f"{type(err).__name__}: {' '.join(lines)}"
+    return None
+
+
+def _model_code(model: nn.Module) -> set[str]:
+    """Names of the Python modules defining the classes (and their bases) the model's modules are made of."""
+    classes = {cls for module in model.modules() for cls in type(module).__mro__}
+    return {cls.__module__ for cls in classes if cls.__module__.split(".")[0] not in ("torch", "builtins")}
+
+
+def _raising_module(err: BaseException) -> str | None:
+    """The Python module whose code raised ``err`` (its traceback's innermost frame)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__") if tb is not None else None

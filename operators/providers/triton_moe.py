@@ -2,7 +2,7 @@
 
 router matmul -> ``moe_route`` (scoring, selection bias, grouped top-k, renormalise, scale) ->
 ``moe_permute`` -> grouped GEMM (gate/up bank) -> SwiGLU/GeGLU -> grouped GEMM (down bank) ->
-``moe_unpermute`` (weighted combine) -> + the module's own shared-expert submodule.
+``moe_unpermute`` (weighted combine) -> + the module's own shared-expert submodule and output bias.
 
 Everything is driven by the variant recognition measured against its float64 reference (routing,
 activation, gate/up order, bank layouts, tensor names); tensors are looked up on the module by name
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from operators.recognition.component import Component, local_path
+from operators.recognition.component import Component, dotted_attr, local_path
 from operators.recognition.variants import MoEVariant
 
 GLU_KERNELS = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh": ("geglu", "tanh")}
@@ -127,6 +127,7 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
     router_path = local(v.router)
     gate_up_path, down_path = local(v.gate_up_bank), local(v.down_bank)
     shared_path = local(v.shared_experts) if v.shared_experts else None
+    output_bias = v.output_bias
     # banks are stored [E, out, in] ("out_in", F.linear orientation) or [E, in, out]; the GEMM wants [E, in, out]
     gate_up_transposed, down_transposed = v.gate_up_layout == "out_in", v.down_layout == "out_in"
     router_weight, router_bias, correction = v.router_weight, v.router_bias, v.correction_bias
@@ -154,7 +155,7 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
             logits = out[logits_output] if isinstance(out, tuple) else out
         else:
             logits = router_logits(
-                x, getattr(router, router_weight), getattr(router, router_bias) if router_bias else None
+                x, dotted_attr(router, router_weight), dotted_attr(router, router_bias) if router_bias else None
             )
         gate_up, down = module.get_parameter(gate_up_path), module.get_parameter(down_path)
         routed = routed_experts(
@@ -163,11 +164,13 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
             gate_up.transpose(1, 2) if gate_up_transposed else gate_up,
             down.transpose(1, 2) if down_transposed else down,
             spec,
-            getattr(router, correction) if correction else None,
+            dotted_attr(router, correction) if correction else None,
         )
         out = routed.to(hidden_states.dtype).view(hidden_states.shape)
         if shared_path is not None:
             out = out + module.get_submodule(shared_path)(hidden_states)
+        if output_bias is not None:
+            out = out + getattr(module, output_bias)
         return (out, logits) if with_logits else out
 
     return forward

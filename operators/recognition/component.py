@@ -4,8 +4,11 @@ import the recognition package itself."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
+
+from torch import nn
 
 from operators.inventory import json_ready
 from operators.recognition.variants import Variant, check_variant, variant_from_dict
@@ -47,3 +50,9 @@ def local_path(path: str, base: str) -> str:
 def inside(path: str, claimed: set[str], *, strict: bool) -> bool:
     """Is ``path`` below one of ``claimed`` (or, unless ``strict``, one of them): recognition skips what a component holds."""
     return any(path.startswith(c + ".") or (not strict and path == c) for c in claimed if c)
+
+
+def dotted_attr(module: nn.Module, name: str) -> Any:
+    """``module``'s attribute ``name``, through submodules when dotted (a router weight kept on a child
+    projection, "layer.weight"); read on every call, so parameter swaps are seen."""
+    return functools.reduce(getattr, name.split("."), module)

@@ -2,9 +2,10 @@
 
 The reference is written once for every routed MoE: router matrix -> softmax or sigmoid scores ->
 optional selection bias -> optional group-limited top-k -> top-k -> optional renormalisation and
-scaling -> weighted sum of gated-MLP experts from a [E, out, in] weight bank -> plus shared experts.
-The free choices (activation, gate/up order, renormalisation, scale) are searched; the structural
-ones (k, groups, scoring) are read from the trace.  Only an exact float64 match confirms.
+scaling -> weighted sum of gated-MLP experts from a [E, out, in] weight bank -> plus shared experts and
+the module's own output bias.  The free choices (activation, gate/up order, renormalisation, scale, which
+additions) are searched; the structural ones (k, groups, scoring) are read from the trace.  Only an exact
+float64 match confirms.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from adapt.model.activations import ACTIVATIONS
+from operators.recognition.component import dotted_attr
 from operators.recognition.probes import close, float64_copy
 
 
@@ -79,10 +81,13 @@ def probe_moe(
     m = float64_copy(module, generator, scale=0.3).float()
     rel = lambda p: p[len(path) + 1 :]  # noqa: E731
     router_mod = m.get_submodule(rel(router[0])) if router[0] != path else m
-    router_w = getattr(router_mod, router[1]).detach().double()
+    router_w = dotted_attr(router_mod, router[1]).detach().double()
     num_experts = router_w.shape[0]
-    router_b_name, router_b = _per_expert_vector(router_mod.named_parameters(recurse=False), num_experts)
-    correction_name, correction = _per_expert_vector(router_mod.named_buffers(recurse=False), num_experts)
+    # the weight may sit on a child projection of the router ("layer.weight"): its bias sits beside it
+    owner_name = router[1].rpartition(".")[0]
+    owners = [(owner_name, router_mod.get_submodule(owner_name))] + ([("", router_mod)] if owner_name else [])
+    router_b_name, router_b = _per_expert_vector(_named(owners, "named_parameters"), num_experts)
+    correction_name, correction = _per_expert_vector(_named(owners, "named_buffers"), num_experts)
     router_b = router_b.detach().double() if router_b is not None else None
     correction = correction.double() if correction is not None else None
     if expert_list is not None:
@@ -96,6 +101,7 @@ def probe_moe(
     if not experts:
         return None
     shared_mod = m.get_submodule(rel(shared)) if shared else None
+    bias_name, output_bias = _output_bias(m, width, router_b_name if router_mod is m else None)
     x = torch.randn(2, 6, width, generator=generator, dtype=torch.float64)
     stochastic = _stochastic_in_training(m, x.float())
     with torch.no_grad():
@@ -112,8 +118,10 @@ def probe_moe(
             experts, ACTIVATIONS.items(), (True, False)
         ):
             routed = _run_experts(x2d, weights, index, layout, gate_first, act, normalize)
-            for scale, with_shared in itertools.product(scales, (shared_out is not None, False)):
-                ref = routed * scale + (shared_out if with_shared else 0.0)
+            for scale, with_shared, with_bias in itertools.product(
+                scales, (shared_out is not None, False), (output_bias is not None, False)
+            ):
+                ref = routed * scale + (shared_out if with_shared else 0.0) + (output_bias if with_bias else 0.0)
                 if close(out.reshape(-1, width), ref):
                     return {
                         "kind": "moe",
@@ -128,6 +136,7 @@ def probe_moe(
                         "routed_scale": scale,
                         "activation": act_name,
                         "shared_experts": shared if with_shared else None,
+                        "output_bias": bias_name if with_bias else None,
                         "router": router[0],
                         "expert_width": layout[2],
                         # where the patched forward finds each tensor (parameter/buffer names on the router,
@@ -194,6 +203,19 @@ def _output_structure(out, router_logits: torch.Tensor) -> str:
         if out[1].shape == router_logits.shape and close(out[1].double(), router_logits):
             return "hidden+router_logits"
     return "other"
+
+
+def _named(owners: list[tuple[str, nn.Module]], which: str):
+    """The ``which`` ("named_parameters"/"named_buffers") tensors each module owns itself, named from the router."""
+    for prefix, module in owners:
+        for name, tensor in getattr(module, which)(recurse=False):
+            yield (f"{prefix}.{name}" if prefix else name), tensor
+
+
+def _output_bias(module: nn.Module, width: int, router_bias: str | None) -> tuple[str | None, torch.Tensor | None]:
+    """The MoE module's own ``[width]`` parameter, a candidate bias added to the combined output."""
+    own = ((n, p) for n, p in module.named_parameters(recurse=False) if n != router_bias)
+    return next(((n, p.detach().double()) for n, p in own if p.dim() == 1 and p.shape[0] == width), (None, None))
 
 
 def _per_expert_vector(named, num_experts: int) -> tuple[str | None, torch.Tensor | None]:

@@ -204,8 +204,12 @@ def is_routed(inv: OpInventory, rec: ModuleRecord, num_experts: int | None = Non
 
 
 def router_of(inv: OpInventory, rec: ModuleRecord, num_experts: int | None = None) -> tuple[str, str] | None:
-    """(module, param) of the [num_experts, width] router matrix: the 2-D weight inside the routing subtree,
-    or, when the top-k runs in the parent and the experts are counted, a direct child's [num_experts, width] weight."""
+    """(module, param) of the [num_experts, width] router matrix: the 2-D weight inside the routing subtree; or,
+    when a module's own code runs the top-k over a direct child's projection, that child's [num_experts, width]
+    weight.  The experts are counted by the caller (a list's length) or by what the top-k chooses among.  The
+    top-k running in the MoE module itself makes the child the router; a gating module of its own stays the
+    router, its weight named through the child ("layer.weight"), so the module whose outputs hooks record
+    (the router logits, for the load-balancing loss) is the one called for them."""
     width = last_dim(rec.input_shapes)
     for sub in _subtree(inv, rec.path):
         if "aten.topk.default" not in sub.ops:
@@ -213,13 +217,22 @@ def router_of(inv: OpInventory, rec: ModuleRecord, num_experts: int | None = Non
         for name, shape in sub.params.items():
             if len(shape) == 2 and shape[1] == width and shape[0] > 1:
                 return sub.path, name
-    if num_experts and "aten.topk.default" in rec.own_ops:
-        for child in rec.children:
-            sub = inv.modules.get(child)
-            for name, shape in sub.params.items() if sub else ():
-                if list(shape) == [num_experts, width]:
-                    return sub.path, name
+    for sub in _subtree(inv, rec.path):
+        if "aten.topk.default" not in sub.own_ops:
+            continue
+        counted = num_experts or _chosen_among(sub)
+        for child in sub.children:
+            projection = inv.modules.get(child)
+            for name, shape in projection.params.items() if projection else ():
+                if list(shape) == [counted, width]:
+                    return (child, name) if sub.path == rec.path else (sub.path, f"{child[len(sub.path) + 1 :]}.{name}")
     return None
+
+
+def _chosen_among(rec: ModuleRecord) -> int | None:
+    """How many candidates the module's last top-k chooses among (the experts, after any group masking)."""
+    topks = [entry for entry in rec.sequence if entry[0] == "aten.topk.default" and entry[1] and entry[1][0]]
+    return int(topks[-1][1][0][-1]) if topks else None
 
 
 def expert_weights(inv: OpInventory, path: str) -> list[tuple[str, str, list[int]]]:

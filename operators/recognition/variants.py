@@ -361,6 +361,8 @@ class MoEVariant(Variant):
     """Experts' GLU activation (``ACTIVATIONS`` name)."""
     shared_experts: str | None = None
     """Path of the shared-expert MLP added to the routed output; None: none."""
+    output_bias: str | None = None
+    """Name of the module's own ``[width]`` parameter added to its output; None: none."""
     router: str | None = None
     """Path of the module holding the router's weight."""
     expert_width: int | None = None

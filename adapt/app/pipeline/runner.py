@@ -31,7 +31,7 @@ from adapt.app.pipeline.stages import (
     to_result_dict,
 )
 from adapt.app.pipeline.store import RunLock, RunStore, StageRecord, source_fingerprint, stage_key
-from adapt.core.errors import BadInput
+from adapt.core.errors import BadInput, ModelCannotRun
 from adapt.core.interrupts import Terminated, deferred_interrupts
 from adapt.core.jsonio import adapt_version, atomic_write_json, to_jsonable
 from adapt.core.stage_verdicts import STAGE_CHECKS, SummaryContext, judged
@@ -91,6 +91,7 @@ class PipelineRun:
         self.rebuilt: list[str] = []  # cached stages re-executed because their result type has no from_dict
         self.preflight_notes: dict[str, list[str]] = {}  # what the input checks changed, per stage
         self._summary_context: SummaryContext | None = None
+        self.refused_by: str | None = None  # the stage that found the model cannot run: no later stage runs
 
     def summary_context(self) -> SummaryContext:
         """Built once the options have their device defaults: the facts summaries state, the thresholds they use."""
@@ -136,6 +137,8 @@ class PipelineRun:
         opts = self.options
         if stage.name not in opts.run.stages:
             return StageRecord(stage.name, "skipped", "not selected (--stages/--skip)")
+        if self.refused_by is not None:
+            return StageRecord(stage.name, "blocked", f"the {self.refused_by} stage found that the model cannot run")
         for need in stage.needs:
             if need not in opts.run.stages:
                 return StageRecord(stage.name, "blocked", f"needs the {need} stage, which is not selected")
@@ -201,10 +204,11 @@ class PipelineRun:
             record.error, record.error_kind = str(err), "StageUnavailable"
             record.verdict = f"stage unavailable: {err}"
         except Exception as err:  # noqa: BLE001 - a failing stage must not lose the others' results
-            record.error, record.error_kind = f"{type(err).__name__}: {err}", type(err).__name__
+            kind = "BadInput" if isinstance(err, BadInput) else type(err).__name__  # its kinds read as one
+            record.error, record.error_kind = f"{kind}: {err}", kind
             record.verdict = _first_line(record.error)
-            if isinstance(err, BadInput):
-                record.error_kind = "BadInput"
+            if isinstance(err, ModelCannotRun):
+                self.refused_by = stage.name
             self.store.save_log(stage.name, traceback.format_exc())
         finally:
             saved.restore()  # e.g. the soak's deterministic mode must not leak into the next stage or run
