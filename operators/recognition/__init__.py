@@ -103,7 +103,7 @@ def recognise(
             if isinstance(comp.variant, variants.MoEVariant) and comp.variant.experts:
                 claimed.add(comp.variant.experts)  # experts kept as a list belong to their MoE, not each its own MLP
     found.extend(residual_norms(inventory, found))
-    head = lm_head(model, inventory, generator, can_probe)
+    head = lm_head(model, inventory, generator, can_probe, cache)
     if head is not None:
         found.append(head)
     found.extend(new_modules(inventory, found, block_paths(model)))

@@ -4,6 +4,7 @@ before it, the vocabulary head with its loss, and modules that compute but match
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -15,6 +16,7 @@ from operators.recognition import variants
 from operators.recognition.attention import tanh_cap
 from operators.recognition.component import Component, inside
 from operators.recognition.head_probe import probe_lm_head_loss
+from operators.recognition.probe_cache import ProbeCache, structure_key
 
 
 def residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]:
@@ -43,8 +45,9 @@ def residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]:
     return out
 
 
-def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool) -> Component | None:
-    """The vocabulary projection whose output the model's loss consumes, confirmed by the fused-loss probe."""
+def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache) -> Component | None:
+    """The vocabulary projection whose output the model's loss consumes, confirmed by the fused-loss probe
+    (a forward of the whole model, so its verdict is keyed on the whole model's structure)."""
     head = pat.lm_head_candidate(inv)
     if head is None:
         return None
@@ -52,15 +55,17 @@ def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool) -> C
     names = [e[0] for e in root.sequence]
     softcap = tanh_cap(root.sequence, names.index("aten.tanh.default")) if "aten.tanh.default" in names else None
     variant = variants.HeadLossVariant(vocab=head.out_features, hidden=head.in_features, final_softcap=softcap)
-    confirmed, evidence = (
-        probe_lm_head_loss(model, head.path, softcap, generator) if can_probe else (False, "pattern only")
-    )
+    confirmed, evidence, suffix = False, "pattern only", ""
+    if can_probe:
+        key = ("lm_head_loss", head.path, softcap, *structure_key(model, root, inv))
+        run = functools.partial(probe_lm_head_loss, model, head.path, softcap, generator)
+        (confirmed, evidence), suffix = cache.verdict(key, head.path, run)
     return Component(
         head.path,
         "lm_head_cross_entropy",
         variant,
         confirmed,
-        f"projection onto the vocabulary feeds log_softmax + nll_loss; {evidence}",
+        f"projection onto the vocabulary feeds log_softmax + nll_loss; {evidence}{suffix}",
     )
 
 

@@ -168,3 +168,19 @@ def test_editing_a_class_file_probes_again(tmp_path, monkeypatch):
     _, edited = _disk_run(model())
     assert (kept.probes_run, kept.reused_from_disk) == (0, 1)
     assert (edited.probes_run, edited.reused_from_disk) == (1, 0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_a_zoo_model_recognised_again_from_disk_probes_nothing_and_reads_the_same(zoo, tmp_path, monkeypatch, name):
+    """Every kind's verdict (norms, attention, rotary, MoE, the head with its loss) survives the round trip."""
+    monkeypatch.setenv("ADAPT_CACHE", str(tmp_path))
+    runs = []
+    for _ in range(2):
+        model = load(zoo(name))
+        cache = recognition.ProbeCache(DiskCache("probe_verdicts"))
+        runs.append((recognition.recognise(model, trace_model(model), cache=cache), cache))
+    (first, first_cache), (second, second_cache) = runs
+    assert first_cache.probes_run > 0 and first_cache.reused_from_disk == 0
+    assert second_cache.probes_run == 0 and second_cache.reused_from_disk == first_cache.probes_run
+    assert _variants(second) == _variants(first)
+    assert {"attention", "lm_head_cross_entropy"} <= {c.kind for c in second.components if c.confirmed}
