@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from operators.inventory import example_call
+from operators.dispatch_trace import example_call
 from operators.profiles import BackendProfile
 
 _IGNORED = {"output", "placeholder", "get_attr"}

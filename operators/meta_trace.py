@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from adapt.model.blocks import NoBlockList, find_blocks
-from operators.inventory import OpInventory, example_batch, trace_ops
+from operators.dispatch_trace import trace_ops
+from operators.inventory import OpInventory, example_batch
 
 
 def block_signature(block: nn.Module) -> tuple:
