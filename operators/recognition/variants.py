@@ -192,55 +192,6 @@ class MLPVariant(Variant):
     """Path of the down projection below the module."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class ProjectionActivationVariant(Variant):
-    """``act(proj(x))`` in a module of its own: the up half of an MLP whose down half is a sibling module
-    (BERT's intermediate), confirmed against a float64 reference."""
-
-    width: int | None = None
-    """Size of the input: the projection's in features."""
-    inner: int | None = None
-    """Size of the output: the projection's out features."""
-    activation: str | None = None
-    """Name in ``adapt.model.activations.ACTIVATIONS``."""
-    projection: str | None = None
-    """Path of the projection below the module."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProjectionResidualNormVariant(Variant):
-    """``norm(dropout(proj(branch)) + residual)`` in a module called with (branch, residual): the down half of an
-    MLP split across two modules, or an attention's output projection written the same way (BERT's), confirmed
-    against a float64 reference.  The norm's fields are those of its ``LayerNormVariant`` or ``RMSNormVariant``."""
-
-    width: int | None = None
-    """Size of the residual stream: the projection's out features and the norm's width."""
-    inner: int | None = None
-    """The projection's in features."""
-    projection: str | None = None
-    """Path of the projection below the module."""
-    branch_input: int | None = None
-    """Position of the projected tensor among the module's tensor inputs (positional first, then keywords)."""
-    residual_input: int | None = None
-    """Position of the residual among the module's tensor inputs."""
-    norm: str | None = None
-    """The norm's kind: ``layer_norm`` or ``rms_norm``."""
-    norm_module: str | None = None
-    """Path of the norm's own module below the module; None when the module normalises inline."""
-    eps: float | None = None
-    """The norm's epsilon."""
-    weight: str | None = None
-    """Dotted name of the norm's scale parameter below the module; None when it has none."""
-    bias: str | None = None
-    """LayerNorm: dotted name of its shift parameter below the module; None when it has none."""
-    offset: float | None = None
-    """RMSNorm: added to the weight before it scales."""
-    dropout: float | None = None
-    """Probability with which training mode drops the projection's output before the add, confirmed by replaying
-    the module's random draws; 0.0: training mode computes the eval function.  None: not measured, or training mode
-    is random in a way no probability found on the module reproduced (only the eval function is confirmed)."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Attention and rotary position embedding
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +403,13 @@ class UnknownVariant(Variant):
         return dict(self.raw)
 
 
+# Kinds built on ``Variant`` above, kept in a module of their own: the split halves and the vocabulary projection.
+from operators.recognition.projection_variants import (
+    ProjectionActivationVariant,
+    ProjectionResidualNormVariant,
+    VocabProjectionVariant,
+)
+
 VARIANTS: dict[str, type[Variant]] = {
     "rms_norm": RMSNormVariant,
     "layer_norm": LayerNormVariant,
@@ -465,6 +423,7 @@ VARIANTS: dict[str, type[Variant]] = {
     "rotary_application": RotaryApplicationVariant,
     "moe": MoEVariant,
     "lm_head_cross_entropy": HeadLossVariant,
+    "vocab_projection": VocabProjectionVariant,
     "embedding": EmbeddingVariant,
     "activation": ActivationVariant,
     "new": NewVariant,
