@@ -46,19 +46,23 @@ class TorchNativeProvider:
         if component.kind in ("gated_mlp", "mlp") and component.confirmed:
             return [KernelOption(self.name, f"aten mm + {v.activation} (eager)", "native", None)]
         if component.kind == "projection_activation" and component.confirmed:
-            return [KernelOption(self.name, f"aten linear + {v.activation} as traced", "native", None)]
+            normed = f" + {v.norm}" if v.norm else ""
+            return [KernelOption(self.name, f"aten linear + {v.activation}{normed} as traced", "native", None)]
         if component.kind == "projection_residual_norm" and component.confirmed:
+            normed = f" + {v.norm}" if v.norm else ""
             return [
                 KernelOption(
                     self.name,
-                    f"aten linear + add + {v.norm} as traced",
+                    f"aten linear + add{normed} as traced",
                     "native",
                     None,
-                    note="its norm keeps its own kernel choice (a fused add + norm where one exists)",
+                    note="its norm keeps its own kernel choice (a fused add + norm where one exists)" if v.norm else "",
                 )
             ]
         if component.kind == "moe":
             return [KernelOption(self.name, "router + expert GEMMs as traced", "native", None)]
+        if component.kind == "vocab_projection" and component.confirmed:
+            return [KernelOption(self.name, "aten linear as traced", "native", None)]
         if component.kind in ("rotary", "embedding", "activation", "residual_add_norm", "lm_head_cross_entropy"):
             return [KernelOption(self.name, "aten ops as traced", "native", None)]
         return []

@@ -2,7 +2,7 @@
 
 ``recognise(model, inventory)`` walks every traced module; ``classifiers`` asks ``patterns`` for a
 candidate kind and runs that kind's probe on fresh random data, and ``whole_model`` adds what spans
-modules (residual add+norm, the head with its loss, code that matches no kind).  Confirmed components
+modules (residual add+norm, the head with its loss or alone, code that matches no kind).  Confirmed components
 carry the variant parameters a kernel needs (eps, offset, cast order, activation, window, softcap,
 routing) and the attribute names found during recognition, so the patcher can call a kernel with
 the module's own parameters; each kind's variant is its dataclass in ``variants``.  Modules that
@@ -23,7 +23,7 @@ from operators.recognition import variants
 from operators.recognition.classifiers import candidate_name, classify
 from operators.recognition.component import Component, inside
 from operators.recognition.probe_cache import ProbeCache
-from operators.recognition.whole_model import block_paths, lm_head, new_modules, residual_norms
+from operators.recognition.whole_model import block_paths, lm_head, new_modules, residual_norms, vocab_projection
 
 KINDS = (
     "rms_norm",
@@ -38,6 +38,7 @@ KINDS = (
     "moe",
     "residual_add_norm",
     "lm_head_cross_entropy",
+    "vocab_projection",
     "embedding",
     "activation",
 )
@@ -104,6 +105,8 @@ def recognise(
                 claimed.add(comp.variant.experts)  # experts kept as a list belong to their MoE, not each its own MLP
     found.extend(residual_norms(inventory, found))
     head = lm_head(model, inventory, generator, can_probe, cache)
+    if head is None:  # no loss in the trace: the vocabulary projection alone
+        head = vocab_projection(model, inventory, generator, can_probe, cache, reject)
     if head is not None:
         found.append(head)
     found.extend(new_modules(inventory, found, block_paths(model)))

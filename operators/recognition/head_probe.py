@@ -1,12 +1,16 @@
-"""Numeric confirmation of the vocabulary projection + cross-entropy: the fused loss against the model's own."""
+"""Numeric confirmation of the vocabulary projection + cross-entropy (the fused loss against the model's own), and of
+the vocabulary projection alone where the trace holds no loss."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from adapt.model.calls import without_cache
-from operators.recognition.probes import close
+from operators.recognition.probes import close, first_tensor, float64_copy, grads_match, with_fresh_hidden
 
 _PROBE_LOGIT_SCALE = 60.0  # largest logit during the loss probe, about twice the usual final soft-caps
 
@@ -62,3 +66,26 @@ def probe_lm_head_loss(model: nn.Module, head_path: str, softcap: float | None, 
         if (g is None) != (w is None) or (g is not None and not close(g.float(), w.float(), rtol=1e-4, atol=1e-5)):
             return False, "loss matches but the head weight's gradient differs"
     return True, "float64 linear cross-entropy of the decoder output reproduces the model's loss and gradients"
+
+
+def probe_vocab_projection(module: nn.Module, call: tuple[tuple, dict], generator) -> dict[str, Any] | None:
+    """Is the head ``x @ W.T (+ b)`` of its ``[out, in]`` matrix and, if it adds one, its ``[out]`` shift?  Checked on
+    a float64 copy with fresh parameters and input, outputs and gradients; the names that matched, or None."""
+    m = float64_copy(module, generator, scale=0.3).eval()
+    x, args, kwargs = with_fresh_hidden(*call, generator)
+    params = dict(m.named_parameters())
+    matrices = [n for n, p in params.items() if p.dim() == 2]
+    leaves = [x, *params.values()]
+
+    def run() -> torch.Tensor:
+        return first_tensor(m(*args, **kwargs))
+
+    for weight in matrices:
+        shifts = [n for n, p in params.items() if p.dim() == 1 and p.shape[0] == params[weight].shape[0]]
+        for bias in [None, *shifts]:
+            shift = params[bias] if bias else None
+            if grads_match(
+                run, lambda weight=weight, shift=shift: F.linear(x, params[weight], shift), leaves, generator
+            ):
+                return {"weight": weight, "bias": bias}
+    return None

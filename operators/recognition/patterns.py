@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch.utils._pytree import tree_leaves
+
 from operators.inventory import ModuleRecord, OpInventory
 
 MATMUL_OPS = (
@@ -154,9 +157,10 @@ def lone_projection(inv: OpInventory, rec: ModuleRecord) -> TracedProjection | N
 
 
 def is_projection_activation_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
-    """One tensor in, its projection out through an activation, no norm: an MLP's up half in a module of its own."""
+    """One tensor in, its projection out through an activation, perhaps normalised last: an MLP's up half in a
+    module of its own, or a prediction head's transform (BERT's)."""
     proj = lone_projection(inv, rec)
-    if proj is None or len(rec.input_shapes) != 1 or runs_norm(rec.ops, rec.scalars):
+    if proj is None or len(rec.input_shapes) != 1:
         return False
     (inp,), (out,) = rec.input_shapes, rec.output_shapes
     return (
@@ -167,20 +171,15 @@ def is_projection_activation_candidate(inv: OpInventory, rec: ModuleRecord) -> b
 
 
 def is_projection_residual_norm_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
-    """Called with two tensors, the branch and the residual: the branch's projection, an add and a norm (the down
-    half of a split MLP, or an attention's output projection in a module of its own)."""
+    """Called with two tensors, the branch and the residual: the branch's projection, an add and perhaps a norm (the
+    down half of a split MLP, or an attention's output projection in a module of its own; a pre-norm layer's adds
+    without normalising)."""
     proj = lone_projection(inv, rec)
     if proj is None or len(rec.input_shapes) != 2:
         return False
     (out,) = rec.output_shapes
     branch = [s for s in rec.input_shapes if s[:-1] == out[:-1] and s[-1] == proj.in_features]
-    return (
-        proj.out_features == out[-1]
-        and out in rec.input_shapes
-        and bool(branch)
-        and "aten.add.Tensor" in rec.ops
-        and runs_norm(rec.ops, rec.scalars)
-    )
+    return proj.out_features == out[-1] and out in rec.input_shapes and bool(branch) and "aten.add.Tensor" in rec.ops
 
 
 def is_attention_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
@@ -263,6 +262,44 @@ def lm_head_candidate(inv: OpInventory) -> TracedProjection | None:
     vocab = last_dim(root.output_shapes)
     heads = [p for p in projections_under(inv, "") if p.out_features == vocab]
     return heads[-1] if heads else None
+
+
+def vocab_projection_candidate(inv: OpInventory) -> TracedProjection | None:
+    """The projection onto the vocabulary that yields the model's output, for a trace without the model's loss: its
+    output has the shape of the model's, and its width is the row count of a table the model's own token ids index."""
+    root = inv.modules.get("")
+    if root is None or not root.output_shapes or not root.output_shapes[0]:
+        return None
+    out = root.output_shapes[0]
+    vocabularies = token_table_rows(inv)
+    heads = [
+        p
+        for p in projections_under(inv, "")
+        if p.out_features == out[-1]
+        and p.out_features in vocabularies
+        and inv.modules[p.path].output_shapes[:1] == [out]
+    ]
+    return heads[-1] if heads else None
+
+
+def token_table_rows(inv: OpInventory) -> set[int]:
+    """Row counts of the lookup tables indexed by the model's token ids: a lookup called with a tensor of the ids'
+    shape and, where the trace kept real calls, with the very ids the model was called with (not position or
+    segment ids of that shape)."""
+    ids = [v for v in _tensors(inv.captured.get("")) if not v.is_floating_point() and not v.is_meta]
+    rows = set()
+    for rec in inv.modules.values():
+        if "aten.embedding.default" not in rec.own_ops or rec.input_shapes[:1] != [inv.input_shape]:
+            continue
+        looked_up = _tensors(inv.captured.get(rec.path))[:1]
+        if ids and not any(i.shape == t.shape and torch.equal(i, t) for i in ids for t in looked_up):
+            continue
+        rows |= {shape[0] for shape in rec.params.values() if len(shape) == 2}
+    return rows
+
+
+def _tensors(call: tuple[tuple, dict] | None) -> list[torch.Tensor]:
+    return [v for v in tree_leaves(call) if isinstance(v, torch.Tensor)] if call is not None else []
 
 
 def compute_ops(rec: ModuleRecord) -> list[str]:

@@ -1,5 +1,6 @@
 """Components found over the whole model once every module is classified: a norm fused with the residual add
-before it, the vocabulary head with its loss, and modules that compute but match no kind."""
+before it, the vocabulary head with its loss (or alone, where the trace holds no loss), and modules that compute
+but match no kind."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from operators.recognition import patterns as pat
 from operators.recognition import variants
 from operators.recognition.attention import tanh_cap
 from operators.recognition.component import Component, inside
-from operators.recognition.head_probe import probe_lm_head_loss
+from operators.recognition.head_probe import probe_lm_head_loss, probe_vocab_projection
 from operators.recognition.probe_cache import ProbeCache, structure_key
 
 
@@ -67,6 +68,32 @@ def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool, cach
         confirmed,
         f"projection onto the vocabulary feeds log_softmax + nll_loss; {evidence}{suffix}",
     )
+
+
+def vocab_projection(
+    model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache, reject
+) -> Component | None:
+    """The projection onto the vocabulary whose output the model returns, for a trace without the model's loss (its
+    labelled call failed, its plain forward was traced): the projection alone, confirmed on a float64 copy; no loss
+    is claimed, so no fused loss kernel is offered for it."""
+    head = pat.vocab_projection_candidate(inv)
+    if head is None:
+        return None
+    recorded = {"vocab": head.out_features, "hidden": head.in_features}
+    call = inv.captured.get(head.path)
+    if not can_probe or call is None:
+        return Component(
+            head.path, "vocab_projection", variants.VocabProjectionVariant(**recorded), False, "pattern only"
+        )
+    module, rec = model.get_submodule(head.path), inv.modules[head.path]
+    run = functools.partial(probe_vocab_projection, module, call, generator)
+    measured, suffix = cache.verdict(("vocab_projection", *structure_key(module, rec, inv)), head.path, run)
+    if measured is None:
+        reject(head.path, "vocab_projection", "not x @ W.T (+ b) of its own matrix and shift" + suffix)
+        return None
+    variant = variants.VocabProjectionVariant(**measured, **recorded)
+    evidence = "projection onto the token table's vocabulary yields the model's output; float64 output+grad match"
+    return Component(head.path, "vocab_projection", variant, True, evidence + suffix)
 
 
 def block_paths(model: nn.Module) -> set[str]:

@@ -18,7 +18,7 @@ the kind's class back:
 - a kind this code does not know keeps its fields as they were (``UnknownVariant``) and round-trips
   unchanged; no provider offers a kernel for it.
 
-The classes live by kind family (``norms_mlps``, ``attention``, ``other_kinds``) over the serialisation they
+The classes live by kind family (``norms_mlps``, ``attention``, ``projections``, ``other_kinds``) over the serialisation they
 share (``base``); every one is importable from here, with the registry and the loaders.
 """
 
@@ -39,8 +39,6 @@ from operators.recognition.variants.norms_mlps import (
     GatedMLPVariant,
     LayerNormVariant,
     MLPVariant,
-    ProjectionActivationVariant,
-    ProjectionResidualNormVariant,
     ResidualAddNormVariant,
     RMSNormVariant,
 )
@@ -50,6 +48,11 @@ from operators.recognition.variants.other_kinds import (
     HeadLossVariant,
     MoEVariant,
     NewVariant,
+)
+from operators.recognition.variants.projections import (
+    ProjectionActivationVariant,
+    ProjectionResidualNormVariant,
+    VocabProjectionVariant,
 )
 
 __all__ = [
@@ -65,6 +68,7 @@ __all__ = [
     "NewVariant",
     "ProjectionActivationVariant",
     "ProjectionResidualNormVariant",
+    "VocabProjectionVariant",
     "RMSNormVariant",
     "ResidualAddNormVariant",
     "RopeStyle",
@@ -97,6 +101,7 @@ VARIANTS: dict[str, type[Variant]] = {
     "mlp": MLPVariant,
     "projection_activation": ProjectionActivationVariant,
     "projection_residual_norm": ProjectionResidualNormVariant,
+    "vocab_projection": VocabProjectionVariant,
     "attention": AttentionVariant,
     "rotary": RotaryVariant,
     "rotary_application": RotaryApplicationVariant,
