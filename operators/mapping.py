@@ -76,7 +76,7 @@ class OpDecision:
     modules: list[str]
     replacement: str | None = None  # decomposition result or generating module
     flops: int = 0
-    recognised_flops: int = 0  # of ``flops``, those inside a component of a kind adapt knows (not "new")
+    recognised_flops: int = 0  # of ``flops``, those inside a component a probe confirmed as a kind adapt knows
 
 
 @dataclass
@@ -108,7 +108,7 @@ class KernelPlan:
             "share_by_status": {s: round(by_status[s] / total, 4) if total else 0.0 for s in STATUSES},
             "flops_total": all_flops,
             "flops_share_fused_or_native": round(fast / all_flops, 4) if all_flops else None,
-            # Running natively is not being understood: FLOPs of ops inside a recognised component, apart.
+            # Running natively is not being understood: FLOPs of ops inside a component a probe confirmed, apart.
             "flops_share_recognised": round(recognised / all_flops, 4) if all_flops else None,
         }
 
@@ -344,6 +344,7 @@ def _op_decisions(
     for c in choices:  # these share a path with the component they sit in, whose decision owns the ops
         if c.kind not in _SHARED_PATH_KINDS:
             by_module[c.module] = c
+    confirmed = {m: c for m, c in by_module.items() if c.confirmed}  # proven by a probe: what "recognised" counts
     grouped: dict[str, dict[str, Any]] = defaultdict(
         lambda: {
             "count": 0, "status": Counter(), "modules": set(), "flops": Counter(), "recognised": Counter(),
@@ -374,7 +375,7 @@ def _op_decisions(
         g["status"][status] += rec.count
         g["modules"].add(rec.module)
         g["flops"][status] += rec.flops
-        if owner is not None and owner.kind != "new":
+        if owner is not None and _owner(rec.module, confirmed) is not None:
             g["recognised"][status] += rec.flops
         g["core"] = rec.core
         if repl:

@@ -156,7 +156,7 @@ _COVERAGE_LABELS = {
     "unmapped": "traced ops without a decision",
     "flops_total": "FLOPs traced",
     "flops_share_fused_or_native": "share of FLOPs on fused or native paths",
-    "flops_share_recognised": "share of FLOPs inside components of a known kind",
+    "flops_share_recognised": "share of FLOPs inside components a probe confirmed as a known kind",
 }
 
 

@@ -107,6 +107,11 @@ def recognise(
     head = lm_head(model, inventory, generator, can_probe, cache)
     if head is None:  # no loss in the trace: the vocabulary projection alone
         head = vocab_projection(model, inventory, generator, can_probe, cache, reject)
+    elif can_probe and not head.confirmed:  # a loss the fused kernel does not reproduce: claim the projection only
+        projection = vocab_projection(model, inventory, generator, can_probe, cache, reject)
+        if projection is not None and projection.confirmed:
+            reject(head.module, head.kind, head.evidence)
+            head = projection
     if head is not None:
         found.append(head)
     found.extend(new_modules(inventory, found, block_paths(model)))

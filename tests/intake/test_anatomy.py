@@ -150,7 +150,7 @@ def test_coverage_counts_flops_of_a_new_mixer_as_run_natively_but_not_recognised
     inventory = trace_model(model)
     plan = plan_kernels(inventory, recognition, load_profile("cuda-hopper"), Target("cpu", "float32", True, None))
     coverage = plan.coverage()
-    known = [c.module for c in recognition.components if c.kind != "new"]
+    known = [c.module for c in recognition.components if c.confirmed]
 
     def inside_known(module: str) -> bool:
         return any(module == path or module.startswith(f"{path}.") for path in known)

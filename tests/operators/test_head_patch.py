@@ -134,11 +134,16 @@ def test_probe_rejects_a_wrong_soft_cap_and_models_without_the_hooks(zoo):
     confirmed, reason = probe_lm_head_loss(model, head.module, None, gen)  # gemma2 without its soft-cap
     assert not confirmed and "differs from the model's own" in reason
     assert not any(p.grad is not None for p in model.parameters())  # the probe leaves no gradients behind
+    # A model whose forward cannot skip its logits gets no fused loss: its loss head is rejected, and the
+    # projection alone is what recognition claims, on the native path.
     _, _, custom = recognised(str(zoo("custom")))
-    (head,) = custom.by_kind("lm_head_cross_entropy")
-    assert not head.confirmed and "logits_to_keep" in head.evidence
+    assert not custom.by_kind("lm_head_cross_entropy")
+    (rejection,) = [r for r in custom.rejected if r["candidate"] == "lm_head_cross_entropy"]
+    assert "logits_to_keep" in rejection["reason"]
+    (head,) = custom.by_kind("vocab_projection")
+    assert head.confirmed and head.module == rejection["module"]
     _, plan = planned(str(zoo("custom")), target=CPU)
-    assert plan.component(head.module, "lm_head_cross_entropy").provider == "torch-native"
+    assert plan.component(head.module, "vocab_projection").provider == "torch-native"
 
 
 def test_trainer_uses_the_fused_loss_and_trains_like_the_unpatched_model(zoo, kernel_calls):
