@@ -27,6 +27,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,15 @@ def _call_key(call: tuple[tuple, dict] | None) -> tuple:
     return (str(spec), tuple(parts))
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One verdict handed to a module: where its probe ran, and whether that was in an earlier run."""
+
+    module: str
+    probed_on: str
+    earlier_run: bool
+
+
 class ProbeCache:
     """Verdicts of numeric probes by structure key, with the module each was measured on.
 
@@ -114,6 +124,7 @@ class ProbeCache:
         self.reused_from_disk = 0
         self._store = store
         self._from_disk: set[tuple] = set()
+        self.answers: list[Answer] = []  # every verdict handed out, in order
 
     def verdict(self, key: tuple, path: str, probe: Callable[[], Any]) -> tuple[Any, str]:
         """The probe's verdict for ``path`` (run only for a new key) and an evidence suffix naming
@@ -131,6 +142,7 @@ class ProbeCache:
                 if disk_key:
                     self._save(disk_key, *self.verdicts[key])
         first, found = self.verdicts[key]
+        self.answers.append(Answer(path, first, key in self._from_disk))
         if key in self._from_disk:
             suffix = f" (probed on {first} in an earlier run: same class code, parameters, attributes and traced ops)"
             return _rebased(found, first, path), suffix

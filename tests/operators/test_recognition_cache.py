@@ -66,12 +66,11 @@ def test_identical_norms_probed_once_different_eps_width_and_lookalikes_probed_a
     # n0 probed; n1 reuses it; eps 1e-5, width 48 and the look-alike class are each probed; fake1 reuses fake0's rejection.
     assert len(calls) == cache.probes_run == 4
     assert set(comps) == {"n0", "n1", "eps_5", "wide"}
-    assert "probed on" not in comps["n0"].evidence and "probed on n0" in comps["n1"].evidence
+    probed_on = {a.module: a.probed_on for a in cache.answers}
+    assert probed_on == {"n0": "n0", "n1": "n0", "eps_5": "eps_5", "wide": "wide", "fake0": "fake0", "fake1": "fake0"}
     assert (comps["n0"].variant.eps, comps["eps_5"].variant.eps) == (1e-6, 1e-5)
-    assert "probed on" not in comps["eps_5"].evidence and "probed on" not in comps["wide"].evidence
     assert comps["wide"].variant.width == 48
     assert sorted(r["module"] for r in found.rejected) == ["fake0", "fake1"]
-    assert "probed on fake0" in next(r["reason"] for r in found.rejected if r["module"] == "fake1")
 
 
 @pytest.mark.parametrize(("name", "probes", "windows"), [("llama", 1, {None}), ("gemma2", 2, {16, None})])
@@ -79,12 +78,14 @@ def test_attention_probed_once_per_structure_and_mask(zoo, monkeypatch, name, pr
     """All llama layers share one visibility probe; Gemma-2's sliding and global layers see different masks."""
     calls = counting(monkeypatch, attention_recognition, "attention_visibility")
     model = load(zoo(name))
-    found = recognition.recognise(model, trace_model(model))
+    cache = recognition.ProbeCache()
+    found = recognition.recognise(model, trace_model(model), cache=cache)
     attention = [c for c in found.components if c.kind == "attention"]
     assert len(attention) >= 2 and all(c.confirmed for c in attention)
     assert len(calls) == probes
     assert {c.variant.window for c in attention} == windows
-    assert sum("probed on" in c.evidence for c in attention) == len(attention) - probes
+    reused = {a.module for a in cache.answers if a.probed_on != a.module}
+    assert sum(c.module in reused for c in attention) == len(attention) - probes
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
@@ -92,10 +93,12 @@ def test_identical_moe_blocks_probed_once_each_keeping_its_own_paths(zoo, monkey
     """The MoE probe is the costliest; the verdict's router and expert paths move to each block that reuses it."""
     calls = counting(monkeypatch, classifiers, "probe_moe")
     model = load(zoo(name))
-    found = recognition.recognise(model, trace_model(model))
+    cache = recognition.ProbeCache()
+    found = recognition.recognise(model, trace_model(model), cache=cache)
     moes = [c for c in found.components if c.kind == "moe"]
     assert len(moes) >= 2 and all(c.confirmed for c in moes) and len(calls) == 1
-    assert sum("probed on" in c.evidence for c in moes) == len(moes) - 1
+    reused = {a.module for a in cache.answers if a.probed_on != a.module}
+    assert sum(c.module in reused for c in moes) == len(moes) - 1
     for c in moes:
         assert c.variant.router.startswith(c.module + ".")
         paths = [v for v in c.variant.to_dict().values() if isinstance(v, str) and v.startswith("model.")]
@@ -120,8 +123,8 @@ def test_verdicts_kept_on_disk_are_reused_by_a_later_run_without_probing(tmp_pat
     assert (second_cache.probes_run, second_cache.reused_from_disk, calls) == (0, 4, [])
     assert _variants(second) == _variants(first) and second.rejected != []
     assert sorted(r["module"] for r in second.rejected) == sorted(r["module"] for r in first.rejected)
-    norms = [c for c in second.components if c.kind == "rms_norm"]
-    assert norms and all("earlier run" in c.evidence for c in norms)
+    norms = {c.module for c in second.components if c.kind == "rms_norm"}
+    assert norms and norms <= {a.module for a in second_cache.answers if a.earlier_run}
 
 
 def test_a_class_without_a_source_file_is_never_answered_from_disk(tmp_path, monkeypatch):
