@@ -8,12 +8,14 @@ unfused, the whole square plus score traffic); norms, activations and residuals 
 as eager modules.  Host: every operator a micro-batch issues costs the CPU a measured dispatch time
 (eager, DTensor, compiled); the slower of host and GPU sets the pace, and a layout whose host time
 exceeds its GPU time is host-bound.  Communication: TP collectives (SP or not, overlapped with GEMMs
-or not) and EP all-to-all sit on the critical path; CP's ring exchange hides behind attention but for
+or not) and the EP all-to-all (flat or forwarded per node, or beside another micro-batch's compute:
+``expert_comm``) sit on the critical path; CP's ring exchange hides behind attention but for
 its last gradient exchange, and torch's ring adds its own fp32 merges and host operators; ZeRO's gradient
 reduction (overlapped with backward or after the flush) and parameter gathers hide behind the compute
 they can overlap with, but for the first gather and last reduction; FSDP2's casts and copies run on
 every mesh.  The pipeline runs ``m`` micro-batches at the slowest stage's pace plus
-the fill/drain bubble of the remaining stages, divided by the virtual stages.  A calibration replaces
+the fill/drain bubble of the remaining stages, divided by the virtual stages (DualPipe: pairs of mirrored
+stages and its own bubble).  A calibration replaces
 the GEMM ceiling and dispatch costs with measurements and scales compute to measured steps.
 """
 
