@@ -5,7 +5,8 @@
 Writes ``planner-published.{md,json}``: every published row (``parallel_planner/data/published_runs.csv``)
 planned with its layout and stated knobs pinned, the error per row and per source with its sign, in-sample
 and leave-one-source-out (identical: nothing in the time model is fitted), the range the unstated knobs
-span, the searched plan, and how long a cold ``adapt plan`` of DeepSeek-V3 on 2048 H800 takes here.
+span, the searched plan, where an expert-parallel row's time and memory go (and what each MoE mechanism it
+states moves), and how long a cold ``adapt plan`` of DeepSeek-V3 on 2048 H800 takes here.
 
 Writes ``planner-measured.{md,json}``: the Llama-3.2-1B-shape runs of ``distributed-h200x2.json``
 (adapt's eager trainer on H200) predicted before calibration, and after a calibration made from the
@@ -28,8 +29,8 @@ sys.path.insert(0, str(REPO))
 from parallel_planner.calibration import calibration_from_measurements  # noqa: E402
 from parallel_planner.cluster import make_cluster  # noqa: E402
 from parallel_planner.planning_speed import planning_speed  # noqa: E402
-from parallel_planner.published import load_published_runs  # noqa: E402
-from parallel_planner.published_eval import error_summary, evaluate, knob_range  # noqa: E402
+from parallel_planner.published import load_published_runs, run_spec  # noqa: E402
+from parallel_planner.published_eval import error_summary, evaluate, knob_range, planned  # noqa: E402
 from parallel_planner.replan import replan_with_measurements  # noqa: E402
 from parallel_planner.search import plan_parallel  # noqa: E402
 from parallel_planner.timing import Efficiency  # noqa: E402
@@ -71,6 +72,12 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
             "grad_bits": run.grad_bits,
             "grad_accum_fused": bool(run.grad_accum_fused),
             "launch_blocking": bool(run.launch_blocking),
+            "precision": run.precision,
+            "ep_comm": run.ep_comm,
+            "ep_dispatch_bits": run.ep_dispatch_bits,
+            "moe_weighted_activation": bool(run.moe_weighted_act),
+            "moment_bits": run.moment_bits,
+            "act_cache_bits": run.act_cache_bits,
         }
         if span:
             published = row["published_tokens_per_s_per_gpu"]
@@ -86,41 +93,60 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
         "leave_one_source_out": loso,
         "efficiency": Efficiency().to_dict(),
     }
-    summary["deepseek_v3"] = deepseek_v3_check()
+    summary["expert_parallel"] = [expert_parallel_detail(run) for run in runs if run.ep > 1]
     if not skip_speed:
         summary["speed"] = planning_speed(cold_runs, cases=1)
     return {"summary": summary, "rows": rows}
 
 
-def deepseek_v3_check() -> dict[str, Any]:
-    """DeepSeek-V3's published layout against its reported cost: 180K H800 GPU-hours per trillion tokens
-    (arXiv 2412.19437, sec. 1), i.e. 3.7 days per trillion tokens on 2048 H800.  Kept outside the CSV: its
-    spec comes from the HF config (MoE, MLA) and its DualPipe schedule overlaps the EP all-to-all with
-    compute, which no knob here models."""
-    from transformers import DeepseekV3Config
+# The mechanisms a published MoE row states, switched on one at a time from a run that has none of them.
+MOE_LADDER = (
+    ("none of them: 1F1B, flat bf16 all-to-all on the critical path, fp32 moments, bf16 activations", {}),
+    ("+ all-to-all beside another micro-batch's compute", dict(ep_overlap=1)),
+    ("+ once per target node over IB, then NVLink (node-limited routing)", dict(ep_comm="forwarded")),
+    ("+ fp8 dispatch", dict(ep_dispatch_bits=8)),
+    ("+ DualPipe (stages i and pp-1-i on one GPU, its bubble, two parameter copies)", dict(schedule="dualpipe")),
+    ("+ bf16 Adam moments", dict(moment_bits=16)),
+    ("+ fp8-cached activations", dict(act_cache_bits=8)),
+    ("+ routing weight applied to the experts' activation", dict(moe_weighted_act=1)),
+)
 
-    from adapt.model.intake import inspect
 
-    published = 1e12 / (180e3 * 3600)
-    with tempfile.TemporaryDirectory() as tmp:
-        DeepseekV3Config().save_pretrained(tmp)
-        spec = inspect(tmp, config_only=True, seq_len=4096)
-    layout = dict(tp=1, pp=16, dp=128, cp=1, ep=64, zero=1, recompute="selective", schedule="1f1b")
-    best = plan_parallel(
-        spec,
-        make_cluster("h800", 2048),
-        Workload(4096, 15360, precision="fp8"),
-        fixed=layout,
-        top_k=1,
-        efficiency=Efficiency(runtime="megatron", attention="flash3"),
-    ).best
+def expert_parallel_detail(run) -> dict[str, Any]:
+    """An expert-parallel row's time and memory breakdown as planned, and its prediction with the MoE mechanisms
+    it states switched on one at a time (``MOE_LADDER``), each only where the row states it."""
+    import dataclasses
+
+    bare = dict(
+        ep_overlap=0, ep_comm="flat", ep_dispatch_bits=16, schedule="", moment_bits=32, act_cache_bits=16,
+        moe_weighted_act=0,
+    )  # fmt: skip
+    published = run.published_tokens_per_s_per_gpu(run_spec(run))
+    steps, knobs = [], {}
+    for label, switch in MOE_LADDER:
+        if any(getattr(run, k) != bare[k] for k in switch) or not switch:
+            knobs.update(switch)
+            plan = planned(dataclasses.replace(run, **{**bare, **knobs}))
+            steps.append(
+                {
+                    "step": label,
+                    "predicted_tokens_per_s_per_gpu": plan.tokens_per_s_per_gpu,
+                    "error": plan.tokens_per_s_per_gpu / published - 1,
+                    "memory_gib_per_gpu": plan.memory_gib_per_gpu,
+                    "fits": plan.fits,
+                }
+            )
+    plan = planned(run)
     return {
-        "layout": layout,
+        "run": run.name,
         "published_tokens_per_s_per_gpu": published,
-        "predicted_tokens_per_s_per_gpu": best.tokens_per_s_per_gpu,
-        "error": best.tokens_per_s_per_gpu / published - 1,
-        "fits": best.fits,
-        "memory_gib_per_gpu": best.memory_gib_per_gpu,
+        "ladder": steps,
+        "chosen": {k: getattr(plan.plan, k) for k in ("micro_batch", "grad_accum", "pp_schedule", "stage_layers")},
+        "step_time_s": plan.step_time_s,
+        "time_breakdown": plan.time_breakdown,
+        "memory_breakdown": plan.memory_breakdown,
+        "memory_gib_per_gpu": plan.memory_gib_per_gpu,
+        "usable_memory_gib": plan.usable_memory_gib,
     }
 
 
@@ -211,6 +237,54 @@ def link_sensitivity(spec, measured: dict, eff: Efficiency) -> dict[str, Any]:
     return {"link_gbps": pcie, "before_error": errors}
 
 
+def _software(sw: dict[str, Any]) -> str:
+    """The framework and attention kernel, and the precision knobs that differ from bf16 defaults."""
+    extra = [sw["precision"]] if sw["precision"] != "bf16" else []
+    extra += [f"{sw['ep_comm']} all-to-all"] if sw["ep_comm"] != "flat" else []
+    extra += ["fp8 dispatch"] if sw["ep_dispatch_bits"] == 8 else []
+    extra += ["weighted activation"] if sw["moe_weighted_activation"] else []
+    extra += ["bf16 moments"] if sw["moment_bits"] == 16 else []
+    extra += ["fp8-cached activations"] if sw["act_cache_bits"] == 8 else []
+    return ", ".join([sw["framework"], sw["attention"], *extra])
+
+
+def expert_parallel_markdown(d: dict[str, Any]) -> list[str]:
+    """Where an expert-parallel row's step and memory go, and what each stated mechanism moves."""
+    t, mem, chosen = d["time_breakdown"], d["memory_breakdown"], d["chosen"]
+    lines = [
+        "",
+        f"## {d['run']}: where the time and memory go",
+        "",
+        f"Published {d['published_tokens_per_s_per_gpu']:.0f} tokens/s/GPU. Each mechanism the row states, switched "
+        "on in turn (the last line is the row as planned above; the unstated layer split is the planner's choice, "
+        "the fastest that fits or, when none does, the fastest, which moves the memory column):",
+        "",
+        "| mechanisms | predicted tok/s/GPU | error | GiB/GPU | fits |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {x['step']} | {x['predicted_tokens_per_s_per_gpu']:.0f} | {x['error']:+.1%} | "
+        f"{x['memory_gib_per_gpu']:.1f} | {x['fits']} |"
+        for x in d["ladder"]
+    ]
+    per_mb = ", ".join(
+        f"{k.removesuffix('_per_microbatch').replace('_', ' ')} {t[k] * 1e3:.1f} ms"
+        for k in ("compute_per_microbatch", "exposed_comm_per_microbatch", "gpu_per_microbatch", "host_per_microbatch")
+    )
+    lines += [
+        "",
+        f"As planned: micro-batch {chosen['micro_batch']}, {chosen['grad_accum']} micro-batches per step, "
+        f"{chosen['pp_schedule']}, layers per stage {chosen['stage_layers']}. Step {d['step_time_s']:.2f} s: "
+        f"pipeline {t['pipeline']:.2f} s (of which bubble {t['bubble']:.2f} s), data-parallel exposed "
+        f"{t['data_parallel_exposed']:.3f} s, optimizer {t['optimizer']:.3f} s. Per micro-batch on the slowest GPU "
+        f"({per_mb}; compute and exposed communication are the slowest stage's, GPU the slowest DualPipe pair's). "
+        f"Memory on the fullest GPU {d['memory_gib_per_gpu']:.1f} of {d['usable_memory_gib']:.1f} GiB usable: "
+        + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in mem.items())
+        + " GiB. docs/planner-model.md compares these terms with the source's own profile of one DualPipe chunk pair.",
+    ]
+    return lines
+
+
 def published_markdown(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = [
@@ -257,27 +331,19 @@ def published_markdown(report: dict[str, Any]) -> str:
             f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} z{lay['zero']} "
             f"{lay.get('recompute') or '?' + r['chosen']['recompute']} "
             f"sp{lay['sp']} tpo{lay['tp_overlap']} go{lay['grad_overlap']}"
+            + (f" ep{lay['ep']} epo{lay['ep_overlap']}" if lay["ep"] > 1 else "")
+            + (f" {lay['schedule']}" if lay.get("schedule") not in (None, "1f1b", "interleaved_1f1b") else "")
             + (f" {lay['split']}" if "split" in lay else "")
         )
         span = r.get("unstated_knob_range")
         lines.append(
-            f"| {r['run']} | {r['citation']} | {knobs} | {r['software']['framework']}, {r['software']['attention']} "
+            f"| {r['run']} | {r['citation']} | {knobs} | {_software(r['software'])} "
             f"| {r['published_tokens_per_s_per_gpu']:.0f} | {r['predicted_tokens_per_s_per_gpu']:.0f} | {r['error']:+.1%} "
             f"| {f'{span[0]:+.0%} .. {span[1]:+.0%}' if span else '-'} | {r['chosen']['micro_batch']} / {r['chosen']['vpp']} "
             f"| {r['fits']} | {r['memory_gib_per_gpu']:.1f} | {r.get('searched_speedup', float('nan')):.2f}x |"
         )
-    d = s["deepseek_v3"]
-    lines += [
-        "",
-        "## Outside the CSV: DeepSeek-V3 on 2048 H800",
-        "",
-        f"Published: 180K H800 GPU-hours per trillion tokens (arXiv 2412.19437, sec. 1) = "
-        f"{d['published_tokens_per_s_per_gpu']:.0f} tokens/s/GPU. Its layout pinned (PP16, EP64, ZeRO-1, no TP, "
-        f"fp8, 1F1B for DualPipe, selective recompute): predicted {d['predicted_tokens_per_s_per_gpu']:.0f}, "
-        f"error {d['error']:+.0%}, {d['memory_gib_per_gpu']:.0f} GiB per GPU ({'fits' if d['fits'] else 'does not fit'}). "
-        "The model does not have DualPipe's overlap of the EP all-to-all with compute, nor its memory savings, "
-        "so this row is reported, not averaged into the errors above.",
-    ]
+    for d in s["expert_parallel"]:
+        lines += expert_parallel_markdown(d)
     if s.get("speed"):
         case = s["speed"][0]
         rest = case["cli_cold_s"] - case["imports_s"] - case["plan_s"]

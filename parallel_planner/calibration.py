@@ -229,6 +229,7 @@ RUN_DEFAULTS = dict(
     replicate=1,
     tp_overlap=0,
     grad_overlap=1,
+    ep_overlap=0,
 )
 
 

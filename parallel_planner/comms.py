@@ -82,3 +82,24 @@ class Collectives:
 
     def send_recv(self, nbytes: np.ndarray, size: np.ndarray, stride: np.ndarray) -> np.ndarray:
         return self.time("send_recv", nbytes, size, stride)
+
+    def forwarded_all_to_all(
+        self, nbytes: np.ndarray, copies: int, nodes_reached: np.ndarray, size: np.ndarray, stride: np.ndarray
+    ) -> np.ndarray:
+        """An MoE dispatch (or combine) that crosses the network once per target node and forwards inside it.
+
+        Each rank sends ``nbytes`` per copy, ``copies`` copies (one per routed expert).  DeepEP's normal kernels
+        (DeepSeek-V3 sec. 3.2.2) send a token over the NIC once to the same-index GPU of each node holding any of
+        its experts, ``nodes_reached`` of the group's nodes, of which ``(N-1)/N`` are remote; NVLink then carries
+        every copy whose expert is on another GPU of that node.  The two legs are pipelined, so the slower sets
+        the time; one network and one NVLink latency.  A group inside one node is the plain all-to-all.
+        """
+        bw, alpha, local = self._placement(size, stride)
+        size_f = np.maximum(size, 1).astype(np.float64)
+        nodes = size_f / local
+        remote = np.minimum(nodes_reached, nodes) * (nodes - 1) / nodes
+        seconds = np.maximum(remote / self.inter, copies * (local - 1) / local / self.intra) * nbytes
+        spans = bw < self.intra
+        flat = self.all_to_all(copies * nbytes, size, stride)
+        forwarded = self.link.alpha_inter_s + self.link.alpha_intra_s + seconds
+        return np.where(spans & (size > 1), forwarded, flat)

@@ -14,7 +14,7 @@ import numpy as np
 
 from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives
-from parallel_planner.layout import Candidates, StageLayout, row_max
+from parallel_planner.layout import SCHEDULES, Candidates, StageLayout, mirrored, row_max
 from parallel_planner.memory import stage_params
 from parallel_planner.profile import ModelProfile
 from parallel_planner.runtimes import DEEPSPEED_PIPE, DS_BF16_STEP_BYTES, grad_reduce_bytes
@@ -34,15 +34,17 @@ GRAD_CLIP_BYTES = 12  # per local parameter: fp32 gradient read for the norm, th
 
 def data_parallel_seconds(profile, cluster, workload, c, layout, comm, eff, stage_fwd, stage_bwd, m):
     """Exposed ZeRO/DDP communication and the optimizer update, slowest stage."""
-    dense, experts = stage_params(profile, layout)
+    stage_dense, stage_experts = stage_params(profile, layout)
+    dual = c.schedule == SCHEDULES.index("dualpipe")  # a DualPipe device holds two stages
+    dense, experts = mirrored(stage_dense, dual, mean=False), mirrored(stage_experts, dual, mean=False)
     tp = c.tp[:, None].astype(np.float64)
     ep = c.ep[:, None].astype(np.float64)
-    dense_gpu = dense[None, :] / tp
-    expert_gpu = experts[None, :] / (tp * ep)
+    dense_gpu = dense / tp
+    expert_gpu = experts / (tp * ep)
     shard = c.shard[:, None]
     expert_shard = shard // c.ep[:, None]
     stride = c.tp[:, None]
-    has_experts = (experts > 0)[None, :]
+    has_experts = experts > 0
 
     def per_gpu_params(kind, dense_group, expert_group):
         """Seconds of one collective over each stage's dense and routed-expert parameters, per byte-per-param
@@ -51,9 +53,9 @@ def data_parallel_seconds(profile, cluster, workload, c, layout, comm, eff, stag
         a_e, b_e = comm.affine(kind, *expert_group)
         return lambda bytes_per_param, dense_div=1, expert_div=1: (
             a_d
-            + b_d * bytes_per_param / (tp * dense_div) * dense[None, :]
+            + b_d * bytes_per_param / (tp * dense_div) * dense
             + has_experts * a_e
-            + b_e * bytes_per_param / (tp * ep * expert_div) * experts[None, :]
+            + b_e * bytes_per_param / (tp * ep * expert_div) * experts
         )
 
     within = per_gpu_params("reduce_scatter", (shard, stride), (expert_shard, stride * c.ep[:, None]))
@@ -85,7 +87,7 @@ def data_parallel_seconds(profile, cluster, workload, c, layout, comm, eff, stag
     # Megatron's buckets are about a block's size each.
     edge = 1.0 / (layout.type_counts.sum(axis=1)[None, :] + 1)
     if eff.runtime == "torch":
-        edge = _fsdp2_edge(profile, layout, dense, experts)[None, :]
+        edge = _fsdp2_edge(profile, layout, stage_dense, stage_experts)[None, :]
     exposed = (
         _exposed(step_grad, hide_bwd, eff, edge)
         + _exposed(step_param, hide_fwd, eff, edge)

@@ -15,8 +15,9 @@ ALIASES = {
     "tp_comm_overlap": "tp_overlap",
     "overlap_grad_reduce": "grad_overlap",
     "virtual_stages": "vpp",
+    "overlap_moe_expert_parallel_comm": "ep_overlap",
 }
-SWITCHES = ("offload", "sp", "tp_overlap", "grad_overlap", "distributed_optimizer")
+SWITCHES = ("offload", "sp", "tp_overlap", "grad_overlap", "ep_overlap", "distributed_optimizer")
 # The network is the cluster's, but a run pins it like a knob: NVLink-domain size and GB/s per GPU per level.
 NETWORK_KEYS = {"nvlink_domain": "gpus_per_node", "nvlink_gbps": "intra_node_gbps", "inter_gbps": "inter_node_gbps"}
 

@@ -13,7 +13,7 @@ import numpy as np
 from parallel_planner.profile import ModelProfile
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe")
 # light_ends: the first and the last chunk hold one layer fewer, for the embedding and the head; with as
 # many chunks as layers + 2 they hold the embedding or the head alone (Llama 3 405B's pipeline).
 SPLITS = ("balanced", "light_ends")
@@ -34,6 +34,7 @@ FIELDS = (
     "sp",
     "tp_overlap",
     "grad_overlap",
+    "ep_overlap",
 )
 
 
@@ -57,6 +58,7 @@ class Candidates:
     sp: np.ndarray  # sequence parallelism (norms, residuals and their activations sharded over TP); 0/1
     tp_overlap: np.ndarray  # TP collectives pipelined with the GEMMs beside them (Megatron --tp-comm-overlap); 0/1
     grad_overlap: np.ndarray  # gradient reduction overlapped with backward (1) or issued after the flush (0)
+    ep_overlap: np.ndarray  # EP all-to-all run beside another micro-batch's compute (DualPipe, combined 1F1B); 0/1
 
     @classmethod
     def from_rows(cls, rows: list[tuple[int, ...]]) -> Candidates:
@@ -76,6 +78,18 @@ class Candidates:
 
     def row(self, i: int) -> dict[str, int]:
         return {f: int(getattr(self, f)[i]) for f in FIELDS}
+
+
+def mirrored(per_stage: np.ndarray, dual: np.ndarray, mean: bool) -> np.ndarray:
+    """Per-stage figures as DualPipe's devices see them, (C, pp): device i holds stage i and stage pp-1-i, so it
+    holds their sum, and a micro-batch costs it their mean (half the micro-batches run each way).  Rows not under
+    DualPipe keep their stages (as given, when none is).  ``per_stage`` holds every physical stage in order (an
+    uncompressed layout)."""
+    if not dual.any():
+        return per_stage
+    per_stage = np.broadcast_to(per_stage, (len(dual), per_stage.shape[-1]))
+    pair = per_stage + per_stage[:, ::-1]
+    return np.where(dual[:, None], pair / 2 if mean else pair, per_stage)
 
 
 def row_max(a: np.ndarray) -> np.ndarray:

@@ -25,14 +25,17 @@ import numpy as np
 
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
-from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout, row_max
+from parallel_planner.layout import RECOMPUTE, SCHEDULES, Candidates, StageLayout, mirrored, row_max
 from parallel_planner.profile import ModelProfile
 from parallel_planner.workload import Workload
 
-ACT_BYTES = 2  # bf16 activations (fp8 recipes keep bf16 copies for backward)
+ACT_BYTES = 2  # bf16 activations
+# An fp8 element with its share of a 4-byte scale per 1x128 tile (DeepSeek-V3 sec. 3.3.2's fine-grained quantisation)
+FP8_BYTES = 1 + 4 / 128
 FULL = RECOMPUTE.index("full")
 SELECTIVE = RECOMPUTE.index("selective")
 INTERLEAVED = (SCHEDULES.index("interleaved_1f1b"), SCHEDULES.index("zero_bubble"))
+DUALPIPE = SCHEDULES.index("dualpipe")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,14 @@ class MemoryModel:
     master_bytes: int = 4  # fp32 master weights
     bucket_bytes: float = 100e6  # gradient-reduction bucket (DDP / FSDP)
     fused_kernels: bool = True  # norms and GLUs as fused kernels (adapt's operators, TE); False: eager modules
+    # The routing weight scales the experts' activation before their down-projection (a fused SwiGLU-with-weight),
+    # so no expert output is kept for the weight's gradient.
+    moe_weighted_activation: bool = False
+
+    @classmethod
+    def of(cls, eff) -> MemoryModel:
+        """The memory model of the software a ``timing.Efficiency`` describes."""
+        return cls(fused_kernels=eff.fused_kernels, moe_weighted_activation=eff.moe_weighted_activation)
 
     def usable_bytes(self, cluster: Cluster) -> float:
         return cluster.gpu.memory_bytes * (1 - self.fragmentation)
@@ -108,28 +119,49 @@ def model_state_floor(profile: ModelProfile, workload: Workload, c: Candidates, 
 
 
 def activation_bytes_per_block(
-    profile: ModelProfile, workload: Workload, c: Candidates, fused_kernels: bool = True
+    profile: ModelProfile, workload: Workload, c: Candidates, fused_kernels: bool = True, weighted: bool = False
 ) -> np.ndarray:
-    """Saved activations of one block of each type for one micro-batch, (C, T)."""
+    """Saved activations of one block of each type for one micro-batch, (C, T).
+
+    Selective recompute drops the recomputable widths (norm and activation outputs, MLA's up-projections, the
+    experts' activation output); with fp8-cached activations (``workload.act_cache_bits == 8``) what only the
+    fp8 GEMMs read is kept as fp8 with its tile scales (``FP8_BYTES``); ``weighted``: the experts' output is not
+    kept (``MemoryModel.moe_weighted_activation``)."""
     tokens = (c.mbs * workload.seq_len / c.cp)[:, None].astype(np.float64)
     tp = c.tp[:, None].astype(np.float64)
     unfused = not fused_kernels
-    saved = np.array([b.saved_width + unfused * b.unfused_width for b in profile.blocks], dtype=np.float64)[None, :]
-    recomputable = np.array([b.recomputable_width for b in profile.blocks], dtype=np.float64)[None, :]
-    busiest = np.where(c.ep > 1, workload.moe_imbalance, 1.0)[:, None]  # the busiest EP rank's routed share
-    routed = (
-        busiest
-        * np.array(
-            [b.top_k * (b.routed_width + unfused * b.unfused_routed_width) for b in profile.blocks], dtype=np.float64
-        )[None, :]
+    cached = FP8_BYTES if workload.act_cache_bits == 8 else ACT_BYTES
+
+    def widths(name: str) -> np.ndarray:
+        return np.array([getattr(b, name) for b in profile.blocks], dtype=np.float64)[None, :]
+
+    kept = ACT_BYTES * (widths("saved_width") - widths("recomputable_width") + unfused * widths("unfused_width"))
+    recomputable = ACT_BYTES * (widths("recomputable_width") - widths("cacheable_width")) + cached * widths(
+        "cacheable_width"
     )
-    rec = c.recompute[:, None]
-    width = np.where(rec == SELECTIVE, saved - recomputable, saved) + routed
-    width = np.where(rec == FULL, profile.hidden, width)  # full recompute keeps the block input only
+    routed_recomputable = cached * widths("routed_recomputable_width")
+    routed_kept = (
+        ACT_BYTES
+        * (widths("routed_width") - widths("routed_cacheable_width") + unfused * widths("unfused_routed_width"))
+        + cached * widths("routed_cacheable_width")
+        - routed_recomputable
+        - weighted * ACT_BYTES * widths("routed_output_width")
+    )
+    top_k = widths("top_k")
+    busiest = np.where(c.ep > 1, workload.moe_imbalance, 1.0)[:, None]  # the busiest EP rank's routed share
+    selective = c.recompute[:, None] == SELECTIVE
+    per_token = (
+        kept
+        + busiest * top_k * routed_kept
+        + np.where(selective, 0.0, recomputable + busiest * top_k * routed_recomputable)
+    )
+    per_token = np.where(c.recompute[:, None] == FULL, ACT_BYTES * profile.hidden, per_token)  # block input only
     # Without sequence parallelism each TP rank keeps the whole norm inputs and the GEMM inputs the norms
     # feed (Korthikanti et al.'s 10sbh term, here 4h without dropout masks), or the whole block input.
-    replicated = np.where(rec == FULL, profile.hidden, 4 * profile.hidden) * (c.sp[:, None] == 0) * (tp > 1)
-    return ACT_BYTES * tokens * (width + replicated * (tp - 1)) / tp
+    replicated = (
+        np.where(c.recompute[:, None] == FULL, profile.hidden, 4 * profile.hidden) * (c.sp[:, None] == 0) * (tp > 1)
+    )
+    return tokens * (per_token + ACT_BYTES * replicated * (tp - 1)) / tp
 
 
 def memory_breakdown(
@@ -142,11 +174,13 @@ def memory_breakdown(
     expert_shard = shard / c.ep[:, None]
     zero = c.zero[:, None]
     dense, experts = stage_params(profile, layout)
-    dense_gpu = dense[None, :] / tp
-    expert_gpu = experts[None, :] / (tp * c.ep[:, None])
+    dual = c.schedule == DUALPIPE  # a DualPipe device holds two stages: twice the parameters (its Table 2)
+    dense_gpu = mirrored(dense, dual, mean=False) / tp
+    expert_gpu = mirrored(experts, dual, mean=False) / (tp * c.ep[:, None])
     tokens = (c.mbs * workload.seq_len / c.cp)[:, None].astype(np.float64)
-    per_block = activation_bytes_per_block(profile, workload, c, mm.fused_kernels)
-    full_width = activation_bytes_per_block(profile, workload, _no_recompute(c), mm.fused_kernels)
+    weighted = mm.moe_weighted_activation
+    per_block = activation_bytes_per_block(profile, workload, c, mm.fused_kernels, weighted)
+    full_width = activation_bytes_per_block(profile, workload, _no_recompute(c), mm.fused_kernels, weighted)
     largest_block = max(b.dense_params + b.expert_params for b in profile.blocks)
     out: dict[str, np.ndarray] = {}
 
@@ -166,7 +200,13 @@ def memory_breakdown(
         out["optimizer_states"] = np.where(c.offload[:, None] > 0, 0.0, sharded(workload.optimizer_state_bytes, 1))
         stage_act = per_block @ layout.type_counts.T
         working = np.where(c.recompute[:, None] == FULL, row_max(full_width)[:, None], 0.0)
-        out["activations"] = stage_act * in_flight(c, m, layout.pp, layout.stage_ids) + working
+        held = stage_act * in_flight(c, m, layout.pp, layout.stage_ids)
+        if dual.any():  # device i holds up to pp - i micro-batches of its own stage and i + 1 of the mirrored one
+            half = (m / 2)[:, None]  # (pp + 1 in all, DualPipe's Table 2), each direction running half of them
+            stage = layout.stage_ids[None, :]
+            paired = stage_act * np.minimum(half, layout.pp - stage) + stage_act[:, ::-1] * np.minimum(half, stage + 1)
+            held = np.where(dual[:, None], paired, held)
+        out["activations"] = held + working
     else:
         out["parameters"] = mm.weight_bytes * (dense_gpu + expert_gpu)
         out["activations"] = np.broadcast_to(row_max(full_width)[:, None], (len(c), pp)).copy()
@@ -176,7 +216,7 @@ def memory_breakdown(
             per_gpu_width @ layout.type_counts.T
         )
     logits = tokens * profile.vocab / tp * (2 + 4)  # bf16 logits and fp32 softmax for the loss
-    out["activations"] = out["activations"] + layout.has_head[None, :] * logits
+    out["activations"] = out["activations"] + mirrored(layout.has_head, dual, mean=False) * logits
 
     buffers = np.where(c.tp[:, None] > 1, 2 * ACT_BYTES * tokens * profile.hidden, 0.0)
     buffers = buffers + np.where(c.pp[:, None] > 1, 4 * ACT_BYTES * tokens * profile.hidden / tp, 0.0)

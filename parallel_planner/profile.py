@@ -7,7 +7,7 @@ a stage's cost is a count of each block type plus the embedding and head it may 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,6 +24,7 @@ class GemmShape:
     tp_sharded: bool = True  # column- or row-parallel; False for small replicated projections (MLA down, router)
     routed: bool = False  # routed-expert GEMM: its M dimension is the tokens each expert receives
     row_parallel: bool = False  # back to the residual width: TP splits the inner dimension, not the output
+    recomputed: bool = False  # selective recompute runs it again in backward (MLA's up-projections)
 
 
 @dataclass(frozen=True)
@@ -55,49 +56,85 @@ class BlockProfile:
     has_attention: bool
     has_mlp: bool
     score_bias: bool = False  # an additive bias on the attention scores (ALiBi)
+    # Of ``recomputable_width``, the elements saved only as inputs of the block's quantisable GEMMs (norm outputs
+    # feeding projections, activation outputs feeding down-projections): an fp8 recipe may cache them in fp8.
+    cacheable_width: int = 0
+    routed_cacheable_width: int = 0  # per routed token: the dispatched input, the SwiGLU input and output
+    routed_recomputable_width: int = 0  # per routed token: the activation output selective recompute drops
+    routed_output_width: int = 0  # per routed token: the expert's output, kept for the routing weight's gradient
+    expert_groups: int = 1  # group-limited routing: experts fall into this many contiguous groups ...
+    groups_per_token: int = 1  # ... of which a token's experts come from at most this many
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
 
-def _attention_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int, int]:
-    """GEMMs, saved width, recomputable width, KV-cache width and CP ring width of the attention."""
+@dataclass
+class _Parts:
+    """What the attention or the MLP of a block contributes: GEMMs and saved widths (elements per token)."""
+
+    gemms: list[GemmShape] = field(default_factory=list)
+    saved: int = 0  # kept for backward without recompute
+    recomputable: int = 0  # of which selective recompute drops
+    cacheable: int = 0  # of which only quantisable GEMMs read (fp8-cacheable)
+    cache: int = 0  # KV-cache width
+    ring: int = 0  # K/V width context parallelism exchanges
+    routed: int = 0  # per routed token
+    routed_cacheable: int = 0
+    routed_recomputable: int = 0
+    routed_output: int = 0
+    expert_params: int = 0
+
+
+def _attention_parts(block: BlockSpec, h: int) -> _Parts:
+    """GEMMs and saved widths of the attention; the norm output that feeds the projections is recomputable and
+    read only by them."""
     attn = block.attention
     if attn is None or attn.kind == "none":
-        return [], 0, 0, 0, 0
+        return _Parts()
     a, g, dq, dv = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.v_head_dim
-    if attn.kind == "mla":
-        rope, nope = attn.qk_rope_head_dim, attn.qk_nope_head_dim or dq - attn.qk_rope_head_dim
-        gemms = [
-            GemmShape(h, attn.kv_lora_rank + rope, tp_sharded=False),
-            GemmShape(attn.kv_lora_rank, a * (nope + dv)),
-        ]
-        if attn.q_lora_rank:
-            gemms += [GemmShape(h, attn.q_lora_rank, tp_sharded=False), GemmShape(attn.q_lora_rank, a * dq)]
-        else:
-            gemms.append(GemmShape(h, a * dq))
-        latent = attn.q_lora_rank + attn.kv_lora_rank + rope
-        saved = 2 * h + latent + a * (2 * dq + dv) + a * dv + 2 * a
-        cache, ring = attn.kv_lora_rank + rope, a * (dq + dv)
-    else:
-        gemms = [GemmShape(h, a * dq), GemmShape(h, g * (dq + dv))]
+    out = GemmShape(a * dv, h, row_parallel=True)
+    if attn.kind != "mla":
         saved = 2 * h + a * dq + g * (dq + dv) + a * dv + 2 * a  # norm in, qkv in, q/k/v, output, fp32 lse
-        cache = ring = g * (dq + dv)
-    gemms.append(GemmShape(a * dv, h, row_parallel=True))
-    return gemms, saved, h, cache, ring
+        gemms = [GemmShape(h, a * dq), GemmShape(h, g * (dq + dv)), out]
+        return _Parts(gemms, saved, h, h, cache=g * (dq + dv), ring=g * (dq + dv))
+    rope, nope = attn.qk_rope_head_dim, attn.qk_nope_head_dim or dq - attn.qk_rope_head_dim
+    gemms = [
+        GemmShape(h, attn.kv_lora_rank + rope, tp_sharded=False),
+        GemmShape(attn.kv_lora_rank, a * (nope + dv), recomputed=True),
+    ]
+    if attn.q_lora_rank:
+        gemms += [
+            GemmShape(h, attn.q_lora_rank, tp_sharded=False),
+            GemmShape(attn.q_lora_rank, a * dq, recomputed=True),
+        ]
+    else:
+        gemms.append(GemmShape(h, a * dq))
+    latent = attn.q_lora_rank + attn.kv_lora_rank + rope
+    saved = 2 * h + latent + a * (2 * dq + dv) + a * dv + 2 * a
+    # Selective recompute reruns the up-projections from the saved latents: their outputs (k and v, and q when
+    # it has a latent) are not kept (DeepSeek-V3 sec. 3.2.3; Megatron-Core's ``mla_up_proj`` recompute module).
+    up_projected = a * (dq + dv) + (a * dq if attn.q_lora_rank else 0)
+    return _Parts(gemms + [out], saved, h + up_projected, h, cache=attn.kv_lora_rank + rope, ring=a * (dq + dv))
 
 
-def _mlp_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int, int]:
-    """GEMMs, saved, recomputable and routed widths, and the routed experts' parameter count."""
+def _mlp_parts(block: BlockSpec, h: int) -> _Parts:
+    """GEMMs and saved widths of the MLP, per token and per routed token, and the routed experts' parameters.
+
+    Recomputable: the norm output and the activation output; fp8-cacheable: what only GEMMs read (the dense
+    norm output and activation output, the shared experts' activation output; the MoE norm output also feeds
+    the router, which stays 16-bit) and, per routed token, the dispatched input, the gate/up output the
+    activation reads and the activation output (DeepSeek-V3 sec. 3.3.3 caches the experts' SwiGLU inputs in fp8).
+    """
     mlp = block.mlp
     if mlp.kind == "none":
-        return [], 0, 0, 0, 0
+        return _Parts()
     if mlp.kind in ("dense_gated", "dense_plain"):
         gated = mlp.kind == "dense_gated"
         f = mlp.intermediate_size
         gemms = [GemmShape(h, (2 if gated else 1) * f), GemmShape(f, h, row_parallel=True)]
-        return gemms, 2 * h + (3 if gated else 2) * f, h + f, 0, 0
+        return _Parts(gemms, 2 * h + (3 if gated else 2) * f, h + f, h + f)
     e, k, f = mlp.num_experts, mlp.top_k, mlp.intermediate_size
     if e <= k:
         raise BadInput(f"block {block.index}: MoE with {e} experts and top-{k} routing is not a sparse MoE")
@@ -105,15 +142,18 @@ def _mlp_parts(block: BlockSpec, h: int) -> tuple[list[GemmShape], int, int, int
     gated = per_expert >= 3 * h * f
     gemms = [GemmShape(h, e, tp_sharded=False)]
     gemms += [GemmShape(h, (2 if gated else 1) * f, routed=True), GemmShape(f, h, routed=True, row_parallel=True)]
-    saved, recomputable = 2 * h + 2 * e, h  # norm in, router input, fp32 router logits
+    parts = _Parts(gemms, 2 * h + 2 * e, h, 0)  # norm in, router input, fp32 router logits
     if mlp.shared_intermediate_size:
         fs = mlp.shared_intermediate_size
-        gemms += [GemmShape(h, 2 * fs), GemmShape(fs, h, row_parallel=True)]
-        saved, recomputable = saved + 3 * fs, recomputable + fs
+        parts.gemms += [GemmShape(h, 2 * fs), GemmShape(fs, h, row_parallel=True)]
+        parts.saved, parts.recomputable, parts.cacheable = parts.saved + 3 * fs, parts.recomputable + fs, fs
     # Per routed token: the dispatched input, the expert's up (and gate) output and down input, and its
     # output once more, which the gradient of the routing weight needs.
-    routed_width = 2 * h + (3 if gated else 2) * f
-    return gemms, saved, recomputable, routed_width, per_expert * e
+    parts.routed = 2 * h + (3 if gated else 2) * f
+    parts.routed_cacheable = h + (3 if gated else 1) * f  # a plain expert's up output feeds the activation only
+    parts.routed_recomputable, parts.routed_output = f, h
+    parts.expert_params = per_expert * e
+    return parts
 
 
 def _routed_expert_params(block: BlockSpec) -> int:
@@ -186,10 +226,9 @@ def _host_ops(block: BlockSpec, norms: int, gemms: int) -> tuple[int, int]:
 
 
 def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
-    attn_gemms, attn_saved, attn_recomp, cache, ring = _attention_parts(block, h)
-    mlp_gemms, mlp_saved, mlp_recomp, routed_width, expert_params = _mlp_parts(block, h)
+    attn_parts, mlp_parts = _attention_parts(block, h), _mlp_parts(block, h)
     unfused_width, unfused_routed_width = _unfused_widths(block, h)
-    gemms = attn_gemms + mlp_gemms
+    gemms = attn_parts.gemms + mlp_parts.gemms
     k = block.mlp.top_k if block.mlp.kind == "moe" else 1
     own_flops = sum(2 * gm.in_features * gm.out_features * (k if gm.routed else 1) for gm in gemms)
     if not gemms and block.linear_flops_per_token:  # unknown mixer: one square-ish GEMM carrying the spec's FLOPs
@@ -225,11 +264,11 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
         causal=attn.causal if attn else True,
         num_heads=attn.num_heads if attn else 0,
         num_kv_heads=attn.num_kv_heads if attn else 0,
-        kv_cache_width=cache,
-        cp_exchange_width=ring,
-        saved_width=attn_saved + mlp_saved,
-        recomputable_width=attn_recomp + mlp_recomp,
-        routed_width=routed_width,
+        kv_cache_width=attn_parts.cache,
+        cp_exchange_width=attn_parts.ring,
+        saved_width=attn_parts.saved + mlp_parts.saved,
+        recomputable_width=attn_parts.recomputable + mlp_parts.recomputable,
+        routed_width=mlp_parts.routed,
         unfused_width=unfused_width,
         unfused_routed_width=unfused_routed_width,
         elementwise_width=12 * h + 4 * intermediate,
@@ -238,11 +277,17 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
         host_ops_fused=fused_ops,
         num_experts=block.mlp.num_experts if block.mlp.kind == "moe" else 0,
         top_k=block.mlp.top_k if block.mlp.kind == "moe" else 0,
-        dense_params=block.params - expert_params,
-        expert_params=expert_params,
-        has_attention=bool(attn_gemms),
-        has_mlp=bool(mlp_gemms),
-        score_bias=bool(attn_gemms) and block.positional == "alibi",
+        dense_params=block.params - mlp_parts.expert_params,
+        expert_params=mlp_parts.expert_params,
+        has_attention=bool(attn_parts.gemms),
+        has_mlp=bool(mlp_parts.gemms),
+        score_bias=bool(attn_parts.gemms) and block.positional == "alibi",
+        cacheable_width=attn_parts.cacheable + mlp_parts.cacheable,
+        routed_cacheable_width=mlp_parts.routed_cacheable,
+        routed_recomputable_width=mlp_parts.routed_recomputable,
+        routed_output_width=mlp_parts.routed_output,
+        expert_groups=block.mlp.n_group if block.mlp.kind == "moe" else 1,
+        groups_per_token=block.mlp.topk_group if block.mlp.kind == "moe" else 1,
     )
 
 

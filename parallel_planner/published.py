@@ -1,27 +1,31 @@
 """Published training runs (``data/published_runs.csv``): each row as the source ran it, and its ModelSpec.
 
 Each row names a model by its dimensions, a cluster, the layout the authors ran and the knobs and
-software they state (CSV header).  ``run_spec`` writes the row's ModelSpec from those dimensions;
-``published_eval`` plans it and compares with the source's figure.
+software they state (CSV header).  ``run_spec`` writes the row's ModelSpec from those dimensions, or,
+for a model the dense columns cannot describe (MoE, MLA), reads a transformers configuration through
+adapt's intake (``hf_config``); ``published_eval`` plans it and compares with the source's figure.
 
 One FLOP convention: adapt's model FLOPs (3x the forward, causal attention averaging ``(s+1)/2``
 context, no recompute).  A source's TFLOP/s is turned into tokens/s with the source's own count and
 compared as tokens/s, which at a fixed model is MFU under adapt's convention.  Megatron-LM 2021 and
 BLOOM count ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step: the full (non-causal) attention square and
 the recomputed forward, so their "% of peak" is hardware FLOPs, not MFU; the conversion undoes both.
-Llama 3 reports MFU under a model-FLOPs count, read as adapt's.
+Llama 3 reports MFU under a model-FLOPs count, read as adapt's.  DeepSeek-V3 states its cost in GPU-hours per
+trillion tokens, which is tokens/s per GPU with no FLOP count at all.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from adapt.core.errors import BadInput
 from adapt.core.spec import (
     SCHEMA_VERSION,
     AttentionSpec,
@@ -69,8 +73,9 @@ class PublishedRun:
     zero: int
     global_batch_seqs: int
     recompute: str  # blank in the CSV: unstated, the planner's choice
-    reported_tflops_per_gpu: float
-    reported_pct_peak: float
+    reported_tflops_per_gpu: float = 0.0
+    reported_pct_peak: float = 0.0
+    reported_gpu_hours_per_trillion_tokens: float = 0.0  # a source that states its cost instead of its FLOP rate
     framework: str = "megatron"
     attention: str = "flash2"
     cp_comm: str = "ring"  # "allgather": K/V gathered before attention, exposed (Llama 3, arXiv 2407.21783 sec. 3.3.2)
@@ -88,6 +93,15 @@ class PublishedRun:
     split: str = ""
     nvlink_domain: int = 0  # 0: the GPU type's node
     inter_gbps: float = 0.0  # 0: the GPU type's NIC per GPU
+    hf_config: str = ""  # the model is this transformers model type's default configuration (MoE, MLA)
+    precision: str = "bf16"
+    schedule: str = ""  # blank: 1F1B, interleaved with virtual stages
+    ep_overlap: int = 0  # EP all-to-all beside another micro-batch's compute (DualPipe, combined 1F1B)
+    ep_comm: str = "flat"  # "forwarded": once per target node over the network, then NVLink (DeepEP)
+    ep_dispatch_bits: int = 16  # 8: tokens quantised to fp8 before the dispatch
+    moe_weighted_act: int = 0  # 1: the routing weight scales the experts' activation (no expert output kept)
+    moment_bits: int = 32  # 16: Adam's moments in bf16
+    act_cache_bits: int = 16  # 8: the fp8 GEMMs' inputs cached in fp8
     citation: str = ""
 
     @property
@@ -109,11 +123,12 @@ class PublishedRun:
             sp=self.sp if self.tp > 1 else 0,
             tp_overlap=self.tp_overlap if self.tp > 1 else 0,
             grad_overlap=self.grad_overlap,
+            ep_overlap=self.ep_overlap if self.ep > 1 else 0,
         )
         if self.recompute:
             layout["recompute"] = self.recompute
         if self.pp > 1:  # a published vpp of 1 is plain 1F1B (DeepSpeed's pipeline engine)
-            layout["schedule"] = "1f1b" if self.vpp == 1 else "interleaved_1f1b"
+            layout["schedule"] = self.schedule or ("1f1b" if self.vpp == 1 else "interleaved_1f1b")
         for key in ("mbs", "vpp", "split"):
             if getattr(self, key):
                 layout[key] = getattr(self, key)
@@ -152,13 +167,25 @@ class PublishedRun:
             grads16=self.grad_bits == 16,
             grad_accum_fused=bool(self.grad_accum_fused),
             launch_blocking=bool(self.launch_blocking),
+            ep_forwarded=self.ep_comm == "forwarded",
+            ep_fp8_dispatch=self.ep_dispatch_bits == 8,
+            moe_weighted_activation=bool(self.moe_weighted_act),
         )
 
     def workload(self) -> Workload:
-        return Workload(self.seq, self.global_batch_seqs)
+        return Workload(
+            self.seq,
+            self.global_batch_seqs,
+            precision=self.precision,
+            moment_bits=self.moment_bits,
+            act_cache_bits=self.act_cache_bits,
+        )
 
     def published_tokens_per_s_per_gpu(self, spec: ModelSpec) -> float:
-        """The paper's per-GPU FLOP rate turned into tokens/s with the paper's FLOP count."""
+        """The paper's per-GPU FLOP rate turned into tokens/s with the paper's FLOP count, or its stated cost in
+        GPU-hours per trillion tokens as tokens/s per GPU."""
+        if self.reported_gpu_hours_per_trillion_tokens:
+            return 1e12 / (self.reported_gpu_hours_per_trillion_tokens * 3600)
         l, h, s, v = self.layers, self.hidden, self.seq, self.vocab
         if self.flop_convention == "megatron_recompute":
             flops_per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
@@ -193,7 +220,9 @@ def load_published_runs(path: str | Path | None = None) -> list[PublishedRun]:
 
 
 def run_spec(run: PublishedRun) -> ModelSpec:
-    """The ModelSpec of a row's decoder, written from its published dimensions."""
+    """The ModelSpec of a row's decoder, written from its published dimensions (or read from its configuration)."""
+    if run.hf_config:
+        return _config_spec(run.hf_config, run.seq, (run.layers, run.hidden, run.vocab))
     arch = SOURCE_ARCHITECTURE[run.source]
     h, f, a, g, v, s = run.hidden, run.ffn, run.heads, run.kv_heads, run.vocab, run.seq
     d = h // a
@@ -259,3 +288,22 @@ def run_spec(run: PublishedRun) -> ModelSpec:
         unrecognized=[],
         novelties=[],
     )
+
+
+@functools.cache
+def _config_spec(model_type: str, seq: int, dims: tuple[int, int, int]) -> ModelSpec:
+    """The ModelSpec of a transformers model type's default configuration, read by adapt's intake like any
+    config-only checkpoint (MoE and MLA need more than the CSV's dense columns); the row's layers, hidden size
+    and vocabulary must agree with it."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from adapt.model.intake import inspect
+
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoConfig.for_model(model_type).save_pretrained(tmp)
+        spec = inspect(tmp, config_only=True, seq_len=seq)
+    if (spec.num_layers, spec.hidden_size, spec.vocab_size) != dims:
+        raise BadInput(f"{model_type}'s default configuration is not the row's model: layers, hidden, vocab {dims}")
+    return spec

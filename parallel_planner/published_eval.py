@@ -80,6 +80,12 @@ def evaluate(runs: list[PublishedRun], eff: Efficiency | None = None, search: bo
     return out
 
 
+def planned(run: PublishedRun, eff: Efficiency | None = None) -> Any:
+    """The row as the planner predicts it: its stated layout and software, the unstated knobs its best choice."""
+    spec = run_spec(run)
+    return _fastest(run, spec, make_cluster(run.gpu, run.gpus), run.efficiency(eff), run.layouts())
+
+
 def _fastest(run: PublishedRun, spec: ModelSpec, cluster: Any, eff: Efficiency, layouts: list[dict[str, Any]]) -> Any:
     """The planner's best plan over ``layouts`` (each pinned in turn): fitting plans first, then the fastest."""
     plans = []
@@ -110,7 +116,7 @@ def knob_range(run: PublishedRun, eff: Efficiency | None = None) -> tuple[float,
     for mbs in (run.mbs,) if run.mbs else (1, 2, 4, 8):
         for vpp in stated_vpp or run.vpp_choices or (1, 2, 4, 8):
             layout = dict(run.layout, mbs=mbs, vpp=vpp)
-            if run.pp > 1 and vpp == 1:
+            if run.pp > 1 and vpp == 1 and not run.schedule:
                 layout["schedule"] = "1f1b"
             try:
                 best = plan_parallel(

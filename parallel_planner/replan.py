@@ -159,7 +159,7 @@ def _measured_runs(
     profile = profile_model(spec)
     calibrated = cal.apply(eff, cluster)
     scale = compute_scale(cal, profile, cluster, workload, calibrated)
-    memory = MemoryModel(fused_kernels=eff.fused_kernels)
+    memory = MemoryModel.of(eff)
     rows = []
     for run in cal.runs:
         tokens = run["global_batch"] * run["seq_len"]

@@ -9,7 +9,7 @@ from adapt.core.jsonio import to_jsonable
 from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, fmt, num, pct, plan_checks
 from parallel_planner.plan import ParallelPlan
 
-KNOB_KEYS = ("sp", "tp_overlap", "grad_overlap")  # the evaluated knobs a ranked plan carries
+KNOB_KEYS = ("sp", "tp_overlap", "grad_overlap", "ep_overlap")  # the evaluated knobs a ranked plan carries
 SUMMARY_FIELDS = (
     "tp", "pp", "dp", "cp", "ep", "zero", "recompute", "micro_batch", "grad_accum", "vpp",
     "memory_gib_per_gpu", "step_time_s", "tokens_per_s", "mfu", "hfu",
@@ -33,7 +33,7 @@ class RankedPlan:
     hfu: float  # hardware FLOPs (with recompute) over dense bf16 peak
     torchrun: str  # the `adapt train` launch of a training plan ("" for inference plans)
     host_bound: bool = False  # the CPU takes longer to issue a micro-batch than the GPU takes to run it
-    knobs: dict[str, Any] = field(default_factory=dict)  # sp, tp_overlap, grad_overlap as evaluated
+    knobs: dict[str, Any] = field(default_factory=dict)  # sp, tp_overlap, grad_overlap, ep_overlap as evaluated
 
     def to_dict(self) -> dict[str, Any]:
         p = self.plan

@@ -2,7 +2,7 @@
 
 Every structurally valid layout (TP x CP x PP x DP over the GPUs, EP inside DP x CP, ZeRO stage,
 HSDP shard groups of whole nodes, recompute, micro-batch, virtual stages, schedule, layer split,
-optimizer offload, sequence parallelism, TP-communication overlap where the runtime has it, gradient
+optimizer offload, sequence parallelism, TP- and EP-communication overlap where the runtime has it, gradient
 reduction overlapped or after the flush) is scored at once by the vectorised memory and time models,
 grouped by pipeline split. TP and EP stay inside a node and optimizer states on the GPU; only when nothing fits does the
 search add offload, then cross-node TP/EP (a faster cross-node-EP layout is still reported as the
@@ -88,7 +88,8 @@ def score(
             and layout.chunk_layers == getattr(stage_layout(profile, pp, vpp, SPLITS[0]), "chunk_layers", None)
         ):
             continue  # no layer split, or (searching) the same split under another name
-        layout = layout.compressed()
+        if not (cands.schedule == SCHEDULES.index("dualpipe")).any():  # DualPipe pairs stages by position
+            layout = layout.compressed()
         floor = model_state_floor(profile, workload, cands, mm)
         possible = floor <= usable
         if not possible.all():
@@ -126,7 +127,7 @@ def plan_parallel(
         eff = calibration.apply(eff, cluster)
         if not measured_on(calibration.device, cluster.gpu):
             notes.append(f"the calibration was measured on {calibration.device}, not on {cluster.gpu.name.upper()}")
-    mm = memory_model or MemoryModel(fused_kernels=eff.fused_kernels)
+    mm = memory_model or MemoryModel.of(eff)
     product = math.prod(pinned.get(k, 1) for k in ("tp", "pp", "dp", "cp"))
     if cluster.num_gpus % product or (
         all(k in pinned for k in ("tp", "pp", "dp", "cp")) and product != cluster.num_gpus
@@ -138,11 +139,14 @@ def plan_parallel(
     scale = compute_scale(calibration, profile, cluster, workload, eff) if calibration else None
     space_overlap = "tp_overlap" in pinned
     usable = mm.usable_bytes(cluster)
-    overlap = eff.runtime == "megatron" or space_overlap
+    overlap = dict(
+        tp_overlap=eff.runtime == "megatron" or space_overlap,
+        ep_overlap=(eff.runtime == "megatron" and profile.max_experts > 0) or "ep_overlap" in pinned,
+    )
     spaces = (
-        SearchSpace(tp_overlap=overlap),
-        SearchSpace(offload=True, tp_overlap=overlap),
-        SearchSpace(cross_node=True, offload=True, tp_overlap=overlap),
+        SearchSpace(**overlap),
+        SearchSpace(offload=True, **overlap),
+        SearchSpace(cross_node=True, offload=True, **overlap),
     )
     for space in spaces:
         groups, rejected_here = enumerate_candidates(profile, cluster, workload, pinned, space)

@@ -29,6 +29,7 @@ class SearchSpace:
     max_cp: int = 64
     min_cp_chunk: int = 256  # tokens per context-parallel rank below which ring attention cannot pay off
     tp_overlap: bool = False  # the runtime can pipeline TP collectives with GEMMs (adapt's eager TP cannot)
+    ep_overlap: bool = False  # the runtime can run the EP all-to-all beside another micro-batch's compute
 
 
 def _divisors(n: int) -> list[int]:
@@ -123,7 +124,8 @@ def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rej
             if not pairs and ("vpp" in fixed or "schedule" in fixed):
                 rejected[
                     f"vpp/schedule: interleaving needs at most layers + 2 chunks and the micro-batches per step "
-                    f"({per_rank // mbs} at mbs={mbs}, dp={dp}) to be a multiple of pp={pp}"
+                    f"({per_rank // mbs} at mbs={mbs}, dp={dp}) to be a multiple of pp={pp}; DualPipe an even pp and "
+                    "an even number of at least 2*pp micro-batches"
                 ] += 1
             for vpp, schedule in pairs:
                 yield from ((tp, pp, dp, cp, ep, mbs, vpp, schedule, r) for r in replicas)
@@ -140,12 +142,18 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
     # reduce-scatter) while every TP rank runs and keeps the norms whole, so it is dominated and the open
     # search keeps SP on, as it drops ZeRO-0; a pinned sp=0 is evaluated.  TP overlap only where the runtime
     # has it (a pinned value is evaluated); gradient reduction overlapped with backward, as FSDP2 and DDP
-    # buckets do, unless pinned after the flush.
-    switches = dict(sp=(1,), tp_overlap=(0, 1) if space.tp_overlap else (0,), grad_overlap=(1,) if training else (0,))
+    # buckets do, unless pinned after the flush.  EP overlap only where the runtime has it, and then on: it
+    # never exposes more of the all-to-all than running it alone and holds the same memory (a pinned 0 is evaluated).
+    switches = dict(
+        sp=(1,),
+        tp_overlap=(0, 1) if space.tp_overlap else (0,),
+        grad_overlap=(1,) if training else (0,),
+        ep_overlap=(1,) if space.ep_overlap and training else (0,),
+    )
     switches = {k: (fixed[k],) if k in fixed else v for k, v in switches.items()}
     inner = [
-        (zero, rec, off, sp, tpo, go)
-        for zero, rec, off, sp, tpo, go in itertools.product(
+        (zero, rec, off, sp, tpo, go, epo)
+        for zero, rec, off, sp, tpo, go, epo in itertools.product(
             zeros if training else (0,), range(3) if training else (0,), offload, *switches.values()
         )
         if not (off and zero == 0)
@@ -163,6 +171,10 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
         keep &= (b[:, 0] > 1) | (z[:, 4] == fixed.get("tp_overlap", 0))  # no TP: nothing for overlap to act on
         b, z = b[keep], z[keep]
         z[:, 3] = np.where(b[:, 0] > 1, z[:, 3], fixed.get("sp", 0))  # no TP: SP stays as pinned (off by default)
+        # No EP: no all-to-all to overlap.  Megatron-Core's combined 1F1B (the runtime that brings EP overlap into
+        # the open search) runs unpipelined or interleaved only; a pinned value is evaluated as given.
+        combined = (b[:, 1] == 1) | (b[:, 6] > 1) | ("ep_overlap" in fixed)
+        z[:, 6] = np.where((b[:, 4] > 1) & combined, z[:, 6], fixed.get("ep_overlap", 0))
         for split in range(len(SPLITS)) if pp > 1 else (0,):
             if fixed.get("split", split) != split:
                 continue
@@ -183,6 +195,7 @@ def _expand(outer, workload: Workload, fixed: dict[str, int], space: SearchSpace
                 sp=z[:, 3],
                 tp_overlap=z[:, 4],
                 grad_overlap=z[:, 5],
+                ep_overlap=z[:, 6],
             )
             yield (pp, vpp, split), Candidates(**cols)
 
@@ -192,12 +205,15 @@ def _schedules(
 ) -> list[tuple[int, int]]:
     """(vpp, schedule) pairs.  Interleaved 1F1B holds as many activations as zero-bubble (ZB-H1) with a
     larger bubble, so the open search skips it; a pinned schedule is still evaluated, and so is a pinned
-    ``vpp`` the open search does not try."""
+    ``vpp`` the open search does not try.  DualPipe (an even pipeline, an even number of micro-batches, at
+    least two per stage) only when pinned: it keeps two copies of the parameters, and adapt cannot run it."""
     if pp == 1:
         return [(1, 0)]
     out = [(1, SCHEDULES.index("1f1b"))]
     if not training:
         return out
+    if schedule_pinned and pp % 2 == 0 and m % 2 == 0 and m >= 2 * pp:  # DualPipe's own checks (``DualPipe.step``)
+        out.append((1, SCHEDULES.index("dualpipe")))
     interleaved = ("interleaved_1f1b", "zero_bubble") if schedule_pinned else ("zero_bubble",)
     for v in (vpp,) if vpp and vpp > 1 else VIRTUAL_STAGES[1:]:
         if pp * v <= layers + 2 and m % pp == 0:  # interleaving needs whole rounds of pp micro-batches

@@ -8,12 +8,14 @@ unfused, the whole square plus score traffic); norms, activations and residuals 
 as eager modules.  Host: every operator a micro-batch issues costs the CPU a measured dispatch time
 (eager, DTensor, compiled); the slower of host and GPU sets the pace, and a layout whose host time
 exceeds its GPU time is host-bound.  Communication: TP collectives (SP or not, overlapped with GEMMs
-or not) and EP all-to-all sit on the critical path; CP's ring exchange hides behind attention but for
+or not) and the EP all-to-all (flat or forwarded per node, or beside another micro-batch's compute:
+``expert_comm``) sit on the critical path; CP's ring exchange hides behind attention but for
 its last gradient exchange, and torch's ring adds its own fp32 merges and host operators; ZeRO's gradient
 reduction (overlapped with backward or after the flush) and parameter gathers hide behind the compute
 they can overlap with, but for the first gather and last reduction; FSDP2's casts and copies run on
 every mesh.  The pipeline runs ``m`` micro-batches at the slowest stage's pace plus
-the fill/drain bubble of the remaining stages, divided by the virtual stages.  A calibration replaces
+the fill/drain bubble of the remaining stages, divided by the virtual stages (DualPipe: pairs of mirrored
+stages and its own bubble).  A calibration replaces
 the GEMM ceiling and dispatch costs with measurements and scales compute to measured steps.
 """
 
@@ -28,11 +30,13 @@ from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives, LinkModel
 from parallel_planner.data_parallel_time import data_parallel_seconds
 from parallel_planner.dispatch import DispatchCosts
+from parallel_planner.expert_comm import expert_all_to_all_seconds, exposed_all_to_all
 from parallel_planner.layout import (
     RECOMPUTE,
     SCHEDULES,
     Candidates,
     StageLayout,
+    mirrored,
     row_max,
 )
 from parallel_planner.memory import ACT_BYTES, micro_batches, stage_params
@@ -49,6 +53,7 @@ from parallel_planner.workload import Workload
 FULL = RECOMPUTE.index("full")
 SELECTIVE = RECOMPUTE.index("selective")
 ZERO_BUBBLE = SCHEDULES.index("zero_bubble")
+DUALPIPE = SCHEDULES.index("dualpipe")
 HEAD_OPS = 40  # embedding lookup, final norm, head GEMM and cross-entropy, forward and backward
 
 
@@ -111,6 +116,9 @@ class Efficiency:
     grad_accum_fused: bool = False  # weight-gradient GEMMs accumulate into the fp32 buffer (Megatron 2022+)
     grads16: bool = False  # gradients stay 16-bit: autograd accumulates them, DP reduces 16 bits (Megatron-LM 2021)
     launch_blocking: bool = False  # CUDA_LAUNCH_BLOCKING=1: the host waits for every kernel (BLOOM's launch script)
+    ep_forwarded: bool = False  # MoE all-to-all crosses the network once per target node, then NVLink (DeepEP)
+    ep_fp8_dispatch: bool = False  # tokens quantised to fp8 before the dispatch (and gradients before its mirror)
+    moe_weighted_activation: bool = False  # routing weight applied to the experts' activation (memory.MemoryModel)
     gemm_scale: float = 1.0  # a calibration's measured / modelled GEMM rate on the target machine (1: none)
 
     def __post_init__(self) -> None:
@@ -206,17 +214,7 @@ def block_forward_seconds(
     every expert has no imbalance to suffer).  Without sequence parallelism every TP rank runs the norms
     and residuals on the whole activation."""
     peak = cluster.gpu.peak_flops(precision)
-    gemm = 0.0
-    for g in block.gemms:
-        shard = tp if g.tp_sharded else 1
-        # column-parallel GEMMs split their output over TP, row-parallel ones their inner dimension
-        k, n = (g.in_features / shard, g.out_features) if g.row_parallel else (g.in_features, g.out_features / shard)
-        if g.routed:
-            local_experts = block.num_experts / ep
-            per_expert = tokens * block.top_k * ep / block.num_experts * np.where(ep > 1, moe_imbalance, 1.0)
-            gemm = gemm + gemm_seconds(per_expert, k, n, cluster, peak, eff, local_experts)
-        else:
-            gemm = gemm + gemm_seconds(tokens, k, n, cluster, peak, eff)
+    gemm = sum(_block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, moe_imbalance) for g in block.gemms)
     gemm = gemm * block.flops_scale
     attention = attention_seconds(block, tokens, tp, context, seq_len or 2 * context, cluster, eff)
     hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
@@ -229,6 +227,26 @@ def block_forward_seconds(
     kernels = KERNEL_SHARE * (block.host_ops_fused if eff.fused_kernels else block.host_ops) / 3
     elementwise = ACT_BYTES * tokens * width / hbm + kernels * eff.kernel_overhead_s
     return gemm, attention, elementwise
+
+
+def _block_gemm_seconds(block: BlockProfile, g, tokens, tp, ep, cluster: Cluster, peak: float, eff, moe_imbalance):
+    """Seconds of one of a block's GEMMs for ``tokens`` local tokens; routed experts at the busiest EP rank."""
+    shard = tp if g.tp_sharded else 1
+    # column-parallel GEMMs split their output over TP, row-parallel ones their inner dimension
+    k, n = (g.in_features / shard, g.out_features) if g.row_parallel else (g.in_features, g.out_features / shard)
+    if not g.routed:
+        return gemm_seconds(tokens, k, n, cluster, peak, eff)
+    per_expert = tokens * block.top_k * ep / block.num_experts * np.where(ep > 1, moe_imbalance, 1.0)
+    return gemm_seconds(per_expert, k, n, cluster, peak, eff, block.num_experts / ep)
+
+
+def recomputed_gemm_seconds(block: BlockProfile, tokens, tp, ep, cluster: Cluster, precision: str, eff, imbalance):
+    """Forward seconds of the GEMMs selective recompute runs again (MLA's up-projections)."""
+    peak = cluster.gpu.peak_flops(precision)
+    again = [g for g in block.gemms if g.recomputed]
+    return block.flops_scale * sum(
+        _block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, imbalance) for g in again
+    )
 
 
 def _context_parallel(block: BlockProfile, tokens, tp, cp, attention, comm: Collectives, cluster: Cluster, eff):
@@ -306,8 +324,10 @@ def step_time(
     tp, ep, cp = c.tp, c.ep, c.cp
     h = profile.hidden
     full = c.recompute == FULL
+    m = micro_batches(workload, c).astype(np.float64)
     fwd = np.zeros((len(c), n_types))
     bwd = np.zeros_like(fwd)
+    weight_grad = np.zeros_like(fwd)  # the weight-gradient GEMMs of backward (the forward GEMMs' FLOPs)
     exposed_comm = np.zeros_like(fwd)
     host_ops = np.zeros(n_types)
     ring_ops = np.zeros((len(c), n_types))  # torch ring attention's own operators, eager and DTensor
@@ -331,7 +351,10 @@ def step_time(
         bias = score_bias_seconds(block, tokens, tp, workload.seq_len, cluster, eff)
         f = scale[j] * (gemm + attention + elementwise + dropout + bias)
         b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise + dropout)
-        recompute = np.where(full, f, np.where(c.recompute == SELECTIVE, scale[j] * elementwise, 0.0))
+        rerun = elementwise + recomputed_gemm_seconds(
+            block, tokens, tp, ep, cluster, workload.precision, eff, workload.moe_imbalance
+        )
+        recompute = np.where(full, f, np.where(c.recompute == SELECTIVE, scale[j] * rerun, 0.0))
         activation = ACT_BYTES * tokens * h
         tp_pairs = int(block.has_attention) + int(block.has_mlp)
         # SP: all-gather before and reduce-scatter after each pair; without SP one all-reduce (the same bytes).
@@ -344,13 +367,16 @@ def step_time(
             + (1 - eff.overlap) * np.minimum(tp_comm, scale[j] * gemm),
             tp_comm,
         )
-        ep_fwd = 0.0
-        if block.is_moe:
-            ep_fwd = 2 * comm.all_to_all(activation * block.top_k * workload.moe_imbalance / tp, ep, tp)
+        ep_fwd = expert_all_to_all_seconds(
+            block, tokens, tp, ep, comm, cluster.gpus_per_node, workload.moe_imbalance, eff
+        )
+        if workload.training:
+            ep_fwd = exposed_all_to_all(ep_fwd, f + b + recompute, full, c.ep_overlap * (m > 1), eff.overlap)
         cp_fwd, cp_bwd, ring_work = _context_parallel(block, tokens, tp, cp, scale[j] * attention, comm, cluster, eff)
         f = f + ring_work[0]
         b = b + ring_work[1]
         fwd[:, j] = f
+        weight_grad[:, j] = scale[j] * gemm
         exposed_comm[:, j] = tp_fwd + ep_fwd + cp_fwd
         if workload.training:
             bwd[:, j] = b + recompute + (tp_fwd + ep_fwd) * (1 + full) + cp_bwd + cp_fwd * full
@@ -358,7 +384,8 @@ def step_time(
         host_ops[j] = ops if workload.training else ops / 3
         ring_ops[:, j], ring_dtensor_ops[:, j] = _ring_host_ops(block, cp, eff, workload.training)
     counts = layout.type_counts.T  # (T, pp)
-    head_gemm = gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops(workload.precision), eff)
+    # fp8 recipes keep the output head in bf16 (DeepSeek-V3 sec. 3.3.1; Megatron-Core's output layer is no TE module)
+    head_gemm = gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops("bf16"), eff)
     loss_fwd, loss_bwd = loss_seconds(tokens, profile.vocab, tp, cluster, eff)
     head_fwd = head_gemm + loss_fwd
     stage_fwd = (fwd + exposed_comm) @ counts + layout.has_head[None, :] * head_fwd[:, None]
@@ -374,15 +401,18 @@ def step_time(
     gathers = TP_GATHERS[eff.runtime] if workload.training else min(1, TP_GATHERS[eff.runtime])
     gathered = gathers * c.vpp * comm.all_gather(boundary, tp, np.ones_like(tp))
     p2p = p2p + np.where((pp > 1) & (c.sp == 0), gathered, 0.0)
-    m = micro_batches(workload, c).astype(np.float64)
+    dual = c.schedule == DUALPIPE
+    if dual.any() and len(layout.stage_ids) != layout.pp:
+        raise ValueError("DualPipe pairs stages by position: score it on an uncompressed layout")
+    stage_fwd, stage_bwd = mirrored(stage_fwd, dual, mean=True), mirrored(stage_bwd, dual, mean=True)
     gpu_stage = stage_fwd + stage_bwd + p2p[:, None]
     if workload.training:
-        gpu_stage = gpu_stage + _grad_accumulation(profile, layout, c, m, cluster, eff)
+        gpu_stage = gpu_stage + mirrored(_grad_accumulation(profile, layout, c, m, cluster, eff), dual, mean=True)
     # Host: every operator of a micro-batch is issued by the CPU; the embedding, head and loss add ~40.
     stage_ops = host_ops @ counts + HEAD_OPS * (layout.has_head + layout.has_embedding)[None, :] / 2
     per_op = host_seconds_per_op(c, eff)[:, None]
     ring_host = per_op * (ring_ops @ counts) + eff.host.dtensor_s * (ring_dtensor_ops @ counts)
-    host_stage = (per_op * stage_ops + ring_host) * (1 + full[:, None] / 3)
+    host_stage = mirrored((per_op * stage_ops + ring_host) * (1 + full[:, None] / 3), dual, mean=True)
     # Asynchronous launch hides the host behind the GPU (the slower sets the pace).  torch.distributed.pipelining
     # waits on each micro-batch's P2P before issuing the next, so a pipelined torch run pays both in series, as
     # does every run under CUDA_LAUNCH_BLOCKING=1 (each launch returns when its kernel has finished).
@@ -391,6 +421,10 @@ def step_time(
     slowest = row_max(stage)
     bubble = (stage @ layout.multiplicity - slowest) / c.vpp
     bubble = np.where(c.schedule == ZERO_BUBBLE, bubble * eff.zero_bubble_fraction, bubble)
+    if workload.training and dual.any():  # DualPipe: (pp/2 - 1)(F&B + B - 3W), F&B a forward and a backward chunk
+        stage_w = mirrored(weight_grad @ counts + layout.has_head[None, :] * head_gemm[:, None], dual, mean=True)
+        chunk = row_max(stage_fwd + 2 * stage_bwd - 3 * stage_w + p2p[:, None])
+        bubble = np.where(dual, (pp / 2 - 1) * chunk, bubble)
     pipeline = m * slowest + bubble
 
     out = {

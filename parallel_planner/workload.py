@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from adapt.core.errors import BadInput
 
-# fp32 bytes of optimizer state per parameter (Adam: two moments; SGD/Lion: one; Adafactor: factored, ~0).
+# Bytes of fp32 optimizer state per parameter (Adam: two moments; SGD/Lion: one; Adafactor: factored, ~0).
 OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4, "adafactor": 0}
 
 
@@ -22,6 +22,11 @@ class Workload:
     # loss or DeepSeek-V3's bias balancing) keep a rank's share of a large batch within 1.0-1.2; the
     # slowest rank sets the pace of expert compute and all-to-all, and its activations the memory.
     moe_imbalance: float = 1.1
+    # Bits of each optimizer moment: 16 keeps Adam's moments in bf16 (DeepSeek-V3 sec. 3.3.3; Megatron-Core 0.13's
+    # precision-aware optimizer), master weights and gradients staying fp32.
+    moment_bits: int = 32
+    # Bits of the activations the fp8 GEMMs' backward reads: 8 caches their fp8 copies (DeepSeek-V3 sec. 3.3.3).
+    act_cache_bits: int = 16
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.global_batch < 1:
@@ -32,6 +37,10 @@ class Workload:
             raise BadInput(f"--precision must be bf16 or fp8, got {self.precision!r}")
         if not 1.0 <= self.moe_imbalance <= 4.0:
             raise BadInput(f"--moe-imbalance must be between 1 and 4, got {self.moe_imbalance}")
+        if self.moment_bits not in (16, 32):
+            raise BadInput(f"optimizer moments must be 16 or 32 bits, got {self.moment_bits}")
+        if self.act_cache_bits not in (8, 16) or (self.act_cache_bits == 8 and self.precision != "fp8"):
+            raise BadInput(f"activations cached in {self.act_cache_bits} bits: 16, or 8 with --precision fp8")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise BadInput(f"optimizer {self.optimizer!r} unknown (known: {', '.join(OPTIMIZER_STATE_BYTES)})")
 
@@ -52,7 +61,7 @@ class Workload:
 
     @property
     def optimizer_state_bytes(self) -> int:
-        return OPTIMIZER_STATE_BYTES[self.optimizer]
+        return OPTIMIZER_STATE_BYTES[self.optimizer] * self.moment_bits // 32
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

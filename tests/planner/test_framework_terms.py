@@ -95,7 +95,7 @@ def test_tied_embedding_gradient_is_all_reduced_in_fp32_between_the_end_stages()
     pp, tp, dp = random.choice((2, 4)), random.choice((1, 2, 4)), 8  # the end stages sit on different nodes
     layout = stage_layout(profile, pp, 1, "balanced")
     row = dict(tp=tp, pp=pp, dp=dp, cp=1, ep=1, zero=1, recompute=0, mbs=1, vpp=1, schedule=0, split=0, offload=0)
-    row.update(replicate=1, sp=0, tp_overlap=0, grad_overlap=0)
+    row.update(replicate=1, sp=0, tp_overlap=0, grad_overlap=0, ep_overlap=0)
     c = Candidates.from_rows([tuple(row[f] for f in FIELDS)])
     comm = Collectives(make_cluster("a100", pp * tp * dp), MEGATRON.link_model())
     seconds = _tied_reduction(profile, layout, c, comm)[0]

@@ -53,6 +53,16 @@ def register(sub) -> None:
         default=1.1,
         help="routed tokens on the busiest expert-parallel rank over the mean (default 1.1)",
     )
+    work.add_argument(
+        "--moment-bits", type=int, choices=(32, 16), default=32, help="optimizer moments in fp32 or bf16 (16)"
+    )
+    work.add_argument(
+        "--act-cache-bits",
+        type=int,
+        choices=(16, 8),
+        default=16,
+        help="8: the fp8 GEMMs' inputs are cached for backward in fp8 (needs --precision fp8)",
+    )
     soft = parser.add_argument_group("software the run uses (the time model's assumptions)")
     soft.add_argument(
         "--runtime",
@@ -69,6 +79,18 @@ def register(sub) -> None:
         help="norms, GLU and rotary as fused kernels (adapt's operators) or transformers' eager modules",
     )
     soft.add_argument("--compiled", action="store_true", help="a compiled graph issues the kernels (host cost per op)")
+    soft.add_argument(
+        "--ep-comm",
+        choices=("flat", "forwarded"),
+        default="flat",
+        help="MoE all-to-all: flat (one copy per routed expert) or forwarded (once per target node, then NVLink: DeepEP)",
+    )
+    soft.add_argument("--ep-fp8-dispatch", action="store_true", help="tokens quantised to fp8 before the dispatch")
+    soft.add_argument(
+        "--moe-weighted-activation",
+        action="store_true",
+        help="the routing weight scales the experts' activation, so no expert output is kept for backward",
+    )
     parser.add_argument(
         "--fixed", metavar="K=V,...", help="evaluate this layout, e.g. 'tp=8,pp=16,dp=64,zero=1,recompute=none'"
     )
@@ -191,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
         attention=args.attention_kernel,
         fused_kernels=args.kernels == "fused",
         compiled=args.compiled,
+        ep_forwarded=args.ep_comm == "forwarded",
+        ep_fp8_dispatch=args.ep_fp8_dispatch,
+        moe_weighted_activation=args.moe_weighted_activation,
     )
     result = plan_parallel(
         spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration, efficiency=software
@@ -219,6 +244,8 @@ def check_plan_flags(args: argparse.Namespace) -> None:
             raise BadInput(f"--{flag.replace('_', '-')} is {value}; allowed: an integer >= 1")
     if args.moe_imbalance < 1:
         raise BadInput(f"--moe-imbalance is {args.moe_imbalance}; allowed: a number >= 1")
+    if args.act_cache_bits == 8 and args.precision != "fp8":
+        raise BadInput(f"--act-cache-bits 8 with --precision {args.precision}; allowed: 8 only with --precision fp8")
     if args.cluster and (args.gpu or args.gpus or args.gpus_per_node):
         raise BadInput(f"--cluster {args.cluster!r} with --gpu/--gpus/--gpus-per-node; allowed: one of the two forms")
     if (args.gpus or args.gpus_per_node) and not args.gpu:
@@ -251,7 +278,14 @@ def _cluster_and_workload(args: argparse.Namespace):
         cluster = make_cluster(args.gpu, args.gpus or 8, args.gpus_per_node)
     else:
         cluster = parse_cluster_option(args.cluster or CPU_CLUSTER) or local_cluster()
-    options = dict(mode=args.mode, precision=args.precision, optimizer=args.optimizer, moe_imbalance=args.moe_imbalance)
+    options = dict(
+        mode=args.mode,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        moe_imbalance=args.moe_imbalance,
+        moment_bits=args.moment_bits,
+        act_cache_bits=args.act_cache_bits,
+    )
     if args.global_batch_tokens:
         workload = Workload.from_tokens(args.plan_seq_len, args.global_batch_tokens, **options)
     else:
