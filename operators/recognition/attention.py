@@ -89,8 +89,8 @@ def attention_shape(inv: OpInventory, rec: ModuleRecord) -> dict[str, Any]:
         kv_heads = heads
     elif len(from_hidden) >= 3:
         kv_heads = min(kv_heads_core, min(from_hidden) // head_dim) or heads
-    elif len(from_hidden) == 1:
-        units = from_hidden[0] // head_dim  # fused q, k and v; or k and v alone, the queries made elsewhere
+    elif from_hidden:  # the widest holds k and v fused, with q or without; the other one is q or the output
+        units = max(from_hidden) // head_dim
         kv_heads = max(1, (units - heads) // 2 if units > heads else units // 2)
     else:
         kv_heads = heads
