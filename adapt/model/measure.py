@@ -111,6 +111,8 @@ class _Recorder(TorchDispatchMode):
             facts.activations.append(label)
         if name in _SCORING:
             facts.last_op = name  # the scoring a later topk selects on
+            if facts.top_k is not None and facts.scoring is None:  # the choice made on raw logits, scored after it
+                facts.scoring = _SCORING[name]
 
 
 def _rotates(name: str, args: tuple) -> bool:
