@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.core.spec import ModelSpec
 from adapt.core.verdicts import gradient_floor
 from adapt.model.calls import without_cache
+from operators.agreement import compare_with_spec
 from operators.generated import GeneratedKernel, generate
 from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
 from operators.mapping import KernelPlan, plan_kernels
@@ -48,8 +50,6 @@ def build_inventory(
 
     Accepts an ``nn.Module``, a ``ModelSource``, or a ``ModelSpec`` (its ``source`` is re-read config-only).
     """
-    from adapt.core.spec import ModelSpec
-
     model = model_or_spec
     if isinstance(model_or_spec, ModelSpec):
         from adapt.model.intake import build_meta_model, resolve_source
@@ -91,11 +91,13 @@ def run_ops(
     trust_remote_code: bool = False,
     config_only: bool = False,
     compile_mode: str | None = None,
+    spec: ModelSpec | None = None,
 ) -> OpsReport:
     """The whole operators stage for ``src`` (a path/hub id, or a resolved ``ModelSource``).
 
     Writes ``ops.json`` (and generated kernel sources, ``model.onnx``) to ``out_dir`` when given.
     ``compile_mode`` overrides how the plan compiles the adapted model (``mapping.compile_plan``).
+    With intake's ``spec`` of the same source, the report says where the two descriptions disagree.
     """
     from adapt.model.intake import build_meta_model, load_model, resolve_source
 
@@ -153,6 +155,8 @@ def run_ops(
         )
         with _phase(phases, "patch_check"):
             report.patch_check = check_kernel_plan(model, plan) if check_patch else PatchCheck(False, note="skipped")
+    if spec is not None:
+        report.agreement = compare_with_spec(spec, report.recognition, inventory.traced_blocks)
     report.seconds = time.perf_counter() - start
     report.phases = phases
     if out:

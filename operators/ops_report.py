@@ -4,9 +4,10 @@
 rebuilds the typed report from it, so a stage that reads a stored operators result (alignment, bench,
 soak) gets the same kernel plan without loading, tracing, probing or timing the model again.  What
 the round trip keeps: the profile with its rules, the target, the whole plan, the recognised components
-and rejections, ONNX, generated kernels, the patch check and the phase seconds.  The inventory comes
-back as its summary (tracer, device, input shape, seconds, traced blocks): its per-module records and
-captured inputs stay with the process that traced them; the per-overload decisions are in the plan.
+and rejections, ONNX, generated kernels, the patch check, the phase seconds and the comparison with intake's
+spec (``operators.agreement``).  The inventory comes back as its summary (tracer, device, input shape, seconds,
+traced blocks): its per-module records and captured inputs stay with the process that traced them; the
+per-overload decisions are in the plan.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from adapt.core.stage_verdicts import (
     num,
     operator_checks,
     pct,
+    plural,
     unsupported_count,
 )
+from operators.agreement import Agreement
 from operators.generated import GeneratedKernel
 from operators.inventory import OnnxReport, OpInventory, json_ready
 from operators.mapping import KernelChoice, KernelPlan, OpDecision
@@ -63,6 +66,7 @@ class OpsReport:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per part of the stage
     onnx_blocks: dict[str, int] | None = None  # blocks in the exported graph, of how many
+    agreement: Agreement | None = None  # intake's spec against the recognition; None: the stage had no spec
 
     def new(self) -> list[dict[str, Any]]:
         """What this model has that no recognised kind covers, with how it runs."""
@@ -137,6 +141,7 @@ class OpsReport:
                 "patch_check": self.patch_check,
                 "seconds": round(self.seconds, 3),
                 "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "agreement": self.agreement.to_dict() if self.agreement is not None else None,
             }
         )
 
@@ -154,6 +159,11 @@ class OpsReport:
         )
         if patch.get("ran"):
             line += f", patched model {'matches' if patch.get('passed') else 'DIFFERS FROM'} unpatched"
+        agreement = data["agreement"]
+        if agreement is not None:  # information, not a check: a disagreement never fails the stage
+            disagree = len(agreement["disagreements"])
+            line += f"; intake {'disagrees on ' + plural(disagree, 'fact', 'facts') if disagree else 'agrees'}"
+            line += f" ({agreement['total']} compared)"
         return StageSummary(line, data, checks)
 
     def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
@@ -203,6 +213,7 @@ class OpsReport:
             seconds=float(data.get("seconds") or 0.0),
             phases=dict(data.get("phases") or {}),
             onnx_blocks=data.get("onnx_blocks"),
+            agreement=Agreement.from_dict(data["agreement"]) if data.get("agreement") else None,
         )
 
 
@@ -262,4 +273,5 @@ def _operators_data(report: dict[str, Any]) -> dict[str, Any]:
         "generated": report.get("generated", []),
         "patch_check": report.get("patch_check") or {},
         "profile": (report.get("profile") or {}).get("name"),
+        "agreement": report.get("agreement"),
     }

@@ -9,6 +9,7 @@ from typing import Any
 import pandas as pd
 
 from reports import plots, tables
+from reports.agreement import agreement_lines, agreement_table
 from reports.markdown import STATUS_MARK, shapes_line
 from reports.schema import stage, summary
 
@@ -50,7 +51,12 @@ def render_html(report: dict[str, Any]) -> str:
         report,
         "operators",
         "Operator mapping",
-        [tables.coverage_table(report), tables.coverage_facts(report), tables.operator_table(report)],
+        [
+            tables.coverage_table(report),
+            tables.coverage_facts(report),
+            tables.operator_table(report),
+            agreement_table(report),
+        ],
     )
     parts += _section(
         report,
@@ -153,6 +159,8 @@ def _section(
         )
     if name == "throughput":
         out += [f'<p class="caveat">{_e(line)}</p>' for line in tables.throughput_caveats(report)]
+    if name == "operators":
+        out += [f"<p>{_e(line)}</p>" for line in agreement_lines(report)]
     if name in plots.FIGURES:
         out.append(_figure(report, name))
     out += [_table(df, rows_by_passed) for df in frames]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from reports import tables
+from reports.agreement import agreement_lines, agreement_table
 from reports.schema import stage, summary
 
 STATUS_MARK = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "blocked": "BLOCKED", "skipped": "skipped",
@@ -96,7 +97,15 @@ def _section_operators(report: dict[str, Any]) -> list[str]:
         "Components:",
         "",
         tables.to_markdown(tables.operator_table(report)),
+        *_agreement(report),
     ]
+
+
+def _agreement(report: dict[str, Any]) -> list[str]:
+    """Whether intake and the operators describe the model alike, and the facts where they do not."""
+    table = agreement_table(report)
+    lines = ["Intake against operators:", "", *[f"- {line}" for line in agreement_lines(report)], ""]
+    return lines + ([tables.to_markdown(table)] if not table.empty else [])
 
 
 def _section_plan(report: dict[str, Any]) -> list[str]:

@@ -93,6 +93,14 @@ class BlockSpec:
 
 
 @dataclass
+class HeadSpec:
+    """What the output head does besides its projection: the treatment a replacing loss kernel must keep."""
+
+    tied: bool  # the projection's weight is the token embedding's
+    softcap: float | None = None  # c of c * tanh(logits / c) on the output logits; None: none
+
+
+@dataclass
 class ParamCounts:
     embeddings: int = 0
     attention: int = 0
@@ -169,6 +177,7 @@ class ModelSpec:
     novelties: list[str]  # what adapt knows no kind for: unrecognised components, unknown token mixers
     checkpoint: CheckpointReport | None = None
     features: list[str] = field(default_factory=list)  # every known trait, stated (GQA, windows, soft-caps, routing)
+    head: HeadSpec | None = None  # None: a spec written before intake described the head
 
     # ---- convenience views used by the planner and validators -------------------------
     @property

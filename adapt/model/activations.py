@@ -21,3 +21,19 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
 }
+
+# Configs name some of these functions otherwise; intake falls back on a config's name only when the numbers
+# named nothing, and the intake/operators comparison reads both sides through this one table.
+ACTIVATION_ALIASES: dict[str, str] = {
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_tanh",
+}
+
+
+def canonical_activation(name: str) -> str:
+    """``name`` as ``ACTIVATIONS`` spells it (a config's alias resolved); other names unchanged."""
+    return ACTIVATION_ALIASES.get(name, name)

@@ -21,17 +21,22 @@ from adapt.core.spec import (
     BlockSpec,
     CheckpointReport,
     CostSpec,
+    HeadSpec,
     MLPSpec,
     ModelSpec,
     NormSpec,
     ParamCounts,
 )
+from adapt.model.activations import canonical_activation
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.model.measure import ChildFacts, block_signature, measure_blocks
 from adapt.model.skeleton import build_meta_model, load_config, load_model, quiet_transformers
 from adapt.model.structure import (
+    attention_causal,
     attention_window,
+    heads_kept_as_experts,
     interpret_attention,
+    interpret_expert_attention,
     interpret_mlp,
     is_mlp_group,
     probe_activation,
@@ -126,7 +131,7 @@ def describe_model(
     for index, block in enumerate(block_list):
         spec_block, block_counts = _describe_block(
             block, index, f"{blocks_path}.{index}", config, hidden, head_dim_hint, has_final_norm, norm_cache,
-            unrecognized, rope is not None, measured.get(block_signature(block), {}),
+            unrecognized, rope is not None, measured.get(block_signature(block), {}), is_causal,
         )  # fmt: skip
         blocks.append(spec_block)
         for key, value in block_counts.items():
@@ -139,6 +144,8 @@ def describe_model(
     )
     cost = _cost(model, blocks, counts, seq, hidden, vocab, is_causal, config)
     dtype = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
+    final_cap = getattr(config, "final_logit_softcapping", None)
+    head = HeadSpec(tied=_tied(model), softcap=float(final_cap) if final_cap else None)
     return ModelSpec(
         schema_version=SCHEMA_VERSION,
         model_type=str(getattr(config, "model_type", "") or ""),
@@ -152,7 +159,7 @@ def describe_model(
         vocab_size=vocab,
         num_layers=len(blocks),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=_tied(model),
+        tie_word_embeddings=head.tied,
         rope=rope,
         blocks=blocks,
         params=counts,
@@ -160,13 +167,14 @@ def describe_model(
         unrecognized=sorted(set(unrecognized)),
         novelties=_novelties(blocks, sorted(set(unrecognized))),
         checkpoint=checkpoint,
-        features=_features(blocks, is_causal, _tied(model), config),
+        features=_features(blocks, is_causal, head),
+        head=head,
     )
 
 
 def _describe_block(
     block, index, path, config, hidden, head_dim_hint, has_final_norm, norm_cache, unrecognized, has_rope,
-    facts: dict[str, ChildFacts],
+    facts: dict[str, ChildFacts], is_causal: bool,
 ) -> tuple[BlockSpec, dict[str, int]]:  # fmt: skip
     parts = split_block(block)
     owners = list(parts.projections)
@@ -182,6 +190,11 @@ def _describe_block(
     # mixing over several residual streams) is no attention and its parameters count as "other".
     attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners and o not in mixer_owners
                    and any(hidden in p.shape for p in parts.projections[o])]  # fmt: skip
+    # No attention among the plain children: a child holding expert banks may keep its query heads as the experts.
+    expert_attention = [] if attn_owners else [
+        o for o in moe_owners if heads_kept_as_experts(parts.projections.get(o, []), parts.banks[o], hidden)][:1]  # fmt: skip
+    moe_owners = [o for o in moe_owners if o not in expert_attention]
+    attn_owners += expert_attention
     module_of = dict(block.named_modules())
 
     # Norms: probe each distinct (class, size) once. Narrow norms inside the attention owner are
@@ -220,21 +233,28 @@ def _describe_block(
         activation = seen.most_common(1)[0][0] if seen else activation
     if activation == "unknown":
         act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-        activation = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "swish": "silu"}.get(
-            act, act
-        ) or "unknown"
+        activation = canonical_activation(act) if act else "unknown"
 
     attn_modules = [module_of[o] for o in attn_owners]
     attention: AttentionSpec | None = None
     attn_params = sum(p.params for o in attn_owners for p in parts.projections[o]) + attn_norm_params
+    attn_bank, active_attn_bank = 0, 0.0
     if attn_owners:
         group = [p for o in attn_owners for p in parts.projections[o]]
         measured_dim = next((facts[o].head_dim for o in attn_owners if o in facts and facts[o].head_dim), None)
-        attention = interpret_attention(
-            group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim
-        )
+        if expert_attention:
+            owner = expert_attention[0]
+            attention, attn_bank, active_attn_bank = interpret_expert_attention(
+                group, parts.banks[owner], attn_modules + list(module_of[owner].modules()), config, hidden,
+                facts[owner].top_k if owner in facts else None, measured_dim, head_dim_hint,
+            )  # fmt: skip
+            attn_params += attn_bank
+        else:
+            attention = interpret_attention(
+                group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim
+            )
         attention.window = attention_window(attn_modules, config, index)
-        attention.causal = bool(getattr(attn_modules[0], "is_causal", True))
+        attention.causal = attention_causal(attn_modules, is_causal)
         softcap = getattr(config, "attn_logit_softcapping", None)
         attention.softcap = float(softcap) if softcap else None
         attention.qk_norm = attention.kind != "mla" and attention.head_dim in attn_norm_sizes
@@ -280,10 +300,13 @@ def _describe_block(
         sum(p.shape[0] * p.shape[1] for o in attn_owners for p in parts.projections[o])
         + sum(p.shape[0] * p.shape[1] for p in mlp_projs)
         + int(active_bank)
+        + int(active_attn_bank)
     )
     attn_coeff = 0
     if attention is not None:
         attn_coeff = 2 * attention.num_heads * (attention.head_dim + attention.v_head_dim)
+    # a rotation measured in the attention names rotary embedding where no inv_freq buffer does
+    rotated = any(facts[o].rotation for o in attn_owners if o in facts and facts[o].head_dim)
     mixer = "unknown"
     if attention is not None:
         mixer = "sliding_attention" if attention.window else "full_attention"
@@ -298,9 +321,9 @@ def _describe_block(
             attention=attention,
             mlp=mlp,
             norm=norm,
-            positional="rope" if has_rope else "none",
+            positional="rope" if has_rope or rotated else "none",
             params=total,
-            params_active=total - (bank_params - int(active_bank)),
+            params_active=total - (bank_params - int(active_bank)) - (attn_bank - int(active_attn_bank)),
             linear_flops_per_token=linear_flops,
             attention_flops_per_token_per_ctx=attn_coeff,
         ),  # fmt: skip
@@ -430,7 +453,7 @@ def _novelties(blocks: list[BlockSpec], unrecognized: list[str]) -> list[str]:
     return notes + [f"unrecognised component: {u}" for u in unrecognized]
 
 
-def _features(blocks: list[BlockSpec], is_causal: bool, tied: bool, config) -> list[str]:
+def _features(blocks: list[BlockSpec], is_causal: bool, head: HeadSpec) -> list[str]:
     """Every known trait, stated: mixers per block, attention layout and treatment, MoE routing, norms, head."""
     notes: list[str] = []
     n = len(blocks)
@@ -461,10 +484,9 @@ def _features(blocks: list[BlockSpec], is_causal: bool, tied: bool, config) -> l
     for placement in Counter(b.norm.placement for b in blocks):
         if placement not in ("pre", "unknown"):
             notes.append(f"{placement}-norm blocks")
-    final_cap = getattr(config, "final_logit_softcapping", None)
-    if final_cap:
-        notes.append(f"final logit soft-capping at {float(final_cap)}")
-    if tied:
+    if head.softcap:
+        notes.append(f"final logit soft-capping at {head.softcap}")
+    if head.tied:
         notes.append("output head tied to the token embedding")
     if not is_causal:
         notes.append("bidirectional (encoder) attention")

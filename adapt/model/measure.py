@@ -3,8 +3,8 @@
 Config names and attribute names are conventions a new model need not follow; the ATen ops its
 forward runs are not.  This runs the model once on a short batch (meta tensors for a skeleton) with
 every block but one of each distinct structure passed through, and records, per block child:
-the attention core's operands (head dim, query heads, value width), the activation ops, and a
-router's ``topk`` with the scoring op before it.  A block whose forward cannot run on these inputs
+the attention core's operands (head dim, query heads, value width), the activation ops, a rotation of q and k,
+and a router's ``topk`` with the scoring op before it.  A block whose forward cannot run on these inputs
 (data-dependent control flow on meta tensors) keeps what it recorded before it stopped.
 """
 
@@ -45,6 +45,7 @@ class ChildFacts:
         False  # exponentials, running sums or a loop over positions: a state (SSM, linear attention, RNN)
     )
     steps: int = 0  # select/slice ops seen: a python loop over the positions runs one per position
+    rotation: bool = False  # q or k rotated before the core: rotary position embedding (see _rotates)
     last_op: str = ""
 
 
@@ -100,6 +101,7 @@ class _Recorder(TorchDispatchMode):
         if name.startswith("aten.convolution"):
             facts.convolution = True
         facts.steps += name in ("aten.select.int", "aten.slice.Tensor")
+        facts.rotation |= facts.head_dim is None and _rotates(name, args)
         if name in _RECURRENT_OPS or facts.steps >= SEQ:  # a decaying state, or a loop over the positions
             facts.recurrence = True
         if name in _ACTIVATIONS:
@@ -109,6 +111,23 @@ class _Recorder(TorchDispatchMode):
             facts.activations.append(label)
         if name in _SCORING:
             facts.last_op = name  # the scoring a later topk selects on
+            if facts.top_k is not None and facts.scoring is None:  # the choice made on raw logits, scored after it
+                facts.scoring = _SCORING[name]
+
+
+def _rotates(name: str, args: tuple) -> bool:
+    """Per-head q or k rotated (before the attention core, which the caller checks): the sign flip of a half
+    rotation, the stride-2 pairs of an interleaved one, or a head's upper half taken apart to be rotated (rotary
+    written out as ``x1 * cos - x2 * sin``)."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        return False
+    if name == "aten.neg.default":
+        return True
+    if name != "aten.slice.Tensor" or len(args) < 3 or args[1] not in (-1, 3):
+        return False
+    width, start, step = x.shape[-1], args[2], args[4] if len(args) > 4 else 1
+    return step == 2 or (width % 2 == 0 and start == width // 2)
 
 
 @contextmanager

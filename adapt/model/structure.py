@@ -95,7 +95,9 @@ def split_block(block: nn.Module) -> BlockLeaves:
             parts.projections.setdefault(_owner(path), []).append(proj)
         elif dims == {1}:
             sizes = {p.numel() for _, p in own}
-            if len(own) <= 2 and len(sizes) == 1:
+            # a norm holds no weighted children: a 1-D parameter beside them is a bias of the module's own output
+            parent = any(True for child in module.children() for _ in child.parameters())
+            if len(own) <= 2 and len(sizes) == 1 and not parent:
                 parts.norm_like.append((path, module, sizes.pop()))
             else:
                 parts.other_1d += [(path, n, p.numel()) for n, p in own]
@@ -295,6 +297,17 @@ def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int |
     return None
 
 
+def attention_causal(attn_modules: list[nn.Module], model_causal: bool) -> bool:
+    """The ``is_causal`` flag of the attention or of a module inside it (an encoder's self-attention sits below a
+    wrapper); else what the model is, a decoder or an encoder."""
+    for module in attn_modules:
+        for inner in module.modules():
+            flag = getattr(inner, "is_causal", None)
+            if isinstance(flag, bool):
+                return flag
+    return model_causal
+
+
 def interpret_mlp(
     projs: list[Projection],
     banks: list[tuple[str, tuple[int, ...]]],
@@ -335,3 +348,53 @@ def interpret_mlp(
         bias=any(p.bias for p in projs),
     )  # fmt: skip
     return spec, 0, 0
+
+
+def heads_kept_as_experts(projs: list[Projection], banks: list[tuple[str, tuple[int, ...]]], hidden: int) -> bool:
+    """Does a child holding expert banks keep an attention's query heads as its experts (a mixture of attention
+    heads, JetMoE's)?  Besides its router, an MoE's own projections are shared experts, an MLP that leaves the
+    width and comes back to it; projections that only read the width are the keys and values the experts' queries
+    attend to."""
+    rest = _beside_router(projs, banks, hidden)
+    if not rest or any(hidden not in p.shape for p in rest):
+        return False
+    sides = {p.shape.index(hidden) for p in rest}  # the weight's dimension that is the width: one way, or both
+    return len(rest) == 1 or (len(sides) == 1 and all(p.shape[0] != p.shape[1] for p in rest))
+
+
+def interpret_expert_attention(
+    projs: list[Projection],
+    banks: list[tuple[str, tuple[int, ...]]],
+    attn_modules: list[nn.Module],
+    config,
+    hidden: int,
+    measured_top_k: int | None,
+    measured_head_dim: int | None,
+    head_dim_hint: int | None,
+) -> tuple[AttentionSpec, int, float]:
+    """An attention whose experts compute the query heads and write the output (``heads_kept_as_experts``): each
+    token's heads are its top-k experts' heads; the keys and values come from the projections beside the router.
+    Returns (spec, the experts' parameters, those a token touches)."""
+    head_dim = (
+        measured_head_dim
+        or _int_attr(attn_modules, ("head_dim", "head_size", "attention_head_size"))
+        or head_dim_hint
+        or 64
+    )
+    top_k = measured_top_k or _int_attr(attn_modules, ("top_k", "num_experts_per_tok"))
+    top_k = int(top_k or _cfg(config, "num_experts_per_tok", default=1))
+    experts = banks[0][1][0]
+    per_expert = min((d for _, shape in banks for d in shape[1:] if d != hidden), default=hidden)
+    num_heads = max(1, top_k * per_expert // head_dim)
+    kv_width = sum(p.other_dim(hidden) or hidden for p in _beside_router(projs, banks, hidden))
+    kv_heads = max(1, kv_width // (2 * head_dim))
+    kind = "mha" if kv_heads == num_heads else ("mqa" if kv_heads == 1 else "gqa")
+    bank_params = sum(math.prod(shape) for _, shape in banks)
+    spec = AttentionSpec(kind=kind, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim)
+    return spec, bank_params, bank_params * min(top_k, experts) / experts
+
+
+def _beside_router(projs: list[Projection], banks: list[tuple[str, tuple[int, ...]]], hidden: int) -> list[Projection]:
+    """An expert-bank owner's projections other than its router (width x experts) and one-wide gates."""
+    experts = banks[0][1][0]
+    return [p for p in projs if not (experts in p.shape and hidden in p.shape) and 1 not in p.shape]

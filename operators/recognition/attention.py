@@ -83,13 +83,15 @@ def attention_shape(inv: OpInventory, rec: ModuleRecord) -> dict[str, Any]:
     projs = pat.projections_under(inv, rec.path)
     latent = [p for p in projs if p.in_features not in (width, heads * v_dim) and p.out_features > p.in_features]
     mla = bool(latent)
-    from_hidden = [p.out_features for p in projs if p.in_features == width]
+    # projections from the width that make whole heads: a router beside them (queries kept as experts) makes none
+    from_hidden = [p.out_features for p in projs if p.in_features == width and p.out_features % head_dim == 0]
     if mla:
         kv_heads = heads
     elif len(from_hidden) >= 3:
         kv_heads = min(kv_heads_core, min(from_hidden) // head_dim) or heads
-    elif len(from_hidden) == 1 and from_hidden[0] % head_dim == 0:
-        kv_heads = max(1, (from_hidden[0] // head_dim - heads) // 2)
+    elif from_hidden:  # the widest holds k and v fused, with q or without; the other one is q or the output
+        units = max(from_hidden) // head_dim
+        kv_heads = max(1, (units - heads) // 2 if units > heads else units // 2)
     else:
         kv_heads = heads
     variant: dict[str, Any] = {

@@ -156,3 +156,25 @@ def test_gate_min_speedup_judges_only_rows_with_a_speedup(tmp_path, report, caps
     rows[0].pop("speedup")  # a rate that was not measured for both variants fails, it is not skipped
     assert _gate(tmp_path, report, "throughput: {min_speedup: 1.0}") == 1
     capsys.readouterr()
+
+
+def test_intake_and_operators_disagreements_are_table_rows_and_open_facts_are_named(report):
+    from reports.agreement import agreement_table
+
+    assert "agreement" not in summary(report, "operators") and agreement_table(report).empty  # an older run
+    row = {"module": "model.layers.1.self_attn", "field": "mixer", "intake": "unknown", "operators": "full_attention"}
+    open_fact = {"field": "head.tied", "side": "operators", "reason": "this side does not state it", "modules": ["x"]}
+    stage(report, "operators")["summary"]["agreement"] = {
+        "compared": {"mixer": 2},
+        "total": 2,
+        "disagreements": [row],
+        "not_examined": [open_fact],
+    }
+    assert agreement_table(report).to_dict("records") == [
+        {"module": row["module"], "fact": "mixer", "intake": "unknown", "operators": "full_attention"}
+    ]
+    markdown = _section(render_markdown(report), "Operator mapping")
+    assert "| model.layers.1.self_attn | mixer | unknown | full_attention |" in markdown
+    page = _text(render_html(report))
+    for rendered in (markdown, page):
+        assert "model.layers.1.self_attn" in rendered and "head.tied" in rendered
