@@ -29,7 +29,7 @@ from adapt.core.spec import (
 )
 from adapt.model.activations import canonical_activation
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
-from adapt.model.measure import ChildFacts, block_signature, measure_blocks
+from adapt.model.measure import ChildFacts, block_signatures, measure_blocks
 from adapt.model.skeleton import build_meta_model, load_config, load_model, quiet_transformers
 from adapt.model.structure import (
     attention_causal,
@@ -128,10 +128,13 @@ def describe_model(
     unrecognized: list[str] = []
     counts = ParamCounts()
     blocks = []
+    signatures = block_signatures(found)
+    # Where the measurement sees q/k rotated in some block, a measured attention without it has no rotary there.
+    rotation_seen = any(f.rotation for facts in measured.values() for f in facts.values())
     for index, block in enumerate(block_list):
         spec_block, block_counts = _describe_block(
             block, index, f"{blocks_path}.{index}", config, hidden, head_dim_hint, has_final_norm, norm_cache,
-            unrecognized, rope is not None, measured.get(block_signature(block), {}), is_causal,
+            unrecognized, rope is not None, measured.get(signatures[index], {}), is_causal, rotation_seen,
         )  # fmt: skip
         blocks.append(spec_block)
         for key, value in block_counts.items():
@@ -174,7 +177,7 @@ def describe_model(
 
 def _describe_block(
     block, index, path, config, hidden, head_dim_hint, has_final_norm, norm_cache, unrecognized, has_rope,
-    facts: dict[str, ChildFacts], is_causal: bool,
+    facts: dict[str, ChildFacts], is_causal: bool, rotation_seen: bool,
 ) -> tuple[BlockSpec, dict[str, int]]:  # fmt: skip
     parts = split_block(block)
     owners = list(parts.projections)
@@ -306,7 +309,9 @@ def _describe_block(
     if attention is not None:
         attn_coeff = 2 * attention.num_heads * (attention.head_dim + attention.v_head_dim)
     # a rotation measured in the attention names rotary embedding where no inv_freq buffer does
-    rotated = any(facts[o].rotation for o in attn_owners if o in facts and facts[o].head_dim)
+    measured_cores = [facts[o] for o in attn_owners if o in facts and facts[o].head_dim]
+    rotated = any(f.rotation for f in measured_cores)
+    unrotated_here = rotation_seen and bool(measured_cores) and not rotated  # e.g. layers configured without rope
     mixer = "unknown"
     if attention is not None:
         mixer = "sliding_attention" if attention.window else "full_attention"
@@ -321,7 +326,7 @@ def _describe_block(
             attention=attention,
             mlp=mlp,
             norm=norm,
-            positional="rope" if has_rope or rotated else "none",
+            positional="rope" if rotated or (has_rope and not unrotated_here) else "none",
             params=total,
             params_active=total - (bank_params - int(active_bank)) - (attn_bank - int(active_attn_bank)),
             linear_flops_per_token=linear_flops,

@@ -49,9 +49,39 @@ class ChildFacts:
     last_op: str = ""
 
 
-def block_signature(block: nn.Module) -> tuple:
-    """Blocks sharing class, parameter names and shapes compute the same kind of thing."""
-    return (type(block), tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def block_signatures(blocks: BlockList) -> list[tuple]:
+    """One signature per block: blocks sharing it compute the same kind of thing.
+
+    Class, parameter names and shapes, and the plain attributes of the block and its children (a flag that
+    turns rotary off in some layers, a layer kind, a window), so that a layer configured differently is
+    measured on its own.  An integer attribute whose value differs in every block is an index (``layer_idx``),
+    not a variant, and is left out."""
+    attributes = [_plain_attributes(block) for block in blocks.blocks]
+    names = {name for found in attributes for name, value in found.items() if type(value) is int}
+    indices = {
+        name for name in names
+        if len(blocks.blocks) > 1 and len({found.get(name) for found in attributes}) == len(blocks.blocks)
+    }  # fmt: skip
+    return [
+        (
+            type(block),
+            tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
+            tuple(sorted((k, repr(v)) for k, v in found.items() if k not in indices)),
+        )
+        for block, found in zip(blocks.blocks, attributes)
+    ]
+
+
+def _plain_attributes(block: nn.Module) -> dict[str, Any]:
+    return {
+        f"{path}.{key}": value
+        for path, module in block.named_modules()
+        for key, value in vars(module).items()
+        if not key.startswith("_") and key != "training" and isinstance(value, _PLAIN)
+    }
 
 
 class _Recorder(TorchDispatchMode):
@@ -136,8 +166,7 @@ def _one_of_each(blocks: BlockList) -> Iterator[dict[int, tuple]]:
     seen: set[tuple] = set()
     representative: dict[int, tuple] = {}
     saved: list[nn.Module] = []
-    for index, block in enumerate(blocks.blocks):
-        signature = block_signature(block)
+    for index, (block, signature) in enumerate(zip(blocks.blocks, block_signatures(blocks))):
         original = block.forward
         skip = signature in seen
         seen.add(signature)

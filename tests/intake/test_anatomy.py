@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from novel_models import GROUPS, HEADS, SPAN, SPECIALISTS, WIDTH, tide, weave
+from novel_models import GROUPS, HEADS, SPAN, SPECIALISTS, WIDTH, Glance, LookLayer, tide, weave
 from torch import nn
+from torch.nn import functional as F
 
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.model.intake import describe_model
+from adapt.model.measure import block_signatures
 from operators import plan_kernels
 from operators.inventory import trace_model
 from operators.profiles import load_profile
@@ -223,3 +225,38 @@ def test_hyper_connection_children_are_not_attention():
     assert [b.attention is not None for b in spec.blocks] == [t == "indexed_attention" for t in config.layer_types]
     assert mixers[0] == "recurrent" and spec.blocks[-1].attention.num_heads == config.num_attention_heads
     assert all(b.params == sum(p.numel() for p in blk.parameters()) for b, blk in zip(spec.blocks, model.model.layers))
+
+
+class SpinnableGlance(Glance):
+    """Attention whose rotary is switched per layer by an integer flag, as some models leave rope out of some layers."""
+
+    def __init__(self, spin: int, depth: int):
+        super().__init__()
+        self.spin, self.depth = spin, depth  # a variant (repeats across layers) and an index (unique per layer)
+
+    def forward(self, h, cos, sin):
+        if self.spin:
+            return super().forward(h, cos, sin)
+        b, t, _ = h.shape  # the same attention with q and k left unrotated
+        q = self.seek(h).view(b, t, HEADS, SPAN).transpose(1, 2)
+        k, v = (p(h).view(b, t, GROUPS, SPAN).transpose(1, 2).repeat_interleave(HEADS // GROUPS, 1)
+                for p in (self.hold, self.give))  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.fold(out.transpose(1, 2).reshape(b, t, HEADS * SPAN))
+
+
+@pytest.mark.parametrize("named_table", [False, True])
+def test_layers_configured_without_rotary_are_measured_apart_and_read_without_it(rng, named_table):
+    """With or without a frequency table under the conventional name (which says "rope" for the whole model)."""
+    spins = [1] * rng.randint(2, 4) + [0]
+    rng.shuffle(spins)
+    model = weave()
+    if named_table:
+        model.clock.register_buffer("inv_freq", model.clock.rates.clone(), persistent=False)
+    model.strands = nn.ModuleList([LookLayer() for _ in spins])
+    for depth, (strand, spin) in enumerate(zip(model.strands, spins)):
+        strand.look = SpinnableGlance(spin, depth)
+    found = find_blocks(model)
+    assert len(set(block_signatures(found))) == 2  # the flag splits the layers in two; the index does not
+    spec = describe_model(model, model.config)
+    assert [b.positional for b in spec.blocks] == ["rope" if spin else "none" for spin in spins]
