@@ -75,7 +75,10 @@ class OpsReport:
             if c.kind == "new":
                 out.append({"module": c.module, "ops": list(c.variant.ops), "status": c.status, "kernel": c.kernel})
         listed = {item["module"] for item in out}
+        claimed = {c.module for c in self.recognition.components if c.confirmed}
         for r in self.recognition.rejected:  # look-alikes: each one's entry says why no kind claimed it
+            if r["module"] in claimed:  # rejected as one kind, confirmed as another: not new
+                continue
             entry = {"rejected_candidate": r["candidate"], "reason": r["reason"]}
             if r["module"] in listed:
                 next(item for item in out if item["module"] == r["module"]).update(entry)
