@@ -5,12 +5,27 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+from torch import nn
 
 from adapt.model.intake import load_model, resolve_source
 from operators import plan_kernels, recognise
 from operators.inventory import trace_model
 from operators.profiles import load_profile
 from operators.registry import Target
+
+CPU = Target("cpu", "float32", True, None)
+
+
+class HandRMSNorm(nn.Module):
+    """A hand-written RMSNorm under names no convention uses."""
+
+    def __init__(self, width: int, tiny: float):
+        super().__init__()
+        self.scale_vec = nn.Parameter(torch.ones(width))
+        self.tiny = tiny
+
+    def forward(self, h):
+        return self.scale_vec * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.tiny)
 
 
 def load(path, **flags):

@@ -10,33 +10,20 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from ops_testlib import CPU, HandRMSNorm
 from torch import nn
 
 from operators import load_profile, plan_kernels
 from operators.api import run_ops
 from operators.inventory import trace_callable, trace_model
 from operators.recognition import recognise
-from operators.registry import Target
 
-CPU = Target("cpu", "float32", True, None)
 ACTS = [("gelu", nn.GELU()), ("relu", nn.ReLU()), ("gelu_tanh", nn.GELU("tanh")), ("tanh", nn.Tanh())]
 
 
 @pytest.fixture(autouse=True)
 def every_test_draws_fresh(fresh_seed):
     return fresh_seed
-
-
-class Balance(nn.Module):
-    """A hand-written RMSNorm under names no convention uses."""
-
-    def __init__(self, width: int, tiny: float):
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(width))
-        self.tiny = tiny
-
-    def forward(self, h):
-        return self.gain * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.tiny)
 
 
 class Refine(nn.Module):
@@ -118,7 +105,7 @@ def _below_part(path: str) -> str:
 
 LEVELS = {
     "layer_norm": lambda d: nn.LayerNorm(d["width"], eps=d["tiny"]),
-    "rms_norm": lambda d: Balance(d["width"], d["tiny"]),
+    "rms_norm": lambda d: HandRMSNorm(d["width"], d["tiny"]),
     "inline": lambda d: None,
 }
 
@@ -139,7 +126,7 @@ def test_a_normalised_up_half_records_its_norm(level, rng):
     )
     expected = {
         "layer_norm": ("layer_norm", "level", "level.weight", "level.bias", None),
-        "rms_norm": ("rms_norm", "level", "level.gain", None, 0.0),
+        "rms_norm": ("rms_norm", "level", "level.scale_vec", None, 0.0),
         "inline": ("layer_norm", None, "gain", "shift", None),
     }[level]
     assert (v.norm, v.norm_module, v.weight, v.bias, v.offset) == expected and v.eps == d["tiny"]

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from ops_testlib import CPU, HandRMSNorm
 from torch import nn
 
 from operators import load_profile, plan_kernels
@@ -17,24 +18,11 @@ from operators.recognition import recognise
 from operators.registry import Target
 
 SPLIT_KINDS = ("projection_activation", "projection_residual_norm")
-CPU = Target("cpu", "float32", True, None)
 
 
 @pytest.fixture(autouse=True)
 def every_test_draws_fresh(fresh_seed):
     return fresh_seed
-
-
-class Lever(nn.Module):
-    """A hand-written RMSNorm under names no convention uses."""
-
-    def __init__(self, width: int, tiny: float):
-        super().__init__()
-        self.scale_vec = nn.Parameter(torch.ones(width))
-        self.tiny = tiny
-
-    def forward(self, h):
-        return self.scale_vec * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.tiny)
 
 
 class Widen(nn.Module):
@@ -138,7 +126,7 @@ def recognised_stratum(settle_class, level, squash, d: dict):
 LEVELS = {
     "layer_norm": lambda d: nn.LayerNorm(d["width"], eps=d["tiny"]),
     "layer_norm_plain": lambda d: nn.LayerNorm(d["width"], eps=d["tiny"], elementwise_affine=False),
-    "rms_norm": lambda d: Lever(d["width"], d["tiny"]),
+    "rms_norm": lambda d: HandRMSNorm(d["width"], d["tiny"]),
     "inline": lambda d: None,
 }
 
@@ -194,7 +182,7 @@ def test_an_rms_down_half_keeps_the_fused_add_norm_and_the_patched_model_matches
         Stratum(
             d["width"],
             d["inner"],
-            Settle(d["inner"], d["width"], Lever(d["width"], d["tiny"]), 0.0, d["tiny"], d["carry_first"]),
+            Settle(d["inner"], d["width"], HandRMSNorm(d["width"], d["tiny"]), 0.0, d["tiny"], d["carry_first"]),
             nn.SiLU(),
         )
         for _ in range(2)
