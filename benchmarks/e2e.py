@@ -15,6 +15,7 @@ what the adapt variants apply, through ``operators.adapt_model``.  Then every va
 * ``liger``: ``apply_liger_kernel_to_<type>()`` where Liger has that entry point (import guarded).
 * ``adapt``: the plan's kernels and its compilation (the default adapted configuration).
 * ``adapt-eager``: the plan's kernels, not compiled.   * ``adapt-whole``: kernels, whole model compiled.
+* ``adapt-cudagraphs``: the plan's kernels, every block compiled with ``mode="reduce-overhead"`` (CUDA graphs).
 * ``compile-blocks``: no kernels, every block compiled (the plan's compile mode on the unpatched model).
 * ``loss-whole``: only the plan's loss head (fused linear cross-entropy), whole model compiled: whether the plan's
   other kernels help or hurt once Inductor sees the rest.
@@ -42,13 +43,30 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.shapes import SHAPES, build_checkpoint
+from benchmarks.step_profile import profile_lines, profile_steps
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 MODELS = SHAPES  # the reference shapes (benchmarks/shapes.py) this benchmark measures
-VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager", "compile-blocks", "adapt-whole", "loss-whole")
+VARIANTS = (
+    "eager",
+    "compile",
+    "liger",
+    "adapt",
+    "adapt-eager",
+    "compile-blocks",
+    "adapt-whole",
+    "loss-whole",
+    "adapt-cudagraphs",
+)
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager")
 # variant -> compile mode override
-ADAPT_VARIANTS = {"adapt": None, "adapt-eager": "none", "adapt-whole": "whole", "loss-whole": "whole"}
+ADAPT_VARIANTS = {
+    "adapt": None,
+    "adapt-eager": "none",
+    "adapt-whole": "whole",
+    "loss-whole": "whole",
+    "adapt-cudagraphs": "none",  # then every block compiled with CUDA graphs (below)
+}
 LOSS_HEAD_KIND = "lm_head_cross_entropy"
 
 
@@ -153,6 +171,13 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
         handle = adapt_model(model, plan, compile_mode=ADAPT_VARIANTS[variant])
         info["patched"] = len(handle.patched)
         info["compile_mode"] = ADAPT_VARIANTS[variant] or plan.compile["mode"]
+        if variant == "adapt-cudagraphs":
+            from adapt.model.blocks import find_blocks
+
+            for block in find_blocks(model):
+                block.compile(mode="reduce-overhead")
+            model.register_forward_pre_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
+            info["compile_mode"] = "blocks, CUDA graphs (reduce-overhead)"
     fused = device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused, foreach=None if fused else True)
     info["optimizer"] = "AdamW fused" if fused else "AdamW foreach"
@@ -163,15 +188,19 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    def step(i: int) -> float:
+    def issue(i: int):
+        """One step's work, queued: returns the loss without waiting for the device."""
         ids = batches[i % len(batches)]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return loss.detach()
 
-    losses, times = [], []
+    def step(i: int) -> float:
+        return float(issue(i))
+
+    losses, times, host_issue = [], [], []
     started = time.perf_counter()
     first = time.perf_counter()
     for i in range(args.warmup + args.steps):
@@ -179,7 +208,9 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
         if device == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-        losses.append(step(i))
+        loss = issue(i)
+        issued = time.perf_counter() - t0  # the host's own time for the step, before it waits on the device
+        losses.append(float(loss))
         if device == "cuda":
             end.record()
             torch.cuda.synchronize()
@@ -190,6 +221,7 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
             first = time.perf_counter() - first
         if i >= args.warmup:
             times.append(elapsed)
+            host_issue.append(issued)
         if time.perf_counter() - started > args.variant_budget_s and len(times) >= 3:
             info["stopped_early"] = (
                 f"{len(times)} timed steps within the variant budget of {args.variant_budget_s:.0f} s"
@@ -207,6 +239,7 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
         "step_s_cv": statistics.pstdev(times) / mean if len(times) > 1 else None,
         "step_s_min": min(times),
         "step_s_max": max(times),
+        "host_issue_s_mean": statistics.fmean(host_issue),
         "first_step_s": first,
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_per_token(model, args.seq) / PEAK_FLOPS if device == "cuda" else None,
@@ -218,54 +251,6 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
     if args.profile:
         result["profile"] = profile_steps(step, device)
     return result
-
-
-def profile_steps(step, device: str, steps: int = 3) -> dict[str, Any]:
-    """Top kernels by device time over a few steps, and the device's idle share of the wall time."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for i in range(steps):
-            step(i)
-        if device == "cuda":
-            torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - start) * 1e6
-    events = prof.key_averages()
-    kernel_time = {
-        e.key: getattr(e, "device_time_total", 0.0) if device == "cuda" else e.self_cpu_time_total for e in events
-    }
-    top = sorted(kernel_time.items(), key=lambda kv: -kv[1])[:15]
-    busy = _device_busy_us(prof) if device == "cuda" else None
-    return {
-        "steps": steps,
-        "wall_ms": wall_us / 1e3,
-        "top": [{"name": name[:90], "ms": t / 1e3} for name, t in top],
-        "device_busy_ms": busy / 1e3 if busy is not None else None,
-        "device_idle_share": 1 - busy / wall_us if busy is not None else None,
-    }
-
-
-def _device_busy_us(prof) -> float:
-    """Union of device kernel intervals (overlapping kernels on several streams count once)."""
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
-    )
-    busy, cur_start, cur_end = 0.0, None, None
-    for start, end in intervals:
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        busy += cur_end - cur_start
-    return busy
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -393,9 +378,9 @@ def main_parent(args: argparse.Namespace) -> int:
             import shutil
 
             shutil.rmtree(cache)
-        # The comparison that matters first (adapt against the baselines), then the warm operators stage, then extras.
-        first = [v for v in ("adapt", "compile", "eager", "liger") if v in variants]
-        jobs = ["checkpoint", "ops-cold", *first, "ops-warm", *[v for v in variants if v not in first]]
+        # adapt first, then the other variants in the order asked (the budget may end before the last), then
+        # the warm operators stage.
+        jobs = ["checkpoint", "ops-cold", *sorted(variants, key=lambda v: v != "adapt"), "ops-warm"]
         for job in jobs:
             left = model_deadline - time.perf_counter()
             cap = {"checkpoint": 120.0, "ops-cold": args.ops_timeout_s, "ops-warm": args.ops_timeout_s}.get(
@@ -492,6 +477,8 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
                 f"| {model} | {name} | {v['tokens_per_s']:,.0f} | {ratio} | {mfu} | {peak} | {v['step_s_cv'] or 0:.3f} | "
                 f"{v['steps_timed']} | {v['first_step_s']:.1f} | {note} |"
             )
+    notes = [f"- {model}: {entry['note']}" for model, entry in report["models"].items() if entry.get("note")]
+    lines += ["", *notes] if notes else []
     lines += [
         "",
         "## Operators stage (the plan the adapt variants applied)",
@@ -517,15 +504,7 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
             where = f"`{modules[0]}`" + (f" and {len(modules) - 1} more alike" if len(modules) > 1 else "")
             lines.append(f"- {model} {where} ({kind}): {kernel} chosen; {timed}")
     lines += loss_tracking_lines(report)
-    profiles = [
-        (m, n, v["profile"]) for m, e in report["models"].items() for n, v in e["variants"].items() if v.get("profile")
-    ]
-    if profiles:
-        lines += ["", "## Profiles (3 steps)", ""]
-        for model, name, prof in profiles:
-            idle = f"{prof['device_idle_share']:.1%}" if prof.get("device_idle_share") is not None else "–"
-            top = "; ".join(f"{t['name']} {t['ms']:.1f} ms" for t in prof["top"][:6])
-            lines.append(f"- {model} {name}: wall {prof['wall_ms']:.0f} ms, device idle {idle}; top: {top}")
+    lines += profile_lines(report)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     log(f"wrote {out / stem}.json and .md")
 

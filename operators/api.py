@@ -30,7 +30,7 @@ from adapt.model.calls import without_cache
 from operators.agreement import compare_with_spec
 from operators.generated import GeneratedKernel, generate
 from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
-from operators.mapping import KernelPlan, plan_kernels
+from operators.mapping import KernelPlan, for_compile_mode, plan_kernels
 from operators.meta_trace import trace_meta_model
 from operators.ops_report import OpsReport, PatchCheck
 from operators.patch import PatchHandle, apply_kernel_plan
@@ -180,27 +180,32 @@ def adapt_model(model: nn.Module, plan: KernelPlan, *, compile_mode: str | None 
     "blocks" compiles each repeated block in place (``module.compile()``): identical blocks share one
     compiled graph, and modules outside the blocks (embedding, head, fused loss) stay eager.
     """
-    handle = apply_kernel_plan(model, plan)
+    mode = compile_mode or plan.compile.get("mode", "none")
+    handle = apply_kernel_plan(model, for_compile_mode(plan, mode))
     try:
         for choice in plan.components:
             if choice.kind == "attention" and choice.backend:
                 handle.releases.append(pin_sdpa_backend(model.get_submodule(choice.module), choice.backend))
-        handle.releases.extend(compile_as_planned(model, compile_mode or plan.compile.get("mode", "none")))
+        handle.releases.extend(compile_as_planned(model, mode))
     except Exception:
         handle.revert()
         raise
     return handle
 
 
-def compile_as_planned(model: nn.Module, mode: str) -> list[Callable[[], None]]:
+def compile_as_planned(model: nn.Module, mode: str, backend: str | Callable = "inductor") -> list[Callable[[], None]]:
     """Compile ``model`` in place the way a plan's compile mode says; returns the undo callables.
 
     For callers that patch through their own transform and need only the plan's compilation on top.
+    "blocks" also runs the model uncached while it trains (``uncached_in_training``): one compiled graph
+    then serves every block instead of one per layer.
     """
+    undo: list[Callable[[], None]] = []
     if mode == "blocks":
         from adapt.model.blocks import find_blocks
 
         targets = list(find_blocks(model))
+        undo.append(uncached_in_training(model))
     elif mode == "whole":
         targets = [model]
     elif mode == "none":
@@ -208,8 +213,27 @@ def compile_as_planned(model: nn.Module, mode: str) -> list[Callable[[], None]]:
     else:
         raise ValueError(f"compile mode must be blocks, whole or none, not {mode!r}")
     for module in targets:
-        module.compile()
-    return [functools.partial(_uncompile, module) for module in targets]
+        module.compile(backend=backend)
+    return undo + [functools.partial(_uncompile, module) for module in targets]
+
+
+def uncached_in_training(model: nn.Module) -> Callable[[], None]:
+    """Turn the KV cache off for forward calls made in training mode that do not ask for it; returns the undo.
+
+    A training step never reads the cache, yet transformers builds one by default, and each attention
+    layer then indexes it by its own layer number.  A block compiled on its own is guarded on that
+    number, so it recompiles for every layer and runs eagerly past Dynamo's recompile limit.
+    """
+    keyword = without_cache(model)
+    if not keyword:
+        return lambda: None
+
+    def drop_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if module.training and kwargs.get("use_cache") is None:
+            return args, {**kwargs, **keyword}
+        return None
+
+    return model.register_forward_pre_hook(drop_cache, with_kwargs=True).remove
 
 
 def pin_sdpa_backend(module: nn.Module, backend: str) -> Callable[[], None]:

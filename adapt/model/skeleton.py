@@ -267,6 +267,20 @@ def loop_experts(model: torch.nn.Module, notes: list[str] | None = None) -> None
         notes.append("float64 model: experts run through the per-expert loop (grouped GEMM has no float64 kernel)")
 
 
+def direct_placement(device: str) -> dict[str, Any]:
+    """``from_pretrained`` arguments that load straight onto an accelerator, converting the dtype there.
+
+    Loading on the host and moving afterwards converts every tensor on the CPU first (most of a
+    multi-second load); transformers places tensors itself given a ``device_map``, which it accepts
+    only with ``accelerate`` installed.  Without it, or for the CPU, the model loads on the host.
+    """
+    if torch.device(device).type == "cpu":
+        return {}
+    import importlib.util
+
+    return {"device_map": device} if importlib.util.find_spec("accelerate") is not None else {}
+
+
 def load_model(
     src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu", notes: list[str] | None = None
 ) -> torch.nn.Module:
@@ -287,6 +301,7 @@ def load_model(
         f"loading the weights in {str(dtype).removeprefix('torch.')}",
         "align it with --streamed, or bench a depth-truncated copy with --max-layers",
     )
+    placement = direct_placement(device)
     try:
         with quiet_transformers():
             if src.has_weights:
@@ -296,6 +311,7 @@ def load_model(
                     dtype=dtype,
                     trust_remote_code=src.trust_remote_code,
                     use_safetensors=src.weight_format == "safetensors",
+                    **placement,
                 )
             else:
                 model = cls.from_config(config, dtype=dtype, trust_remote_code=src.trust_remote_code)
