@@ -207,6 +207,12 @@ def build_schedule(
     device: torch.device,
     loss_fn,
 ) -> tuple[Any, list[PipelineStage]]:
+    if plan.pp_schedule == "dualpipe":
+        raise BadInput(
+            "schedule dualpipe is planned but not run by adapt's trainer: torch's ScheduleDualPipeV needs each rank "
+            "to hold two stages placed in a V (rank r: stages r and 2*pp-1-r), which the stage builder does not "
+            "lay out yet; train with --fixed schedule=1f1b (or interleaved_1f1b with vpp > 1)"
+        )
     num_stages = plan.pp * plan.vpp
     stages = [PipelineStage(m, s, num_stages, device, group=pp_mesh.get_group()) for s, m in stage_modules]
     n_micro = plan.grad_accum

@@ -11,7 +11,7 @@ import torch
 from adapt.core.errors import BadInput
 from adapt.runtime.data import SyntheticTokens, TokenFile
 from adapt.runtime.model_parts import find_parts
-from adapt.runtime.pipeline import stage_block_counts
+from adapt.runtime.pipeline import build_schedule, stage_block_counts
 from adapt.runtime.tensor_parallel import check_tensor_parallel
 from adapt.runtime.trainer import TrainConfig, lr_lambda
 from parallel_planner.launch import LaunchConfig, torchrun_command
@@ -71,6 +71,13 @@ def test_stage_split_follows_plan():
         stage_block_counts(ParallelPlan(pp=2, stage_layers=[3, 3], global_batch=8), 4)
     with pytest.raises(BadInput, match="cannot fill"):
         stage_block_counts(ParallelPlan(pp=4, global_batch=8), 2)
+
+
+def test_a_dualpipe_plan_is_refused_with_its_reason_before_any_stage_is_built():
+    plan = ParallelPlan(pp=2, dp_shard=1, pp_schedule="dualpipe", grad_accum=4)
+    with pytest.raises(BadInput, match="dualpipe is planned but not run") as refusal:
+        build_schedule([], plan, pp_mesh=None, device=torch.device("cpu"), loss_fn=None)
+    assert "vpp > 1" not in str(refusal.value).split(";")[0]
 
 
 def test_torchrun_commands():
