@@ -164,6 +164,9 @@ def _count_ring(rank: int, port: int, out: str) -> None:
     counts = [len(fwd.ops), len(bwd.ops), sum(o not in VIEWS for o in fwd.ops), sum(o not in VIEWS for o in bwd.ops)]
     with open(f"{out}.{rank}", "w") as f:
         json.dump(counts, f)
+    # both ranks must be past their last send before either tears gloo down: one rank destroying its
+    # group while the other's transfer is still in flight aborts the process
+    dist.barrier()
     dist.destroy_process_group()
 
 
