@@ -1,4 +1,4 @@
-"""``benchmarks/sweep.py``'s tiny-config builder: generic repairs, never per model."""
+"""``benchmarks/sweep_tiny.py``, the sweep's tiny-config builder: generic repairs, never per model."""
 
 from __future__ import annotations
 
@@ -6,13 +6,23 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("bench_sweep", Path(__file__).parents[2] / "benchmarks" / "sweep.py")
-sweep = importlib.util.module_from_spec(SPEC)
-sys.modules[SPEC.name] = sweep
-SPEC.loader.exec_module(sweep)
+
+def _load(script: str) -> ModuleType:
+    """A benchmark script by its path: ``benchmarks`` is not an installed package."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{script}", Path(__file__).parents[2] / "benchmarks" / f"{script}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep_tiny, sweep = _load("sweep_tiny"), _load("sweep")
 
 
 def test_token_ids_outside_the_vocabulary_land_on_its_last_id(rng):
@@ -26,9 +36,9 @@ def test_token_ids_outside_the_vocabulary_land_on_its_last_id(rng):
         "vocab_size": vocab,
         "hidden_size": vocab * 4,
     }
-    clamped = sweep.clamped_token_ids(settings, vocab)
+    clamped = sweep_tiny.clamped_token_ids(settings, vocab)
     assert clamped == {"pad_token_id": vocab - 1, "eos_token_id": [inside, vocab - 1, vocab - 1]}
-    assert sweep.clamped_token_ids(settings, None) == {}
+    assert sweep_tiny.clamped_token_ids(settings, None) == {}
 
 
 def test_other_vocabulary_sizes_scale_with_the_vocabulary_and_keep_their_order(rng):
@@ -36,36 +46,40 @@ def test_other_vocabulary_sizes_scale_with_the_vocabulary_and_keep_their_order(r
     below, above = default - rng.randrange(1, 5_000), default + rng.randrange(1, 5_000)
     settings = {"vocab_size": default, "unpadded_vocab_size": below, "input_vocab_size": above, "hidden_size": default}
     tiny = rng.randrange(64, 512)
-    scaled = sweep.tied_vocab_sizes(settings, tiny, frozenset())
+    scaled = sweep_tiny.tied_vocab_sizes(settings, tiny, frozenset())
     assert set(scaled) == {"unpadded_vocab_size", "input_vocab_size"}  # not the vocabulary itself, not a width
     assert 1 <= scaled["unpadded_vocab_size"] <= tiny <= scaled["input_vocab_size"]
-    assert sweep.tied_vocab_sizes(settings, tiny, frozenset({"input_vocab_size"})).keys() == {"unpadded_vocab_size"}
-    assert sweep.tied_vocab_sizes(settings, None, frozenset()) == {}
+    assert sweep_tiny.tied_vocab_sizes(settings, tiny, frozenset({"input_vocab_size"})).keys() == {
+        "unpadded_vocab_size"
+    }
+    assert sweep_tiny.tied_vocab_sizes(settings, None, frozenset()) == {}
 
 
 def test_head_counts_under_other_names_shrink_with_the_width(rng):
     heads = rng.randrange(5, 64)
     settings = {"encoder_attention_heads": heads, "decoder_attention_heads": heads + 1, "num_attention_heads": heads}
     settings["attention_heads_ratio"] = 0.5  # not a count
-    tiny = sweep.TINY["num_attention_heads"]
-    assert sweep.tied_head_counts(settings, frozenset()) == {
+    tiny = sweep_tiny.TINY["num_attention_heads"]
+    assert sweep_tiny.tied_head_counts(settings, frozenset()) == {
         "encoder_attention_heads": tiny,
         "decoder_attention_heads": tiny,
     }
-    assert sweep.tied_head_counts(settings, frozenset({"encoder_attention_heads"})) == {"decoder_attention_heads": tiny}
+    assert sweep_tiny.tied_head_counts(settings, frozenset({"encoder_attention_heads"})) == {
+        "decoder_attention_heads": tiny
+    }
     grouped = {"swa_num_attention_heads": heads, "swa_num_key_value_heads": rng.randrange(1, heads)}
-    assert sweep.tied_head_counts(grouped, frozenset()) == {
+    assert sweep_tiny.tied_head_counts(grouped, frozenset()) == {
         "swa_num_attention_heads": tiny,
-        "swa_num_key_value_heads": sweep.TINY["num_key_value_heads"],  # never more KV heads than query heads
+        "swa_num_key_value_heads": sweep_tiny.TINY["num_key_value_heads"],  # never more KV heads than query heads
     }
     full = {"swa_num_attention_heads": heads, "swa_num_key_value_heads": heads}
-    assert sweep.tied_head_counts(full, frozenset())["swa_num_key_value_heads"] == tiny
+    assert sweep_tiny.tied_head_counts(full, frozenset())["swa_num_key_value_heads"] == tiny
 
 
 @pytest.mark.parametrize("model_type", ["kimi_linear", "olmo_hybrid"])
 def test_tiny_config_keeps_every_token_id_in_the_vocabulary(model_type):
-    config = sweep.tiny_config(model_type)
-    assert config.vocab_size == sweep.TINY["vocab_size"]
+    config = sweep_tiny.tiny_config(model_type)
+    assert config.vocab_size == sweep_tiny.TINY["vocab_size"]
     for name, value in config.to_dict().items():
         if name.endswith("_token_id") and value is not None:
             ids = value if isinstance(value, list) else [value]
@@ -73,19 +87,19 @@ def test_tiny_config_keeps_every_token_id_in_the_vocabulary(model_type):
 
 
 def test_unset_optional_sizes_are_filled_by_name_and_other_fields_left_alone():
-    plain = sweep.tiny_config("qwen4_exp_text")
+    plain = sweep_tiny.tiny_config("qwen4_exp_text")
     assert plain.indexer_budget is None  # only a retry fills them
-    filled = sweep.tiny_config("qwen4_exp_text", fill_unset=True)
-    assert filled.indexer_head_dim == sweep.FILL_BY_SUFFIX["_head_dim"]
-    assert filled.indexer_n_heads == filled.indexer_kv_heads == sweep.FILL_BY_SUFFIX["_heads"]
+    filled = sweep_tiny.tiny_config("qwen4_exp_text", fill_unset=True)
+    assert filled.indexer_head_dim == sweep_tiny.FILL_BY_SUFFIX["_head_dim"]
+    assert filled.indexer_n_heads == filled.indexer_kv_heads == sweep_tiny.FILL_BY_SUFFIX["_heads"]
     assert filled.indexer_budget % filled.indexer_compress_ratio == 0
     assert filled.output_gate_type is None  # a str field is not a size
-    assert filled.hidden_size == sweep.TINY["hidden_size"]
+    assert filled.hidden_size == sweep_tiny.TINY["hidden_size"]
 
 
 @pytest.mark.parametrize("model_type", ["qwen4_exp_text", "olmo_hybrid"])
 def test_build_saves_a_tiny_checkpoint(model_type, tmp_path, capsys):
-    sweep.build(model_type, tmp_path)
+    sweep_tiny.build(model_type, tmp_path)
     built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < built["params"] < 60_000_000
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -107,9 +121,9 @@ def test_per_layer_settings_follow_the_layers_kept_at_the_tiny_depth(rng):
         "rope_parameters": {"rope_theta": 1e4},
         "eos_token_id": [1, 2],
     }
-    kept = sweep.kept_layers(settings, depth)
+    kept = sweep_tiny.kept_layers(settings, depth)
     assert len(kept) == depth and kept == sorted(set(kept)) and {types[i] for i in kept} == set(types)
-    trimmed = sweep.per_layer_trimmed(settings, depth)
+    trimmed = sweep_tiny.per_layer_trimmed(settings, depth)
     assert set(trimmed) == {"intermediate_size", "layer_types", "per_layer_config", "num_kv_shared_layers"}
     assert trimmed["layer_types"] == [types[i] for i in kept]
     assert trimmed["intermediate_size"] == [settings["intermediate_size"][i] for i in kept]
@@ -118,7 +132,7 @@ def test_per_layer_settings_follow_the_layers_kept_at_the_tiny_depth(rng):
         v == {"head_dim": 512} for v in trimmed["per_layer_config"].values()
     )
     assert 1 <= trimmed["num_kv_shared_layers"] <= depth
-    assert sweep.per_layer_trimmed({**settings, "num_hidden_layers": depth}, depth) == {}
+    assert sweep_tiny.per_layer_trimmed({**settings, "num_hidden_layers": depth}, depth) == {}
 
 
 def test_sizes_tied_to_a_residual_width_shrink_with_it(rng):
@@ -129,22 +143,22 @@ def test_sizes_tied_to_a_residual_width_shrink_with_it(rng):
         "projector_hidden_act": "gelu",
         "image_size": 896,
     }
-    widths = sweep.hidden_widths(settings)
+    widths = sweep_tiny.hidden_widths(settings)
     assert widths == {text, vision}
-    assert sweep.tied_widths(settings["vision_config"], widths, frozenset()) == {
-        "adapter_in_dim": sweep.TINY["hidden_size"],
-        "adapter_out_dim": sweep.TINY["hidden_size"],
+    assert sweep_tiny.tied_widths(settings["vision_config"], widths, frozenset()) == {
+        "adapter_in_dim": sweep_tiny.TINY["hidden_size"],
+        "adapter_out_dim": sweep_tiny.TINY["hidden_size"],
     }
-    assert sweep.tied_widths(settings["vision_config"], widths, frozenset({"adapter_out_dim"})) == {
-        "adapter_in_dim": sweep.TINY["hidden_size"]
+    assert sweep_tiny.tied_widths(settings["vision_config"], widths, frozenset({"adapter_out_dim"})) == {
+        "adapter_in_dim": sweep_tiny.TINY["hidden_size"]
     }
 
 
 def test_nested_configs_shrink_to_the_tiny_depth_with_their_per_layer_lists():
     """Gemma 3n's text tower inside its multimodal config: a sparsity value per layer, layer types."""
-    text = sweep.tiny_config("gemma3n").text_config
-    depth = sweep.TINY["num_hidden_layers"]
-    assert text.num_hidden_layers == depth and text.hidden_size == sweep.TINY["hidden_size"]
+    text = sweep_tiny.tiny_config("gemma3n").text_config
+    depth = sweep_tiny.TINY["num_hidden_layers"]
+    assert text.num_hidden_layers == depth and text.hidden_size == sweep_tiny.TINY["hidden_size"]
     assert len(text.activation_sparsity_pattern) == len(text.layer_types) == depth
     assert set(text.layer_types) == {"sliding_attention", "full_attention"}
 
@@ -153,18 +167,18 @@ def test_nested_configs_shrink_to_the_tiny_depth_with_their_per_layer_lists():
 def test_multimodal_and_per_layer_configs_build_tiny(model_type, tmp_path, capsys):
     """A text tower nested in a multimodal config, per-layer overrides that must agree across layers of a kind,
     attention that needs as many KV heads as query heads, an adapter width tied to the hidden size."""
-    sweep.build(model_type, tmp_path)
+    sweep_tiny.build(model_type, tmp_path)
     built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < built["params"] < 2_000_000
     saved = json.loads((tmp_path / "config.json").read_text())
     text = saved.get("text_config", saved)
-    assert text["num_hidden_layers"] == sweep.TINY["num_hidden_layers"]
+    assert text["num_hidden_layers"] == sweep_tiny.TINY["num_hidden_layers"]
     assert len(set(text["layer_types"])) > 1
 
 
 def test_a_per_layer_model_builds_tiny(tmp_path, capsys):
     """Gemma 3n: per-layer intermediate sizes and sparsity, shared-KV layers and per-layer-input embeddings."""
-    sweep.build("gemma3n_text", tmp_path)
+    sweep_tiny.build("gemma3n_text", tmp_path)
     built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < built["params"] < 2_000_000
 
@@ -186,8 +200,8 @@ def test_a_failed_build_is_summed_up_by_the_exception_it_ended_with(rng):
 
 def test_head_widths_equal_by_default_stay_equal():
     """MLA rotates qk_rope_head_dim channels with tables of head_dim: a tiny config that splits them cannot run."""
-    config = sweep.tiny_config("axk1")
-    default = sweep.tiny_config("axk1", keep=frozenset(sweep.TINY))  # nothing shrunk
+    config = sweep_tiny.tiny_config("axk1")
+    default = sweep_tiny.tiny_config("axk1", keep=frozenset(sweep_tiny.TINY))  # nothing shrunk
     assert default.head_dim == default.qk_rope_head_dim
     assert config.head_dim == config.qk_rope_head_dim < default.head_dim
 
@@ -200,7 +214,7 @@ def test_an_all_zero_matrix_from_initialisation_is_redrawn():
         model[1].weight.zero_()
         model[0].bias.zero_()
     kept = model[0].weight.clone()
-    sweep.redraw_untrained_zeros(model)
+    sweep_tiny.redraw_untrained_zeros(model)
     assert model[1].weight.any() and model[1].weight.abs().max() < 0.2
     assert torch.equal(model[0].weight, kept) and not model[0].bias.any()  # biases and drawn weights stay
 
@@ -212,7 +226,7 @@ def test_a_multimodal_checkpoint_with_a_tied_head_is_complete(tmp_path, capsys):
 
     from adapt.app.cli import main
 
-    sweep.build("gemma3", tmp_path)
+    sweep_tiny.build("gemma3", tmp_path)
     capsys.readouterr()
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint"]["missing"] == []
