@@ -14,6 +14,9 @@ embeddings over pipeline stages, so the PP layout trains the same Llama shape un
 batches as a one-process reference; per-step losses (and on CPU the gathered final weights) are compared.
 CUDA mode then times each block of the model on one GPU, writes that in the planner's calibration format,
 re-predicts every layout with it and reports the prediction error before and after.
+
+This file drives the runs (torchrun groups, the references, calibration); the shapes, layouts and the planner's
+plans are in ``benchmarks/x8_layouts.py``, parity and the report in ``benchmarks/x8_report.py``.
 """
 
 from __future__ import annotations
@@ -21,156 +24,48 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-from x8_calibration import calibrate  # noqa: E402  (beside this script)
 
 from adapt.core.errors import BadInput
 from adapt.model.intake import build_spec, inspect, load_model, resolve_source
 from adapt.runtime import checkpoint
 from adapt.runtime.runner import init_distributed, prepare
 from adapt.runtime.trainer import TrainConfig, set_determinism
+from benchmarks.x8_calibration import calibrate
+from benchmarks.x8_layouts import (
+    CPU,
+    CPU_MODELS,
+    CUDA,
+    CUDA_MODELS,
+    LAYOUTS,
+    ModeConfig,
+    layout_name,
+    plan_layouts,
+    predict_fixed,
+    write_config,
+)
+from benchmarks.x8_report import markdown, measure, merge, parity, rel_error, with_mean_errors
 from parallel_planner.calibration import load_calibration
 from parallel_planner.catalog import gpu_type
-from parallel_planner.cluster import make_cluster
 from parallel_planner.plan import ParallelPlan
 from parallel_planner.profile import profile_model
-from parallel_planner.search import plan_parallel
-from parallel_planner.workload import Workload
 
 RESULTS = REPO / "benchmarks" / "results"
 
 # NVLink SHARP / multicast stay off on the lent machines (see the device notes).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-# Model shapes.  Tiny CPU widths keep 8 gloo processes on 2 cores inside minutes; 8 heads / 4 kv heads
-# so that tp=2 (and tp=4) divide them, 4 layers so that pp=2 stages hold two each, 8 experts for EP8.
-CPU_MODELS = {
-    "llama": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "tie_word_embeddings": True, "max_position_embeddings": 256},
-    "qwen3_moe": {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-                  "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 8,
-                  "num_key_value_heads": 4, "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2,
-                  "norm_topk_prob": True, "max_position_embeddings": 256},
-}  # fmt: skip
-# Llama-3.2-1B as in shared/anchors.md; Qwen3-30B-A3B widths with the depth cut to fit one GPU's reference run.
-CUDA_MODELS = {
-    "llama": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-              "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-              "tie_word_embeddings": True, "max_position_embeddings": 8192},
-    "qwen3_moe": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-                  "moe_intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 32,
-                  "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-                  "norm_topk_prob": True, "max_position_embeddings": 8192},
-}  # fmt: skip
-
-# Tied embeddings (as Llama-3.2-1B has) cannot be split over pipeline stages by the realisation, so the
-# pipelined layout trains the same shape untied, against its own one-process reference.
-CPU_MODELS["llama_untied"] = {**CPU_MODELS["llama"], "tie_word_embeddings": False}
-CUDA_MODELS["llama_untied"] = {**CUDA_MODELS["llama"], "tie_word_embeddings": False}
-
-# case -> (model, knobs pinned in the planner; None = the planner's own first choice)
-LAYOUTS: dict[str, tuple[str, dict | None]] = {
-    "fsdp8_zero3": ("llama", {"tp": 1, "pp": 1, "dp": 8, "cp": 1, "ep": 1, "zero": 3}),
-    "tp2_fsdp4": ("llama", {"tp": 2, "pp": 1, "dp": 4, "cp": 1, "ep": 1, "zero": 3}),
-    "pp2_tp2_fsdp2": ("llama_untied", {"tp": 2, "pp": 2, "dp": 2, "cp": 1, "ep": 1, "zero": 3, "vpp": 1, "schedule": "1f1b"}),
-    "planner_top": ("llama", None),
-    "ep8": ("qwen3_moe", {"tp": 1, "pp": 1, "dp": 8, "cp": 1, "ep": 8, "zero": 3}),
-    "ep4_fsdp2": ("qwen3_moe", {"tp": 1, "pp": 1, "dp": 8, "cp": 1, "ep": 4, "zero": 3}),
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ModeConfig:
-    device: str
-    seq_len: int
-    global_batch: int
-    micro_batch: int  # pinned in the planner, so every layout's micro-batches have one shape
-    warmup_steps: int  # untimed steps (their losses still count for parity)
-    timed_steps: int
-    parity_steps: int
-    loss_rtol: float
-    param_tol: dict = field(default_factory=dict)  # empty: weights are not compared
-    precision: str = "fp32"
-
-
-CPU = ModeConfig("cpu", seq_len=32, global_batch=8, micro_batch=1, warmup_steps=0, timed_steps=5, parity_steps=5,
-                 loss_rtol=1e-5, param_tol={"rtol": 1e-4, "atol": 2e-5})  # fmt: skip
-CUDA = ModeConfig("cuda", seq_len=2048, global_batch=32, micro_batch=4, warmup_steps=5, timed_steps=30,
-                  parity_steps=5, loss_rtol=2e-2, precision="bf16")  # fmt: skip
-
-
-def write_config(name: str, fields: dict, root: Path) -> Path:
-    """A config-only model directory: every run initialises it randomly from the same seed (then rank 0's
-    weights are broadcast), on CPU exactly as on the GPUs."""
-    fields = dict(fields)
-    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(root / name)
-    return root / name
-
-
-def realisable_here(plan, device: str) -> str:
-    """Why the realisation cannot run ``plan`` on ``device`` ('' when it can)."""
-    if device == "cpu" and plan.cp > 1:
-        return "context parallelism needs CUDA"
-    if device == "cpu" and plan.offload_optimizer:
-        return "optimizer offload needs CUDA"
-    if plan.ep > 1 and plan.tp > 1:
-        return "ep with tp is not realised"
-    return ""
-
-
-def plan_layouts(sources: dict[str, Path], mode: ModeConfig, gpu: str = "h200") -> dict[str, dict]:
-    """Each case's plan and the planner's prediction for it (8 GPUs of ``gpu``)."""
-    cluster, workload = make_cluster(gpu, 8), Workload(mode.seq_len, mode.global_batch)
-    specs = {name: inspect(str(path)) for name, path in sources.items()}
-    cases = {}
-    for case, (model, pinned) in LAYOUTS.items():
-        fixed = None if pinned is None else {"recompute": "none", "mbs": mode.micro_batch, "offload": 0, **pinned}
-        ranked = plan_parallel(specs[model], cluster, workload, fixed=fixed, top_k=20).plans
-        # Unpinned: the first-ranked layout this device can realise; say what was passed over.
-        why = [realisable_here(c.plan, mode.device) if pinned is None else "" for c in ranked]
-        first = next((i for i, reason in enumerate(why) if not reason), 0)
-        chosen, skipped = ranked[first], [{"rank": c.rank, "why": r} for c, r in zip(ranked[:first], why)]
-        plan = chosen.plan
-        plan.precision = mode.precision
-        cases[case] = {
-            "model": model, "source": str(sources[model]), "plan": plan.to_dict(), "planner_rank": chosen.rank,
-            "skipped_ranks": skipped, "predicted": _prediction(chosen), "fixed": fixed,
-        }  # fmt: skip
-    return cases
-
-
-def _prediction(ranked) -> dict:
-    return {"tokens_per_s": ranked.tokens_per_s, "mfu": ranked.mfu, "memory_gib_per_gpu": ranked.memory_gib_per_gpu,
-            "step_time_s": ranked.step_time_s, "fits": ranked.fits}  # fmt: skip
-
-
-def predict_fixed(case: dict, spec, mode: ModeConfig, calibration, gpu: str = "h200") -> dict:
-    """Re-predict one case's layout (with a calibration this time)."""
-    p = case["plan"]
-    fixed = {"tp": p["tp"], "pp": p["pp"], "dp": p["dp"], "cp": p["cp"], "ep": p["ep"], "zero": p["zero"],
-             "recompute": p["recompute"], "mbs": p["micro_batch"], "vpp": p["vpp"], "schedule": p["pp_schedule"],
-             "offload": int(p["offload_optimizer"])}  # fmt: skip
-    result = plan_parallel(spec, make_cluster(gpu, 8), Workload(mode.seq_len, mode.global_batch), fixed=fixed,
-                           top_k=1, calibration=calibration)  # fmt: skip
-    return _prediction(result.plans[0])
 
 
 def worker(cases_file: str, names: list[str], out_dir: str) -> None:
@@ -240,62 +135,6 @@ def launch_group(nproc: int, names: list[str], cases_file: Path, out: Path, cuda
         why = texts[0][-3000:] if texts else error or "no result (an earlier case in the group failed)"
         found[name] = torch.load(path, weights_only=False) if path.is_file() else {"error": why}
     return found
-
-
-def parity(got: dict, ref: dict, mode: ModeConfig) -> dict:
-    """Per-step loss (and, where gathered, final weight) agreement with the one-process reference."""
-    if "error" in got or "error" in ref:
-        return {"ok": False, "error": got.get("error") or f"reference: {ref.get('error')}"}
-    n = mode.parity_steps
-    losses = [s["loss"] for s in got["steps"][:n]]
-    ref_losses = [s["loss"] for s in ref["steps"][:n]]
-    rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
-    out = {"losses": losses, "reference_losses": ref_losses, "loss_max_rel_diff": max(rel),
-           "loss_ok": len(losses) == n and all(math.isfinite(x) for x in losses) and max(rel) <= mode.loss_rtol}  # fmt: skip
-    if mode.param_tol and got.get("params") is not None and ref.get("params") is not None:
-        worst, name_worst, ok = 0.0, "", got["params"].keys() == ref["params"].keys()
-        for name, value in ref["params"].items():
-            diff = (got["params"][name].float() - value.float()).abs()
-            excess = (diff - mode.param_tol["atol"] - mode.param_tol["rtol"] * value.float().abs()).max().item()
-            ok &= excess <= 0
-            if diff.max().item() >= worst:
-                worst, name_worst = diff.max().item(), name
-        # Same start, and a comparison that means something only if training moved the weights.
-        same_start = all(torch.equal(got["initial"][k], v) for k, v in ref["initial"].items())
-        moved = max((ref["params"][k] - v).abs().max().item() for k, v in ref["initial"].items())
-        out.update(params_ok=bool(ok) and same_start and moved > 1e-3, params_max_abs_diff=worst,
-                   params_worst_tensor=name_worst, same_initial_weights=same_start, reference_weights_moved=moved)  # fmt: skip
-    out["ok"] = out["loss_ok"] and out.get("params_ok", True)
-    return out
-
-
-def measure(got: dict, mode: ModeConfig, flops_per_token: float, gpus: int, peak_flops: float) -> dict:
-    if "error" in got:
-        return {}
-    timed = got["steps"][mode.warmup_steps :]
-    tps = statistics.median(s["tokens_per_s"] for s in timed)
-    return {"tokens_per_s": tps, "step_time_s": statistics.median(s["step_time_s"] for s in timed),
-            "mfu": tps * flops_per_token / (peak_flops * gpus), "timed_steps": len(timed),
-            "peak_memory_gib_per_rank": got["peak_memory_gib_per_rank"]}  # fmt: skip
-
-
-def rel_error(predicted: float, measured: float | None) -> float | None:
-    return None if not measured else (predicted - measured) / measured
-
-
-def layout_name(plan: dict) -> str:
-    parts = [f"{k.upper()}{plan[k]}" for k in ("pp", "tp", "cp") if plan[k] > 1]
-    if plan["ep"] > 1:  # experts borrow the data-parallel ranks: ep-way sharded, dp/ep-way replicated
-        parts.append(
-            f"EP{plan['ep']}" + (f" (expert-DP {plan['dp'] // plan['ep']})" if plan["dp"] > plan["ep"] else "")
-        )
-    parts.append(f"FSDP{plan['dp']} ZeRO-{plan['zero']}" if plan["dp"] > 1 else "")
-    extra = [f"mbs{plan['micro_batch']}", f"ga{plan['grad_accum']}"]
-    if plan["pp"] > 1:
-        extra.append(plan["pp_schedule"] + (f" v{plan['vpp']}" if plan["vpp"] > 1 else ""))
-    if plan["recompute"] != "none":
-        extra.append(f"recompute={plan['recompute']}")
-    return " x ".join(p for p in parts if p) + f" ({', '.join(extra)})"
 
 
 def reference_case(model: str, source: Path, mode: ModeConfig, gather: bool) -> dict:
@@ -368,88 +207,6 @@ def calibration_pass(report: dict, cases: dict, sources: dict, specs: dict, mode
         summary["layouts"][name] = {"predicted_calibrated": again, "error_after": rel_error(again["tokens_per_s"], measured),
                                     "error_before": rel_error(entry["predicted"]["tokens_per_s"], measured)}  # fmt: skip
     return with_mean_errors(summary)
-
-
-def with_mean_errors(summary: dict) -> dict:
-    rows = [r for r in summary["layouts"].values() if r["error_before"] is not None]
-    for when in ("before", "after"):
-        errors = [abs(r[f"error_{when}"]) for r in rows]
-        summary[f"mean_abs_error_{when}"] = statistics.mean(errors) if errors else None
-    return summary
-
-
-def merge(previous: dict, report: dict) -> dict:
-    """``report`` laid over an earlier (partial) report of the same mode; calibration means recomputed."""
-    if previous.get("mode") != report["mode"]:
-        return report
-    for key in ("layouts", "references"):
-        report[key] = {**previous.get(key, {}), **report[key]}
-    report["wall_s"] += previous.get("wall_s") or 0
-    if "layouts" in report.get("calibration", {}):
-        cal, old = report["calibration"], previous.get("calibration", {})
-        cal["files"] = {**old.get("files", {}), **cal["files"]}
-        cal["layouts"] = {**old.get("layouts", {}), **cal["layouts"]}
-        with_mean_errors(cal)
-    return report
-
-
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:+.1f}%"
-
-
-def markdown(report: dict) -> str:
-    cuda = report["mode"] == "cuda"
-    c = report["config"]
-    lines = [f"# Eight-rank layouts, {report['device']}", "",
-             f"torch {report['torch']}; seq {c['seq_len']}, global batch {c['global_batch']}, {c['precision']}; "
-             f"{c['warmup_steps'] + c['timed_steps']} steps per layout; parity over the first {c['parity_steps']} steps "
-             f"against a one-process run (loss rtol {c['loss_rtol']:g}"
-             + (f", weights rtol {c['param_tol']['rtol']:g} atol {c['param_tol']['atol']:g}" if c["param_tol"] else "")
-             + f"). Wall time {report['wall_s']:.0f} s.", ""]  # fmt: skip
-    if not cuda:
-        lines += ["CPU mode checks correctness only: eight processes share two cores, so its timings mean nothing.", ""]
-    head = "| case | model | layout | loss max rel diff | weights max abs diff | parity |"
-    if cuda:
-        head += " tokens/s (pred) | MFU (pred) | peak GiB/GPU (pred) | tok/s error | after calibration |"
-    lines += [head, "|" + " --- |" * (head.count("|") - 1)]
-    for name, e in report["layouts"].items():
-        p = e["parity"]
-        weights = f"{p['params_max_abs_diff']:.2e}" if "params_max_abs_diff" in p else "–"
-        last_line = p["error"].strip().splitlines()[-1][:120] if p.get("error") else ""
-        verdict = "pass" if p["ok"] else "**FAIL**" + (f" ({last_line})" if last_line else "")
-        ranked = f" (planner's #{e['planner_rank']})" if e["fixed"] is None else ""
-        row = (f"| {name} | {e['model']} | {e['layout']}{ranked} | "
-               f"{p.get('loss_max_rel_diff', float('nan')):.2e} | {weights} | {verdict} |")  # fmt: skip
-        if cuda:
-            m, pr = e["measured"], e["predicted"]
-            cal = report.get("calibration", {}).get("layouts", {}).get(name, {})
-            row += (f" {m.get('tokens_per_s', 0):,.0f} ({pr['tokens_per_s']:,.0f}) | {m.get('mfu', 0):.1%} ({pr['mfu']:.1%}) |"
-                    f" {max(m.get('peak_memory_gib_per_rank') or [0]):.1f} ({pr['memory_gib_per_gpu']:.1f}) |"
-                    f" {_pct(e.get('prediction_error', {}).get('tokens_per_s'))} | {_pct(cal.get('error_after'))} |")  # fmt: skip
-        lines.append(row)
-    moved = [
-        e["parity"]["reference_weights_moved"]
-        for e in report["layouts"].values()
-        if "same_initial_weights" in e["parity"]
-    ]
-    if moved:
-        same = all(e["parity"].get("same_initial_weights") for e in report["layouts"].values())
-        lines += ["", (f"Initial weights: {'bitwise identical to' if same else '**different from**'} the reference's in "
-                       f"every layout. Largest weight change of each reference over the run: {min(moved):.1e} to "
-                       f"{max(moved):.1e} (weight tolerance: atol {c['param_tol']['atol']:g}).")]  # fmt: skip
-    skipped = {n: e["skipped_ranks"] for n, e in report["layouts"].items() if e["skipped_ranks"]}
-    if skipped:
-        lines += ["", "Planner-ranked layouts passed over because this device cannot realise them: "
-                  + "; ".join(f"{n}: " + ", ".join(f"rank {s['rank']} ({s['why']})" for s in v) for n, v in skipped.items())]  # fmt: skip
-    cal = report.get("calibration") or {}
-    if cal.get("error"):
-        lines += ["", f"Calibration failed: {cal['error'].strip().splitlines()[-1]}"]
-    elif cal.get("mean_abs_error_before") is not None:
-        lines += ["", (f"Mean |tokens/s prediction error|: {100 * cal['mean_abs_error_before']:.1f}% before calibration, "
-                       f"{100 * cal['mean_abs_error_after']:.1f}% after feeding the measured per-block times back. "
-                       "Predicted memory includes the planner's 1 GiB CUDA-context reserve; measured is the allocator "
-                       "peak (torch.cuda.max_memory_allocated) of each GPU.")]  # fmt: skip
-    return "\n".join(lines) + "\n"
 
 
 def dry_run(scratch: Path) -> dict:
