@@ -66,6 +66,7 @@ class AlignmentReport:
     first_divergent_block: int | None = None
     first_divergent_component: str | None = None
     nonfinite_module: str | None = None
+    corrupt_tensor: str | None = None  # on-disk key of a checkpoint tensor holding NaN/Inf: the one to fetch again
     layers: list[LayerResult] = field(default_factory=list)
     gradients: list[LayerResult] = field(default_factory=list)
     parity: ParityResult | None = None

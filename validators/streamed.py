@@ -213,7 +213,7 @@ def _run(src, skeleton, ref_dtype, dtype, dtype_name, device, limits, transform,
         report.notes.append(str(err))
     except CorruptWeights as err:
         _locate(report, err.module_path, reference.blocks)
-        report.nonfinite_module = err.module_path
+        report.nonfinite_module, report.corrupt_tensor = err.module_path, err.key
         report.notes.append(f"{err}; the checkpoint itself is corrupt, nothing after it was compared")
     finally:
         for h in handles:

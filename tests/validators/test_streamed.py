@@ -78,7 +78,8 @@ def test_corrupt_expert_in_converted_checkpoint_names_its_block(zoo, tmp_path):
     assert not report.passed
     assert report.first_divergent_block == 1 and report.first_divergent_component == "mlp"
     assert report.first_divergent == "model.layers.1.mlp.experts"
-    assert any("model.layers.1.mlp.experts.2.up_proj.weight" in note for note in report.notes)
+    assert report.nonfinite_module == "model.layers.1.mlp.experts"
+    assert report.corrupt_tensor == "model.layers.1.mlp.experts.2.up_proj.weight"  # the on-disk key, not the bank
     # Block 0 was compared before the corrupt block was read, and agreed.
     assert {layer.block for layer in report.layers if layer.block is not None} == {0}
     assert all(layer.passed for layer in report.layers)
