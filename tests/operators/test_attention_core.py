@@ -27,9 +27,12 @@ def test_learned_sinks_keep_the_module_off_the_plain_kernel():
     """gpt-oss hands its core per-head sink logits: a kernel that drops them changes the function."""
     attention = _attention(_tiny("gpt_oss", num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"]))
     assert attention.variant.hook and attention.variant.sinks
-    assert not attention.confirmed and "computes more than scaled dot-product attention" in attention.evidence
+    # The visibility probe ran (it measured the mask): what left the module unconfirmed is the core probe.
+    assert attention.variant.causal is not None and attention.variant.seq_len == 12
+    assert not attention.confirmed
 
 
 def test_a_plain_core_is_confirmed_by_the_whole_module():
     attention = _attention(_tiny("llama"))
-    assert attention.confirmed and "reproduces its own float64 output and gradients" in attention.evidence
+    # A hooked core is confirmed only once the module with the plain core reproduced its own output and gradients.
+    assert attention.variant.hook and attention.confirmed
