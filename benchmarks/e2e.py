@@ -16,6 +16,9 @@ what the adapt variants apply, through ``operators.adapt_model``.  Then every va
 * ``adapt``: the plan's kernels and its compilation (the default adapted configuration).
 * ``adapt-eager``: the plan's kernels, not compiled.   * ``adapt-whole``: kernels, whole model compiled.
 * ``adapt-cudagraphs``: the plan's kernels, every block compiled with ``mode="reduce-overhead"`` (CUDA graphs).
+* ``adapt-selective``: ``adapt`` with selective recomputation (``operators.recompute``): each block keeps only its
+  matmul and attention outputs.  ``adapt-selective-loss1g``: that, and the fused loss's logits chunk at 1 GiB
+  instead of 256 MiB (fewer, larger chunk GEMMs, spending memory the recomputation freed).
 * ``compile-blocks``: no kernels, every block compiled (the plan's compile mode on the unpatched model).
 * ``loss-whole``: only the plan's loss head (fused linear cross-entropy), whole model compiled: whether the plan's
   other kernels help or hurt once Inductor sees the rest.
@@ -58,6 +61,8 @@ VARIANTS = (
     "adapt-whole",
     "loss-whole",
     "adapt-cudagraphs",
+    "adapt-selective",
+    "adapt-selective-loss1g",
 )
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager")
 
@@ -226,6 +231,16 @@ def _stem(args: argparse.Namespace) -> str:
     return "e2e-cpu-tiny" if args.tiny else "e2e-h200"
 
 
+def _setup_note(variant: dict) -> str:
+    """How an adapt variant was set up beyond its kernels: compilation, recomputation, loss chunk budget."""
+    parts = [f"compile {variant['compile_mode']}"] if variant.get("compile_mode") else []
+    if variant.get("recompute", "none") != "none":
+        parts.append(f"recompute {variant['recompute']}")
+    if variant.get("loss_chunk_budget_bytes"):
+        parts.append(f"loss chunks {variant['loss_chunk_budget_bytes'] / 2**20:.0f} MiB")
+    return ", ".join(parts)
+
+
 def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) -> None:
     stem = _stem(args)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
@@ -255,7 +270,7 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
             ratio = f"x{v['tokens_per_s'] / best:.3f}" if best else "–"
             mfu = f"{v['mfu']:.1%}" if v.get("mfu") is not None else "–"
             peak = f"{v['peak_memory_gib']:.1f}" if v.get("peak_memory_gib") is not None else "–"
-            note = v.get("stopped_early") or (f"compile {v['compile_mode']}" if v.get("compile_mode") else "")
+            note = v.get("stopped_early") or _setup_note(v)
             lines.append(
                 f"| {model} | {name} | {v['tokens_per_s']:,.0f} | {ratio} | {mfu} | {peak} | {v['step_s_cv'] or 0:.3f} | "
                 f"{v['steps_timed']} | {v['first_step_s']:.1f} | {note} |"

@@ -26,7 +26,13 @@ ADAPT_VARIANTS = {
     "adapt-whole": "whole",
     "loss-whole": "whole",
     "adapt-cudagraphs": "none",  # then every block compiled with CUDA graphs (below)
+    "adapt-selective": None,
+    "adapt-selective-loss1g": None,
 }
+# variant -> recompute (operators.recompute), where not "none"
+RECOMPUTE_VARIANTS = {"adapt-selective": "selective", "adapt-selective-loss1g": "selective"}
+# variant -> the fused loss's logits budget per chunk (bytes), where not the kernel's default
+LOSS_BUDGET_VARIANTS = {"adapt-selective-loss1g": 2**30}
 LOSS_HEAD_KIND = "lm_head_cross_entropy"
 
 
@@ -119,9 +125,16 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
         plan = KernelPlan.from_dict(json.loads(plan_path.read_text()))
         if variant == "loss-whole":
             plan.components = [c for c in plan.components if c.kind == LOSS_HEAD_KIND]
-        handle = adapt_model(model, plan, compile_mode=ADAPT_VARIANTS[variant])
+        if variant in LOSS_BUDGET_VARIANTS:
+            from operators.kernels import cross_entropy
+
+            cross_entropy.CHUNK_BUDGET_BYTES = LOSS_BUDGET_VARIANTS[variant]
+            info["loss_chunk_budget_bytes"] = cross_entropy.CHUNK_BUDGET_BYTES
+        recompute = RECOMPUTE_VARIANTS.get(variant, "none")
+        handle = adapt_model(model, plan, compile_mode=ADAPT_VARIANTS[variant], recompute=recompute)
         info["patched"] = len(handle.patched)
         info["compile_mode"] = ADAPT_VARIANTS[variant] or plan.compile["mode"]
+        info["recompute"] = recompute
         if variant == "adapt-cudagraphs":
             from adapt.model.blocks import find_blocks
 

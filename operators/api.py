@@ -37,6 +37,7 @@ from operators.patch import PatchHandle, apply_kernel_plan
 from operators.profiles import BackendProfile, load_profile
 from operators.recognition import recognise
 from operators.recognition.probe_cache import ProbeCache
+from operators.recompute import checkpoint_blocks
 from operators.registry import Target
 from operators.timing_cache import DiskCache
 
@@ -173,12 +174,16 @@ def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
         phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
 
-def adapt_model(model: nn.Module, plan: KernelPlan, *, compile_mode: str | None = None) -> PatchHandle:
+def adapt_model(
+    model: nn.Module, plan: KernelPlan, *, compile_mode: str | None = None, recompute: str = "none"
+) -> PatchHandle:
     """The adapted configuration of ``model``: the plan's kernels patched in, then compiled as the plan
     says (``compile_mode`` overrides it: "blocks", "whole" or "none").  ``handle.revert()`` undoes both.
 
     "blocks" compiles each repeated block in place (``module.compile()``): identical blocks share one
     compiled graph, and modules outside the blocks (embedding, head, fused loss) stay eager.
+    ``recompute`` ("none", "selective", "full"; ``operators.recompute``) is how much of each block's
+    activations is recomputed in backward instead of kept: the parallel plan's choice, from its memory model.
     """
     mode = compile_mode or plan.compile.get("mode", "none")
     handle = apply_kernel_plan(model, for_compile_mode(plan, mode))
@@ -186,6 +191,12 @@ def adapt_model(model: nn.Module, plan: KernelPlan, *, compile_mode: str | None 
         for choice in plan.components:
             if choice.kind == "attention" and choice.backend:
                 handle.releases.append(pin_sdpa_backend(model.get_submodule(choice.module), choice.backend))
+        if recompute != "none":
+            from adapt.model.blocks import find_blocks
+
+            handle.releases.append(checkpoint_blocks(find_blocks(model), recompute))
+            if mode != "blocks":  # (compiled blocks already run uncached while training)
+                handle.releases.append(uncached_in_training(model))  # a cache grown in forward breaks the rerun
         handle.releases.extend(compile_as_planned(model, mode))
     except Exception:
         handle.revert()

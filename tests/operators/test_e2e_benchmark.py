@@ -25,7 +25,7 @@ def test_tiny_run_trains_each_variant_on_the_same_weights_and_data(tmp_path):
         "--models",
         "llama-1b",
         "--variants",
-        "eager,adapt",
+        "eager,adapt,adapt-selective-loss1g",
         "--ops-light",
         "--steps",
         "1",
@@ -47,6 +47,10 @@ def test_tiny_run_trains_each_variant_on_the_same_weights_and_data(tmp_path):
     # same checkpoint, same batches: the first loss agrees within bf16 rounding
     assert abs(eager["losses"][0] - adapt["losses"][0]) < 0.05 * abs(eager["losses"][0])
     assert "| llama-1b | adapt |" in (tmp_path / "e2e-cpu-tiny.md").read_text()
+    lean = entry["variants"]["adapt-selective-loss1g"]
+    assert lean["ok"] and lean["recompute"] == "selective" and lean["loss_chunk_budget_bytes"] == 2**30, lean
+    # recomputation reruns the same arithmetic: the losses are the adapted model's own
+    assert lean["losses"] == pytest.approx(adapt["losses"], rel=1e-3)
 
 
 def test_unknown_variant_is_refused_with_one_line(tmp_path):
