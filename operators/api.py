@@ -6,9 +6,11 @@ to the model, logits and gradients are compared with the unpatched model on fres
 patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went; ``OpsReport`` and its JSON
 form, both ways, live in ``operators.ops_report``.
 
-``adapt_model`` is the one way to turn a model into its adapted configuration (the plan's kernels
-patched in, then compiled as the plan says): the trainer, bench, the end-to-end benchmark and
-alignment all call it, so they measure the same thing.
+``adapt_model`` turns a model into its adapted configuration: ``apply_kernel_plan`` (every kernel decision:
+patched forwards and measured attention backends), then the plan's recomputation and compilation.  The
+end-to-end benchmark calls it; the throughput stage and the trainer apply the same two parts themselves
+(``apply_kernel_plan``, then ``compile_as_planned`` or the trainer's per-block compile, which must run
+between tensor parallelism and FSDP), so each measures the configuration the plan describes.
 """
 
 from __future__ import annotations
@@ -188,9 +190,6 @@ def adapt_model(
     mode = compile_mode or plan.compile.get("mode", "none")
     handle = apply_kernel_plan(model, for_compile_mode(plan, mode))
     try:
-        for choice in plan.components:
-            if choice.kind == "attention" and choice.backend:
-                handle.releases.append(pin_sdpa_backend(model.get_submodule(choice.module), choice.backend))
         if recompute != "none":
             from adapt.model.blocks import find_blocks
 
@@ -245,31 +244,6 @@ def uncached_in_training(model: nn.Module) -> Callable[[], None]:
         return None
 
     return model.register_forward_pre_hook(drop_cache, with_kwargs=True).remove
-
-
-def pin_sdpa_backend(module: nn.Module, backend: str) -> Callable[[], None]:
-    """Run ``module`` (an attention module) with SDPA restricted to ``backend``; returns the undo."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from operators.benchmark import SDPA_BACKENDS
-
-    chosen = [getattr(SDPBackend, SDPA_BACKENDS[backend])]
-    previous = module.__dict__.get("forward")
-    inner = module.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with sdpa_kernel(chosen):
-            return inner(*args, **kwargs)
-
-    module.forward = forward
-
-    def release() -> None:
-        if previous is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous
-
-    return release
 
 
 def _uncompile(module: nn.Module) -> None:

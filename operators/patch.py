@@ -12,6 +12,8 @@ reference-counted across modules and models).  The fused loss is installed on th
 the vocabulary projection (``get_output_embeddings()``), not on the projection itself.  A fused
 residual-add + norm hooks the children of the block whose own code runs the add
 (``triton_residual``) and wraps the norm's forward last, over whatever the other choices gave it.
+An attention whose SDPA backend was measured (``KernelChoice.backend``) runs under ``sdpa_kernel`` with that
+backend alone, whether or not anything else in it is patched.
 ``PatchHandle.revert()`` restores every forward, config and global it changed.
 """
 
@@ -115,6 +117,10 @@ def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> PatchHandle:
                     module = head_owner(model, module)
                 _install(handle, module, factory(module, _component(choice)))
             handle.patched.append(f"{choice.module}: {choice.provider}/{choice.kernel}")
+        for choice in plan.components:  # patched or already in the graph, attention runs the backend measured fastest
+            if choice.kind == "attention" and choice.backend:
+                module = model.get_submodule(choice.module)
+                _install(handle, module, _pinned_sdpa(module.forward, choice.backend))
     except Exception:
         handle.revert()
         raise
@@ -137,6 +143,21 @@ def _install(handle: PatchHandle, module: nn.Module, forward) -> None:
         handle.releases.append(forward.release)
     handle.forwards.append((module, module.__dict__.get("forward", _MISSING)))
     module.forward = forward
+
+
+def _pinned_sdpa(forward: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    """``forward`` with SDPA restricted to ``backend`` (a key of ``operators.benchmark.SDPA_BACKENDS``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from operators.benchmark import SDPA_BACKENDS
+
+    chosen = [getattr(SDPBackend, SDPA_BACKENDS[backend])]
+
+    def pinned(*args: Any, **kwargs: Any) -> Any:
+        with sdpa_kernel(chosen):
+            return forward(*args, **kwargs)
+
+    return pinned
 
 
 def _install_attention(handle: PatchHandle, module: nn.Module, choice: KernelChoice) -> None:

@@ -201,16 +201,23 @@ def test_the_sdpa_backend_is_pinned_only_when_it_beats_the_default(monkeypatch, 
     off = benchmark.attention_backend(variant, Target("cpu", "float32", True, None))
     assert off[0] is None and off[1] == {} and "CUDA only" in off[2]
 
-    # a pinned backend is installed on the attention module by adapt_model and undone by revert
-    from operators import adapt_model
+    # every path that applies the plan runs attention on the pinned backend, patched or not; revert undoes it
+    from operators import apply_kernel_plan
 
-    model = nn.Sequential(nn.Linear(4, 4))
-    choice = KernelChoice("0", "attention", variant, "torch-native", "SDPA", "fused", True, backend="flash")
+    class Core(nn.Module):
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    model = nn.Sequential(Core())
+    q = torch.randn(1, 2, 8, 16)
+    choice = KernelChoice("0", "attention", variant, "torch-native", "SDPA", "native", True, backend="efficient")
     plan = KernelPlan({}, CUDA.to_dict(), [choice], [], compile={"mode": "none", "reason": "test"})
-    handle = adapt_model(model, plan)
-    assert "forward" in model[0].__dict__
+    handle = apply_kernel_plan(model, plan)
+    with pytest.raises(RuntimeError):  # the CPU has no memory-efficient kernel: the pin is what SDPA sees
+        model(q)
     handle.revert()
     assert "forward" not in model[0].__dict__
+    torch.testing.assert_close(model(q), torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
 
 
 class _FakeDevice:
