@@ -3,7 +3,8 @@
 source -> model (real weights, or meta for config-only) -> OpInventory -> Recognition -> KernelPlan
 -> (real weights only) generated-kernel capture, ONNX export, and a patch check: the plan is applied
 to the model, logits and gradients are compared with the unpatched model on fresh inputs, and the
-patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went; ``OpsReport`` and its JSON
+patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went (``device_init``: creating the
+process's CUDA context, apart from loading); ``OpsReport`` and its JSON
 form, both ways, live in ``operators.ops_report``.
 
 ``adapt_model`` turns a model into its adapted configuration: ``apply_kernel_plan`` (every kernel decision:
@@ -137,6 +138,10 @@ def run_ops(
             patch_check=PatchCheck(False, note="config-only: no weights"),
         )
     else:
+        if tgt.device == "cuda" and torch.cuda.is_available():
+            with _phase(phases, "device_init"):  # the process's first CUDA context: seconds on a cold GPU, not loading
+                torch.empty(1, device="cuda")
+                torch.cuda.synchronize()
         with _phase(phases, "load"):
             model = load_model(
                 source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu"
