@@ -34,6 +34,10 @@ def test_ops_with_onnx_and_restricted_profile_table(zoo, capsys, tmp_path):
     report = json.loads((tmp_path / "ops.json").read_text())
     assert report["onnx"]["checker"] == "ok" and (tmp_path / "model.onnx").is_file()
     assert report["profile"]["name"] == "npu-restricted"
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "model.onnx")).graph  # the op graph: weights are inputs, not data
+    assert not graph.initializer and any(i.name != "input_ids" for i in graph.input)
 
 
 def test_config_only_deepseek_v3_through_the_cli(capsys, tmp_path):
