@@ -18,7 +18,8 @@ what the adapt variants apply, through ``operators.adapt_model``.  Then every va
 * ``adapt-cudagraphs``: the plan's kernels, every block compiled with ``mode="reduce-overhead"`` (CUDA graphs).
 * ``adapt-selective``: ``adapt`` with selective recomputation (``operators.recompute``): each block keeps only its
   matmul and attention outputs.  ``adapt-selective-loss1g``: that, and the fused loss's logits chunk at 1 GiB
-  instead of 256 MiB (fewer, larger chunk GEMMs, spending memory the recomputation freed).
+  instead of 256 MiB (fewer, larger chunk GEMMs, spending memory the recomputation freed); ``adapt-loss1g``: the
+  larger chunks alone.
 * ``compile-blocks``: no kernels, every block compiled (the plan's compile mode on the unpatched model).
 * ``loss-whole``: only the plan's loss head (fused linear cross-entropy), whole model compiled: whether the plan's
   other kernels help or hurt once Inductor sees the rest.
@@ -63,6 +64,7 @@ VARIANTS = (
     "adapt-cudagraphs",
     "adapt-selective",
     "adapt-selective-loss1g",
+    "adapt-loss1g",
 )
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager")
 

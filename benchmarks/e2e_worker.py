@@ -28,11 +28,12 @@ ADAPT_VARIANTS = {
     "adapt-cudagraphs": "none",  # then every block compiled with CUDA graphs (below)
     "adapt-selective": None,
     "adapt-selective-loss1g": None,
+    "adapt-loss1g": None,
 }
 # variant -> recompute (operators.recompute), where not "none"
 RECOMPUTE_VARIANTS = {"adapt-selective": "selective", "adapt-selective-loss1g": "selective"}
 # variant -> the fused loss's logits budget per chunk (bytes), where not the kernel's default
-LOSS_BUDGET_VARIANTS = {"adapt-selective-loss1g": 2**30}
+LOSS_BUDGET_VARIANTS = {"adapt-selective-loss1g": 2**30, "adapt-loss1g": 2**30}
 LOSS_HEAD_KIND = "lm_head_cross_entropy"
 
 
