@@ -40,12 +40,26 @@ def _size_like(key: str) -> bool:
 
 
 def check_config_values(config: dict[str, Any], where: str) -> None:
-    """adapt's own checks: positive sizes, no negative counts, heads that divide the width."""
+    """adapt's own checks: no NaN anywhere, positive sizes, no negative counts, heads that divide the width,
+    a positive finite rotary base."""
+    _check_no_nan(config, where, "")
     _check_level(config, where)
     for key in _NESTED:
         nested = config.get(key)
         if isinstance(nested, dict):
             _check_level(nested, f"{where} {key}")
+
+
+def _check_no_nan(value: Any, where: str, path: str) -> None:
+    """NaN is never a setting (Python's JSON reader accepts the bare word): it would reach the weights' maths."""
+    if isinstance(value, float) and math.isnan(value):
+        raise BadInput(f"{where}: {path} is NaN; allowed: a number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_no_nan(item, where, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_no_nan(item, where, f"{path}[{index}]")
 
 
 def _check_level(config: dict[str, Any], where: str) -> None:
@@ -61,6 +75,10 @@ def _check_level(config: dict[str, Any], where: str) -> None:
             continue
         if _is_whole(value) and value < 0 or isinstance(value, float) and (not math.isfinite(value) or value < 0):
             raise BadInput(f"{where}: {key} is {value!r}; allowed: a number >= 0")
+    for holder in (config, config.get("rope_parameters"), config.get("rope_scaling")):
+        theta = holder.get("rope_theta") if isinstance(holder, dict) else None
+        if isinstance(theta, (int, float)) and not isinstance(theta, bool) and not (math.isfinite(theta) and theta > 0):
+            raise BadInput(f"{where}: rope_theta is {theta!r}; allowed: a finite number > 0 (the rotary base)")
     hidden, heads, kv = config.get("hidden_size"), config.get("num_attention_heads"), config.get("num_key_value_heads")
     if hidden and heads and config.get("head_dim") is None and hidden % heads:
         raise BadInput(

@@ -149,6 +149,10 @@ def test_cli_subprocess_prints_no_traceback(tmp_path):
         ({"vocab_size": "lots"}, ["vocab_size", "'lots'"]),
         ({"hidden_act": 5}, ["transformers rejects", "hidden_act"]),
         ({"rms_norm_eps": "tiny"}, ["transformers rejects", "rms_norm_eps"]),
+        ({"rms_norm_eps": float("nan")}, ["rms_norm_eps is NaN"]),
+        ({"rope_theta": 0}, ["rope_theta is 0", "finite number > 0"]),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}}, ["rope_theta is inf"]),
+        ({"rope_parameters": {"rope_type": "default", "factor": float("nan")}}, ["rope_parameters.factor is NaN"]),
     ],
 )
 def test_bad_config_values_are_bad_input(capsys, zoo, tmp_path, change, fragments):
