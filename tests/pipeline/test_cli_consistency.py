@@ -58,7 +58,14 @@ def test_report_and_launch_json(tmp_path, capsys):
     assert launch["command"][-2:] == ["--plan", str(run / "plan.json")] or str(run / "plan.json") in launch["command"]
 
 
-@pytest.mark.parametrize("argv", [["plan", "x", "--top", "0"], ["run", "x", "--stages", "soak"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "x", "--top", "0"],
+        ["plan", "x", "--gpu-memory-utilization", "1.5"],
+        ["run", "x", "--stages", "soak"],
+    ],
+)
 def test_input_errors_are_one_line(argv, capsys):
     assert cli(*argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -259,6 +260,13 @@ def test_cli_config_source_is_cached_and_tokens_batch_accepted(zoo, tmp_path, mo
     again = json.loads(capsys.readouterr().out)
     assert again["plans"][0]["step_time_s"] == first["plans"][0]["step_time_s"]
     assert first["workload"]["global_batch"] == 64
+    # the same checkpoint elsewhere hits the cache, and the launch line names where it is now
+    moved = tmp_path / "moved"
+    shutil.copytree(zoo("qwen3_moe"), moved)
+    assert main(["plan", str(moved), "--gpus", "8", "--gpu", "h200", "--seq", "256", "--top", "1"]) == 0
+    launch = capsys.readouterr().out.replace("\n", "")
+    assert str(moved) in launch and str(zoo("qwen3_moe")) not in launch
+    assert len(list((tmp_path / "cache" / "specs").glob("*.json"))) == 1
 
 
 def test_fp8_speeds_up_gemms_but_mfu_stays_over_bf16_peak():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -158,7 +159,9 @@ class SpecLoader:
         cache = Path(os.environ.get("ADAPT_CACHE_DIR", Path.home() / ".cache" / "adapt")) / "specs"
         self._cached = cache / f"{digest.hexdigest()[:32]}.json"
         if self._cached.is_file() and not args.no_cache:
-            self._spec = ModelSpec.from_dict(json.loads(self._cached.read_text()))
+            cached = ModelSpec.from_dict(json.loads(self._cached.read_text()))
+            # keyed by content: the same checkpoint at another path (or hub id) is this source, not the cached one
+            self._spec = dataclasses.replace(cached, source=src.text)
             return
         from parallel_planner.spec_worker import WorkerSpec, describe
 
@@ -242,6 +245,8 @@ def check_plan_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise BadInput(f"--{flag.replace('_', '-')} is {value}; allowed: an integer >= 1")
+    if not 0.1 <= args.gpu_memory_utilization <= 1:  # judged in training mode too, where it does not apply
+        raise BadInput(f"--gpu-memory-utilization is {args.gpu_memory_utilization}; allowed: a number from 0.1 to 1")
     if args.moe_imbalance < 1:
         raise BadInput(f"--moe-imbalance is {args.moe_imbalance}; allowed: a number >= 1")
     if args.act_cache_bits == 8 and args.precision != "fp8":
