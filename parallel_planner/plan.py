@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from adapt.core.errors import BadInput
 
 Recompute = Literal["none", "selective", "full"]
 PipelineSchedule = Literal["1f1b", "interleaved_1f1b", "gpipe", "zero_bubble", "dualpipe"]
@@ -95,16 +98,58 @@ class ParallelPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelPlan:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        """The plan from its JSON object (keys it does not hold, such as the derived ``dp``, are ignored).
+
+        A field of the wrong type or outside its choices is refused, naming it, as is an object holding no plan
+        field at all: a typo must not train under the defaults."""
+        if not isinstance(data, dict):
+            raise BadInput(f"a plan is a JSON object, not a {type(data).__name__}")
+        hints = typing.get_type_hints(cls)
+        known = {k: v for k, v in data.items() if k in hints}
+        if not known:
+            raise BadInput(f"no plan field among {', '.join(sorted(map(str, data))[:6]) or 'no keys'}")
+        for key, value in known.items():
+            _check_field(key, value, hints[key])
+        return cls(**known)
 
     @classmethod
     def load(cls, path: str) -> ParallelPlan:
-        with open(path) as fh:
-            data = json.load(fh)
-        # Accept a bare plan, or a planner answer whose first ranked entry carries "plan".
-        if "plans" in data:
-            data = data["plans"][0]
-        if "plan" in data:
+        """A plan file from the user: a bare plan, or a planner answer whose first ranked entry carries "plan".
+        Unreadable JSON, a missing plan, a bad field or an inconsistent plan is ``BadInput``."""
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise BadInput(f"{path}: not a plan JSON ({err})") from None
+        if isinstance(data, dict) and "plans" in data:
+            ranked = data["plans"]
+            if not isinstance(ranked, list) or not ranked:
+                raise BadInput(f"{path}: 'plans' holds no ranked plan")
+            data = ranked[0]
+        if isinstance(data, dict) and "plan" in data:
             data = data["plan"]
-        return cls.from_dict(data)
+        try:
+            plan = cls.from_dict(data)
+        except BadInput as err:
+            raise BadInput(f"{path}: {err}") from None
+        problems = plan.validate()
+        if problems:
+            raise BadInput(f"{path}: the plan is inconsistent: {'; '.join(problems)}")
+        return plan
+
+
+def _check_field(key: str, value: Any, hint: Any) -> None:
+    """``value`` fits the field's annotation: int (not bool), bool, a Literal's choices, or a list of ints."""
+    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+    if choices:
+        ok = value in choices
+        allowed = ", ".join(map(str, choices))
+    elif hint is bool:
+        ok, allowed = isinstance(value, bool), "true or false"
+    elif hint is int:
+        ok, allowed = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    else:  # list[int]
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        allowed = "a list of integers"
+    if not ok:
+        raise BadInput(f"{key} is {value!r}; allowed: {allowed}")

@@ -80,3 +80,27 @@ def test_bad_inputs_exit_2_with_one_line(zoo, tmp_path):
     assert needs_torchrun.returncode == 2 and "adapt launch" in needs_torchrun.stderr
     nodes = _adapt("launch", str(zoo("llama")), "--plan", _plan(tmp_path, tp=2), "--nnodes", "2")
     assert nodes.returncode == 2 and "rdzv-endpoint" in nodes.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("[1]", "a plan is a JSON object, not a list"),
+        ('{"plans": []}', "'plans' holds no ranked plan"),
+        ('{"plans": [{"layout": {"tp": 2}}]}', "no plan field among layout"),
+        ('{"tp": 0}', "the plan is inconsistent: tp must be >= 1"),
+        ('{"tp": true}', "tp is True; allowed: an integer"),
+        ('{"recompute": "partial"}', "recompute is 'partial'; allowed: none, selective, full"),
+        ("{not json", "not a plan JSON"),
+    ],
+)
+def test_a_plan_file_that_is_not_a_usable_plan_is_refused(content, fragment, tmp_path):
+    """A plan file is the user's input: nothing in it may fall back to defaults or reach a traceback."""
+    from adapt.core.errors import BadInput
+    from parallel_planner.plan import ParallelPlan
+
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    with pytest.raises(BadInput) as refused:
+        ParallelPlan.load(str(path))
+    assert str(refused.value).startswith(f"{path}: {fragment}")

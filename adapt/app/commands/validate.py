@@ -195,10 +195,7 @@ def run_env(args: argparse.Namespace) -> int:
 
     plan = None
     if args.plan:
-        try:
-            plan = ParallelPlan.load(args.plan)
-        except (OSError, ValueError, TypeError) as err:
-            raise BadInput(f"{args.plan}: not a readable plan JSON ({err})") from None
+        plan = ParallelPlan.load(args.plan)
     from validators.environment import (
         check_environment,  # torch: only once the input is known to be usable
     )
