@@ -34,13 +34,15 @@ class TokenFile:
         file = Path(path)
         if not file.is_file():
             raise BadInput(f"token file not found: {path}")
-        tokens = np.load(file, mmap_mode="r") if file.suffix == ".npy" else np.memmap(file, dtype=np.uint16, mode="r")
+        tokens = _map_tokens(file)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise BadInput(f"{path}: expected a flat array of integer token ids")
         if len(tokens) < seq_len + 2:
             raise BadInput(f"{path}: {len(tokens)} tokens is shorter than one sequence of {seq_len + 1}")
-        if int(tokens.max()) >= vocab_size:
-            raise BadInput(f"{path}: token id {int(tokens.max())} is outside the model's vocabulary ({vocab_size})")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise BadInput(f"{path}: token id {bad} is outside the model's vocabulary (0 to {vocab_size - 1})")
         self.tokens, self.seq_len = tokens, seq_len
 
     def global_batch(self, step: int, batch: int) -> torch.Tensor:
@@ -49,6 +51,23 @@ class TokenFile:
         return torch.stack(
             [torch.from_numpy(np.asarray(self.tokens[r : r + self.seq_len + 1], dtype=np.int64)) for r in rows]
         )
+
+
+def _map_tokens(file: Path) -> np.ndarray:
+    """The file's tokens through a memory map.  An ``.npy`` of Python objects (a pickle) is refused, never loaded;
+    a raw ``.bin`` must hold whole uint16 values."""
+    try:
+        if file.suffix == ".npy":
+            return np.load(file, mmap_mode="r", allow_pickle=False)
+        if file.stat().st_size % np.dtype(np.uint16).itemsize:
+            raise BadInput(f"{file}: {file.stat().st_size} bytes is not a whole number of uint16 token ids")
+        return np.memmap(file, dtype=np.uint16, mode="r")
+    except BadInput:
+        raise
+    except (ValueError, OSError, EOFError) as err:
+        if "pickle" in str(err) or "Python objects" in str(err):
+            raise BadInput(f"{file}: holds pickled Python objects, which are never loaded; save integer ids") from None
+        raise BadInput(f"{file}: not a readable token array ({err})") from None
 
 
 def make_data(path: str | None, vocab_size: int, seq_len: int, seed: int = 0) -> SyntheticTokens | TokenFile:

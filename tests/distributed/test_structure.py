@@ -107,6 +107,23 @@ def test_token_file_windows_and_checks(tmp_path):
         TokenFile(str(tmp_path / "missing.npy"), vocab_size=50, seq_len=8)
 
 
+def test_token_files_that_cannot_be_tokens_are_refused(tmp_path):
+    """Negative ids, pickles, a torn .bin and an empty file are the user's input: BadInput, never a crash."""
+    np.save(tmp_path / "negative.npy", np.full(100, -1, dtype=np.int64))
+    np.save(tmp_path / "objects.npy", np.array([1, "a"] * 50, dtype=object), allow_pickle=True)
+    (tmp_path / "torn.bin").write_bytes(b"\x01" * 101)
+    (tmp_path / "empty.bin").write_bytes(b"")
+    cases = {
+        "negative.npy": "token id -1 is outside the model's vocabulary",
+        "objects.npy": "pickled Python objects, which are never loaded",
+        "torn.bin": "101 bytes is not a whole number of uint16",
+        "empty.bin": "not a readable token array",
+    }
+    for name, message in cases.items():
+        with pytest.raises(BadInput, match=message):
+            TokenFile(str(tmp_path / name), vocab_size=50, seq_len=8)
+
+
 def test_synthetic_stream_is_reproducible_and_learnable():
     data = SyntheticTokens(vocab_size=97, seq_len=12, seed=5)
     a, b = data.global_batch(3, 4), data.global_batch(3, 4)
