@@ -33,6 +33,7 @@ REPORT_SCHEMA_VERSION = 1
 EXIT_INTERRUPTED = 130
 
 FAILING = ("failed", "error", "blocked")
+STAGE_STATUSES = ("passed", "failed", "error", "blocked", "skipped", "interrupted", "pending")
 
 
 def overall_status(stages: list[dict[str, Any]]) -> str:
@@ -83,6 +84,15 @@ def validate_report(data: Any, origin: str = "report") -> dict[str, Any]:
     stages = data.get("stages")
     if not isinstance(stages, list) or not all(isinstance(s, dict) and "name" in s and "status" in s for s in stages):
         raise BadInput(f'{origin}: "stages" must be a list of {{name, status, ...}} objects')
+    for entry in stages:
+        name = entry["name"]
+        if not isinstance(name, str) or entry["status"] not in STAGE_STATUSES:
+            raise BadInput(
+                f"{origin}: stage {name!r} has status {entry['status']!r}; allowed: {', '.join(STAGE_STATUSES)}"
+            )
+        for part in ("summary", "result"):
+            if entry.get(part) is not None and not isinstance(entry[part], dict):
+                raise BadInput(f"{origin}: stage {name!r}: {part} is a {type(entry[part]).__name__}, not an object")
     return data
 
 

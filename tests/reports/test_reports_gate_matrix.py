@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -94,6 +95,25 @@ def test_gate_bad_report_exit_2(tmp_path, report):
     assert _cli("gate", str(tmp_path / "missing.json")) == 2
     report["schema_version"] = 999
     assert _cli("gate", str(_write(tmp_path, report))) == 2
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda stages: stages[0].update(status="weird"),
+        lambda stages: stages[0].update(name=3),
+        lambda stages: stages[1].update(summary=[1, 2]),
+        lambda stages: stages[1].update(result="text"),
+    ],
+    ids=["unknown-status", "name-not-text", "summary-list", "result-text"],
+)
+def test_a_damaged_stage_entry_is_bad_input_not_a_verdict(tmp_path, report, damage, capsys):
+    """A gate must not pass (or fail) a report it cannot read: exit 2 with one line naming the stage."""
+    damaged = copy.deepcopy(report)
+    damage(damaged["stages"])
+    assert _cli("gate", str(_write(tmp_path, damaged))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stage" in err[0]
 
 
 def test_matrix_over_three_models(tmp_path, all_reports, capsys):
