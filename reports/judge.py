@@ -23,6 +23,7 @@ when it is finite, ``cosine >= min_cosine``, ``rel_err <= max_rel_err`` and
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,8 +108,8 @@ def _check_limits(path: Path, where: str, values: dict[str, Any], known: set[str
     checked = {}
     for key, value in values.items():
         number = value if isinstance(value, (int, float)) else _as_float(value)
-        if number is None:
-            raise BadInput(f"{path}: {where}.{key} must be a number or boolean, got {value!r}")
+        if number is None or math.isnan(number):  # a NaN limit passes or fails every comparison
+            raise BadInput(f"{path}: {where}.{key} must be a number (not NaN) or a boolean, got {value!r}")
         checked[key] = number
     return checked
 

@@ -70,3 +70,15 @@ def test_input_errors_are_one_line(argv, capsys):
     assert cli(*argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("adapt: error:")
+
+
+def test_options_are_judged_whatever_stages_run_and_an_unwritable_out_is_bad_input(capsys, tmp_path):
+    """A wrong --profile must not pass because the operators stage was not selected; --out under a file is
+    the user's input, not an internal error."""
+    assert cli("run", str(EXAMPLE), "--stages", "intake", "--profile", "no-such-profile", "--out", str(tmp_path)) == 2
+    assert "unknown profile 'no-such-profile'" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli("run", str(EXAMPLE), "--stages", "intake", "--out", str(blocker / "run")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write there" in err[0]

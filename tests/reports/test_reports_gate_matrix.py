@@ -81,7 +81,13 @@ def test_gate_operators_and_soak_thresholds(tmp_path, report):
 
 @pytest.mark.parametrize(
     "content",
-    ["alignment: {max_rel_eror: 0.1}\n", "speed: {min: 1}\n", "alignment: {max_rel_err: lots}\n", "[1, 2\n"],
+    [
+        "alignment: {max_rel_eror: 0.1}\n",
+        "speed: {min: 1}\n",
+        "alignment: {max_rel_err: lots}\n",
+        "[1, 2\n",
+        "alignment: {max_rel_err: .nan}\n",
+    ],
 )
 def test_gate_bad_thresholds_exit_2(tmp_path, report, content):
     bad = tmp_path / "bad.yaml"

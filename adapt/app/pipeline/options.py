@@ -186,6 +186,13 @@ class OperatorOptions(OptionGroup):
         "(default: cuda-hopper)",
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.profile is not None:  # judged with the other options, whichever stages run
+            from operators.profiles import load_profile
+
+            load_profile(self.profile)
+
 
 @dataclass
 class PlanOptions(OptionGroup):

@@ -161,8 +161,11 @@ class RunLock:
             import fcntl
         except ImportError:  # no flock on this platform: runs are not serialised
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = self.path.open("a+")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fh = self.path.open("a+")
+        except OSError as err:
+            raise BadInput(f"--out {self.path.parent}: cannot write there ({err.strerror or err})") from None
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
