@@ -125,6 +125,21 @@ def test_nan_fails_at_once_and_names_the_module(zoo):
     assert report.layers == []  # stopped at the first non-finite output
 
 
+def test_a_checkpoint_whose_loads_differ_is_inconclusive_not_a_dtype_cost(zoo, tmp_path):
+    """Without lm_head.weight transformers initialises the head at random on each load, so the reference and the
+    unadapted model compute different functions: no pass can come from comparing them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(zoo("llama"), tmp_path / "headless")
+    weights = load_file(tmp_path / "headless" / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, tmp_path / "headless" / "model.safetensors")
+    report = align(resolve_source(str(tmp_path / "headless")), dtype="fp32", options=FAST)
+    assert not report.passed
+    assert report.inconclusive and "does not reproduce its own reference at logits" in report.inconclusive
+
+
 def test_inputs_are_fresh_unless_seeded(zoo):
     src = _src(zoo, "llama")
     options = AlignOptions(batch=1, seq_len=8, backward=False)
