@@ -94,6 +94,9 @@ def expected_checkpoint_tensors(model: torch.nn.Module) -> dict[str, list[int]]:
     return _shapes(_on_disk_state(model))
 
 
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")  # safetensors' names
+
+
 def _shapes(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return {name: list(t.shape) for name, t in state.items()}
 
@@ -153,6 +156,11 @@ def cross_check(
         for n in sorted(aligned)
         if n in expected and list(aligned[n].shape) != list(expected[n])
     ]
+    integer_for_float = [
+        {"name": n, "checkpoint": aligned[n].dtype, "model": str(state[n].dtype).removeprefix("torch.")}
+        for n in sorted(aligned)
+        if n in state and aligned[n].dtype in INTEGER_DTYPES and state[n].dtype.is_floating_point
+    ]
     return CheckpointReport(
         format=fmt,  # type: ignore[arg-type]
         files=[os.path.basename(f) for f in files],
@@ -164,6 +172,7 @@ def cross_check(
         unexpected=unexpected,
         shape_mismatches=mismatches,
         tied=[sorted(g) for g in ties],
+        integer_for_float=integer_for_float,
     )
 
 

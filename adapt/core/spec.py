@@ -152,6 +152,8 @@ class CheckpointReport:
     unexpected: list[str] = field(default_factory=list)
     shape_mismatches: list[dict[str, Any]] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)  # groups of names sharing storage
+    # integers on disk where the model holds floating point (a quantised file read without its quantisation)
+    integer_for_float: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -88,6 +88,13 @@ def check_checkpoint(src: ModelSource, model: nn.Module) -> CheckpointReport | N
         raise BadInput(
             f"{src.text}: weights do not match the config: {first}" + (f" (and {more} more)" if more > 0 else "")
         )
+    if report.integer_for_float and not src.config_dict.get("quantization_config"):
+        first = report.integer_for_float[0]
+        raise BadInput(
+            f"{src.text}: {len(report.integer_for_float)} tensor(s) hold integers where the model computes in floating "
+            f"point (first: {first['name']}, {first['checkpoint']} on disk, {first['model']} in the model); a quantised "
+            "checkpoint needs its quantization_config, otherwise the loader would cast the codes as if they were weights"
+        )
     return report
 
 

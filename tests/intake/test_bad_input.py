@@ -229,3 +229,21 @@ def test_a_size_given_per_layer_is_checked_per_layer(rng):
         check_config_values({"model_type": "x", "intermediate_size": bad}, "config.json")
     with pytest.raises(BadInput, match="intermediate_size"):
         check_config_values({"model_type": "x", "intermediate_size": []}, "config.json")
+
+
+def test_integer_codes_for_floating_weights_are_bad_input(zoo, tmp_path):
+    """A quantised file without its quantization_config would load its codes cast to floats, silently."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from adapt.model.intake import inspect
+
+    shutil.copytree(zoo("llama"), tmp_path / "codes")
+    weights = load_file(tmp_path / "codes" / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights[name] = (weights[name] * 127).to(torch.int8)
+    save_file(weights, tmp_path / "codes" / "model.safetensors")
+    with pytest.raises(BadInput, match=f"1 tensor.*first: {name}, I8 on disk, float32 in the model"):
+        inspect(str(tmp_path / "codes"))
