@@ -82,3 +82,12 @@ def test_options_are_judged_whatever_stages_run_and_an_unwritable_out_is_bad_inp
     assert cli("run", str(EXAMPLE), "--stages", "intake", "--out", str(blocker / "run")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot write there" in err[0]
+
+
+@pytest.mark.parametrize("command", ["run", "align"])
+def test_a_sequence_past_the_models_positions_is_bad_input(command, capsys, tmp_path):
+    """The example allows 256 positions; asking for more would index past a position table or run out of memory."""
+    extra = ["--out", str(tmp_path)] if command == "run" else []
+    assert cli(command, str(EXAMPLE), "--seq-len", "100000", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["adapt: error: --seq-len is 100000; allowed: 1 to 256, the model's maximum positions"]

@@ -93,13 +93,17 @@ def _source(args: argparse.Namespace) -> tuple[Any, ValidationOptions]:
     """
     from adapt.app.commands.inspect import resolve_checked
     from adapt.app.pipeline.options import DeviceDescription, max_positions
+    from adapt.app.pipeline.preflight import check_validation_shape
 
     options = build(ValidationOptions, args)
     if args.config_only:
         raise BadInput("validation runs the model: --config-only cannot be used here")
     src = resolve_checked(args)
-    positions = max_positions(getattr(src, "config_dict", {}) or {})
-    return src, options.with_device_defaults(DeviceDescription.of(options.device), positions)
+    config = getattr(src, "config_dict", {}) or {}
+    positions = max_positions(config)
+    options = options.with_device_defaults(DeviceDescription.of(options.device), positions)
+    check_validation_shape(options, ["alignment"], positions, config)  # every validation command runs the model
+    return src, options
 
 
 def _kernel_plan(src, args: argparse.Namespace, notes: list[str]) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapt.app.pipeline.options import STAGE_NAMES, PlanOptions, RunOptions
+from adapt.app.pipeline.options import STAGE_NAMES, PlanOptions, RunOptions, ValidationOptions
 from adapt.core.errors import BadInput
 from adapt.core.inputs import check_with_transformers
 
@@ -75,3 +75,29 @@ def plan_seq_len_notes(options: PlanOptions, handle: Any) -> list[str]:
     options.plan_seq_len = max_positions
     note = f"plan sequence length capped at {max_positions}, the model's max_position_embeddings "
     return [note + f"(--plan-seq-len asked for {asked})"]
+
+
+VALIDATING_STAGES = ("alignment", "generation", "throughput", "soak")
+
+
+def check_validation_shape(options: ValidationOptions, stages: list[str], positions: int | None, config: dict) -> None:
+    """The validation batch the user asked for must fit the model and this host: a sequence past the model's
+    positions, or a CPU batch whose logits alone exceed the free memory, is bad input before any stage starts
+    (on the CPU the kernel's OOM killer would end the run without a report)."""
+    if not any(s in stages for s in VALIDATING_STAGES) or options.seq_len is None or options.batch_size is None:
+        return
+    if positions is not None and options.seq_len > positions:
+        raise BadInput(f"--seq-len is {options.seq_len}; allowed: 1 to {positions}, the model's maximum positions")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab = text.get("vocab_size")
+    if options.device != "cpu" or not isinstance(vocab, int) or vocab < 1:
+        return
+    import psutil
+
+    logits = options.batch_size * options.seq_len * vocab * 8  # float64 reference logits
+    free = psutil.virtual_memory().available
+    if logits > 0.9 * free:
+        raise BadInput(
+            f"--batch-size {options.batch_size} x --seq-len {options.seq_len}: the reference logits alone need "
+            f"{logits / 2**30:.1f} GiB and this host has {free / 2**30:.1f} GiB free; allowed: a smaller batch"
+        )

@@ -17,6 +17,7 @@ from adapt.app.pipeline.options import STAGE_NAMES, DeviceDescription, RunOption
 from adapt.app.pipeline.preflight import (
     check_options,
     check_source_config,
+    check_validation_shape,
     plan_seq_len_notes,
 )
 from adapt.app.pipeline.progress import RunProgress
@@ -224,6 +225,8 @@ class PipelineRun:
         positions = max_positions(getattr(self.source.handle, "config_dict", {}))
         self.options = self.options.with_device_defaults(device, positions)
         check_source_config(self.source.handle)
+        config = getattr(self.source.handle, "config_dict", None) or {}
+        check_validation_shape(self.options.validation, self.options.run.stages, positions, config)
         self.preflight_notes["plan"] = plan_seq_len_notes(self.options.plan, self.source.handle)
         with RunLock(self.options.run.out_dir):
             return self._run_stages()
