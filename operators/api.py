@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.core.jsonio import atomic_write_text
 from adapt.core.spec import ModelSpec
 from adapt.core.verdicts import gradient_floor
 from adapt.model.calls import without_cache
@@ -168,7 +169,7 @@ def run_ops(
     report.seconds = time.perf_counter() - start
     report.phases = phases
     if out:
-        (out / "ops.json").write_text(json.dumps(report.to_dict(), indent=1))
+        atomic_write_text(out / "ops.json", json.dumps(report.to_dict(), indent=1))
     return report
 
 

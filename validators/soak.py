@@ -29,7 +29,7 @@ import torch
 
 from adapt.core.errors import BadInput
 from adapt.core.interrupts import deferred_interrupts
-from adapt.core.jsonio import to_jsonable
+from adapt.core.jsonio import atomic_write_text, to_jsonable
 from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, fmt, judged, soak_checks
 from validators.align import kernel_plan_transform
 from validators.alignment import check_device
@@ -260,12 +260,22 @@ class CheckpointStore:
         return seed
 
     def read_history(self, before: int) -> list[dict[str, Any]]:
-        """History lines of steps before ``before``; later ones were lost with the killed run and are rewritten."""
+        """History lines of steps before ``before``; later ones were lost with the killed run and are rewritten.
+
+        A run killed while appending leaves a torn last line: it is after every checkpoint, so it is dropped with
+        the other lines past ``before``.  The rewrite is atomic, so a second kill loses nothing either."""
         if not self.history.is_file():
             return []
-        rows = [json.loads(line) for line in self.history.read_text().splitlines() if line.strip()]
+        rows = []
+        for line in self.history.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
         kept = [r for r in rows if r["step"] < before]
-        self.history.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(self.history, "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
 

@@ -110,3 +110,15 @@ def test_soak_rejects_bad_arguments(zoo, tmp_path):
     assert main(["soak", str(zoo("llama")), "--steps", "3", "--ckpt-every", "2"]) == 2  # no --ckpt-dir
     assert main(["soak", str(tmp_path / "missing"), "--steps", "3"]) == 2
     assert os.environ.get("ADAPT_DEBUG") is None
+
+
+def test_a_history_torn_by_a_kill_mid_append_reads_back_to_the_resume_step(tmp_path):
+    """A kill while appending leaves half a line: resuming must drop it with the steps past the checkpoint."""
+    from validators.soak import CheckpointStore
+
+    store = CheckpointStore(str(tmp_path))
+    lines = [json.dumps({"step": s, "loss": 5.0 - s / 10}) for s in range(1, 6)]
+    store.history.write_text("\n".join(lines) + '\n{"step": 6, "lo')
+    kept = store.read_history(before=4)
+    assert [r["step"] for r in kept] == [1, 2, 3]
+    assert store.history.read_text().splitlines() == lines[:3]
