@@ -24,6 +24,9 @@ _POSITIVE_SIZES = (
     "head_dim",
     "num_key_value_heads",
 )
+# A skeleton costs milliseconds a layer to build and describe (4000 tiny layers: 17 s on the build machine); the
+# deepest published decoders have a few hundred.  Past this a config is a typo, not a model.
+MAX_LAYERS = 10_000
 # Other count- or size-like keys: zero may mean "none" (no shared experts, no dense layers), negative never.
 _SIZE_PREFIXES = ("num_", "n_")
 _SIZE_SUFFIXES = ("_size", "_dim", "_heads", "_experts", "_layers", "_rank")
@@ -70,6 +73,9 @@ def _check_level(config: dict[str, Any], where: str) -> None:
         per_layer = value if isinstance(value, list) and value else [value]  # Gemma 3n: one size per layer
         if not all(_is_whole(v) and v >= 1 for v in per_layer):
             raise BadInput(f"{where}: {key} is {value!r}; allowed: an integer >= 1, or a list of them (one per layer)")
+    layers = config.get("num_hidden_layers")
+    if _is_whole(layers) and layers > MAX_LAYERS:
+        raise BadInput(f"{where}: num_hidden_layers is {layers}; allowed: up to {MAX_LAYERS:,} (a typo, not a model)")
     for key, value in config.items():
         if key in _POSITIVE_SIZES or not _size_like(key):
             continue

@@ -130,9 +130,13 @@ def _read_config(config_path: Path) -> dict[str, Any]:
     except OSError as err:
         raise BadInput(f"{config_path}: cannot read ({err.strerror})") from None
     try:
-        data = json.loads(text, object_hook=_special_float)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
         raise BadInput(f"{config_path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+    except _DuplicateKey as err:
+        raise BadInput(
+            f"{config_path}: key {err.args[0]!r} appears twice in one object; allowed: each key once"
+        ) from None
     if not isinstance(data, dict):
         raise BadInput(f"{config_path}: expected a JSON object")
     return data
@@ -141,6 +145,19 @@ def _read_config(config_path: Path) -> dict[str, Any]:
 # transformers writes a float JSON cannot hold (inf, -inf, nan) as {"__float__": "Infinity"} and reads it back as the
 # float (``PretrainedConfig._encode_special_floats``): a config it saved is read here as it reads it.
 _SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object that names a key twice: readers disagree on which value wins (Python's takes the last)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> Any:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return _special_float(obj)
 
 
 def _special_float(obj: dict[str, Any]) -> Any:

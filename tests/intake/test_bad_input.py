@@ -153,6 +153,7 @@ def test_cli_subprocess_prints_no_traceback(tmp_path):
         ({"rope_theta": 0}, ["rope_theta is 0", "finite number > 0"]),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}}, ["rope_theta is inf"]),
         ({"rope_parameters": {"rope_type": "default", "factor": float("nan")}}, ["rope_parameters.factor is NaN"]),
+        ({"num_hidden_layers": 1_000_000}, ["num_hidden_layers is 1000000", "up to 10,000"]),
     ],
 )
 def test_bad_config_values_are_bad_input(capsys, zoo, tmp_path, change, fragments):
@@ -247,3 +248,16 @@ def test_integer_codes_for_floating_weights_are_bad_input(zoo, tmp_path):
     save_file(weights, tmp_path / "codes" / "model.safetensors")
     with pytest.raises(BadInput, match=f"1 tensor.*first: {name}, I8 on disk, float32 in the model"):
         inspect(str(tmp_path / "codes"))
+
+
+def test_a_key_written_twice_in_the_config_is_bad_input(zoo, tmp_path):
+    """Which of two values wins is the reader's choice (Python's takes the last): the file is ambiguous."""
+    import shutil
+
+    from adapt.model.intake import inspect
+
+    shutil.copytree(zoo("llama"), tmp_path / "twice")
+    config = (tmp_path / "twice" / "config.json").read_text()
+    (tmp_path / "twice" / "config.json").write_text(config.replace("{", '{"model_type": "gpt2",', 1))
+    with pytest.raises(BadInput, match="key 'model_type' appears twice"):
+        inspect(str(tmp_path / "twice"))
