@@ -115,11 +115,14 @@ def describe_model(
     block_ids = {id(p) for block in block_list for p in block.parameters()}
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq_len or min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)
-    is_causal = bool(getattr(model, "can_generate", lambda: False)())
+    generates = bool(getattr(model, "can_generate", lambda: False)())
 
     rope = _rope_info(model, config)
     head_dim_hint = rope["rotary_dim"] if rope and rope.get("partial", 1.0) == 1.0 else None
     has_final_norm = _has_final_norm(model, block_ids, hidden)
+    # Before the forward: a model may reconfigure its blocks while running (BigBird falls back from block-sparse
+    # to full attention on a short input), and the measured facts are filed under the signatures they had.
+    signatures = block_signatures(found)
     try:
         measured = measure_blocks(model, found)
     except Exception:  # noqa: BLE001 - measurement is a refinement; shapes and config still describe the model
@@ -128,17 +131,20 @@ def describe_model(
     unrecognized: list[str] = []
     counts = ParamCounts()
     blocks = []
-    signatures = block_signatures(found)
     # Where the measurement sees q/k rotated in some block, a measured attention without it has no rotary there.
     rotation_seen = any(f.rotation for facts in measured.values() for f in facts.values())
     for index, block in enumerate(block_list):
         spec_block, block_counts = _describe_block(
             block, index, f"{blocks_path}.{index}", config, hidden, head_dim_hint, has_final_norm, norm_cache,
-            unrecognized, rope is not None, measured.get(signatures[index], {}), is_causal, rotation_seen,
+            unrecognized, rope is not None, measured.get(signatures[index], {}), generates, rotation_seen,
         )  # fmt: skip
         blocks.append(spec_block)
         for key, value in block_counts.items():
             setattr(counts, key, getattr(counts, key) + value)
+    # A generating class whose every attention sees later tokens (a BERT LM head built without is_decoder)
+    # computes an encoder: what its masks do decides, not which head it carries.
+    attentions = [b.attention for b in blocks if b.attention]
+    is_causal = generates and not (attentions and not any(a.causal for a in attentions))
 
     _count_outside_blocks(model, block_ids, counts, hidden)
     counts.total = sum(p.numel() for p in model.parameters())
@@ -177,7 +183,7 @@ def describe_model(
 
 def _describe_block(
     block, index, path, config, hidden, head_dim_hint, has_final_norm, norm_cache, unrecognized, has_rope,
-    facts: dict[str, ChildFacts], is_causal: bool, rotation_seen: bool,
+    facts: dict[str, ChildFacts], generates: bool, rotation_seen: bool,
 ) -> tuple[BlockSpec, dict[str, int]]:  # fmt: skip
     parts = split_block(block)
     owners = list(parts.projections)
@@ -257,7 +263,10 @@ def _describe_block(
                 group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim
             )
         attention.window = attention_window(attn_modules, config, index)
-        attention.causal = attention_causal(attn_modules, is_causal)
+        measured_causal = next(
+            (facts[o].causal for o in attn_owners if o in facts and facts[o].causal is not None), None
+        )
+        attention.causal = measured_causal if measured_causal is not None else attention_causal(attn_modules, generates)
         softcap = getattr(config, "attn_logit_softcapping", None)
         attention.softcap = float(softcap) if softcap else None
         attention.qk_norm = attention.kind != "mla" and attention.head_dim in attn_norm_sizes
