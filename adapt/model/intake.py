@@ -41,6 +41,7 @@ from adapt.model.structure import (
     is_mlp_group,
     probe_activation,
     probe_norm,
+    same_tensor,
     split_block,
 )
 
@@ -398,7 +399,7 @@ def _count_outside_blocks(model: nn.Module, block_ids: set[int], counts: ParamCo
 
 def _tied(model: nn.Module) -> bool:
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return out is not None and out.weight is model.get_input_embeddings().weight
+    return out is not None and same_tensor(out.weight, model.get_input_embeddings().weight)
 
 
 def _rope_info(model: nn.Module, config) -> dict | None:

@@ -297,6 +297,17 @@ def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int |
     return None
 
 
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor under two names: the same object, or the same elements of one storage (a Parameter re-wrapping
+    another's data).  Equal values in two storages are two tensors: an update to one leaves the other."""
+    if a is b:
+        return True
+    if a.is_meta or b.is_meta or a.device != b.device:  # meta tensors have no storage to compare
+        return False
+    return (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride()) == (
+        b.untyped_storage().data_ptr(), b.storage_offset(), b.shape, b.stride())  # fmt: skip
+
+
 def attention_causal(attn_modules: list[nn.Module], model_causal: bool) -> bool:
     """The ``is_causal`` flag of the attention or of a module inside it (an encoder's self-attention sits below a
     wrapper); else what the model is, a decoder or an encoder."""

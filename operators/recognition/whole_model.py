@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from adapt.model.blocks import NoBlockList, find_blocks
+from adapt.model.structure import same_tensor
 from operators.inventory import OpInventory
 from operators.recognition import patterns as pat
 from operators.recognition import variants
@@ -46,7 +47,21 @@ def residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]:
     return out
 
 
-def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache) -> Component | None:
+def shares_table(model: nn.Module, head: str, found: list[Component]) -> bool | None:
+    """Whether the head's matrix is a table an embedding lookup reads: the same Parameter, or a view of the same
+    storage (a copy kept in step would be two); None where no lookup was traced to compare it with."""
+    tables = [
+        p for c in found if c.kind == "embedding" for p in model.get_submodule(c.module).parameters() if p.dim() == 2
+    ]
+    if not tables:
+        return None
+    matrices = [p for p in model.get_submodule(head).parameters() if p.dim() == 2]
+    return any(same_tensor(m, t) for m in matrices for t in tables)
+
+
+def lm_head(
+    model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache, found: list[Component]
+) -> Component | None:
     """The vocabulary projection whose output the model's loss consumes, confirmed by the fused-loss probe
     (a forward of the whole model, so its verdict is keyed on the whole model's structure)."""
     head = pat.lm_head_candidate(inv)
@@ -55,7 +70,10 @@ def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool, cach
     root = inv.modules[""]
     names = [e[0] for e in root.sequence]
     softcap = tanh_cap(root.sequence, names.index("aten.tanh.default")) if "aten.tanh.default" in names else None
-    variant = variants.HeadLossVariant(vocab=head.out_features, hidden=head.in_features, final_softcap=softcap)
+    variant = variants.HeadLossVariant(
+        vocab=head.out_features, hidden=head.in_features, final_softcap=softcap,
+        tied=shares_table(model, head.path, found),
+    )  # fmt: skip
     confirmed, evidence, suffix = False, "pattern only", ""
     if can_probe:
         key = ("lm_head_loss", head.path, softcap, *structure_key(model, root, inv))
@@ -71,7 +89,7 @@ def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool, cach
 
 
 def vocab_projection(
-    model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache, reject
+    model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache, reject, found: list[Component]
 ) -> Component | None:
     """The projection onto the vocabulary whose output the model returns, for a trace without the model's loss (its
     labelled call failed, its plain forward was traced): the projection alone, confirmed on a float64 copy; no loss
@@ -79,7 +97,7 @@ def vocab_projection(
     head = pat.vocab_projection_candidate(inv)
     if head is None:
         return None
-    recorded = {"vocab": head.out_features, "hidden": head.in_features}
+    recorded = {"vocab": head.out_features, "hidden": head.in_features, "tied": shares_table(model, head.path, found)}
     call = inv.captured.get(head.path)
     if not can_probe or call is None:
         return Component(
