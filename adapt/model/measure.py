@@ -171,9 +171,11 @@ class _Recorder(TorchDispatchMode):
 
 def _rotates(name: str, args: tuple) -> bool:
     """Per-head q or k rotated (before the attention core, which the caller checks): the sign flip of a half
-    rotation, the stride-2 pairs of an interleaved one, or a head's upper half taken apart to be rotated (rotary
-    written out as ``x1 * cos - x2 * sin``)."""
+    rotation, the stride-2 pairs of an interleaved one, a head's upper half taken apart to be rotated (rotary
+    written out as ``x1 * cos - x2 * sin``), or its pairs read as complex numbers (rotary as a complex product)."""
     x = args[0] if args else None
+    if name == "aten.view_as_complex.default":  # a head's dims read as complex pairs, to be turned by a product
+        return isinstance(x, torch.Tensor) and x.dim() == 5
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         return False
     if name == "aten.neg.default":
