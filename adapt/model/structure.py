@@ -234,8 +234,11 @@ def interpret_attention(
 ) -> AttentionSpec:
     """Attention kind and geometry from projection shapes; the head size measured on the attention core's
     operands, else from module attributes or the config, else the rotary size."""
-    low_rank = [p for p in group if hidden not in p.shape]
     width_in = [p for p in group if hidden in p.shape]
+    # MLA's up-projections read a latent the attention wrote from the width: a low-rank query or a normed
+    # key-value latent.  A matrix off the width that reads anything else (a relative-position bias table) is not one.
+    latents = {p.other_dim(hidden) for p in width_in[:-1]} | set(latent_norms)
+    low_rank = [p for p in group if hidden not in p.shape and p.shape[1] in latents]
     # Output projection: the last one mapping back to the width (HF registers o_proj last).
     out_proj = width_in[-1]
     inputs = [p for p in width_in[:-1]]
@@ -257,15 +260,17 @@ def interpret_attention(
             int(num_heads) if num_heads else max(1, (out_proj.other_dim(hidden) or hidden) // max(int(v_dim or 1), 1))
         )
         return AttentionSpec(
-            kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=rope_dim + nope_dim, v_head_dim=v_dim,
+            kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=measured_head_dim or rope_dim + nope_dim, v_head_dim=v_dim,
             q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope_dim,
             qkv_bias=any(p.bias for p in inputs),
         )  # fmt: skip
     q_out_total = out_proj.other_dim(hidden) or hidden
     if head_dim is None and num_heads:
         head_dim = q_out_total // int(num_heads)
-    head_dim = head_dim or 64
     outs = sorted((p.other_dim(hidden) or hidden) for p in inputs)
+    if head_dim:  # a projection to a width that is not whole heads (a relative-position bias's) is no q, k or v
+        outs = [o for o in outs if o % head_dim == 0] or outs
+    head_dim = head_dim or 64
     if len(inputs) != 1 and outs and (q_out_total % head_dim or outs[0] % head_dim):
         # nothing names the head size and 64 does not divide the projections: the largest size that divides
         # both the query and the key widths (never zero heads, never a zero-byte KV cache)
