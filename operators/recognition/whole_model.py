@@ -126,8 +126,10 @@ _RESIDUAL_OPS = {"aten.add.Tensor", "aten.add_.Tensor"}
 
 
 def new_modules(inv: OpInventory, found: list[Component], blocks: set[str]) -> list[Component]:
-    """Modules that compute (non-structural own ops) but sit in no recognised component: leaves, and
-    containers inside a block whose own code does more than add residuals (a gate, a recurrence)."""
+    """Modules that compute (non-structural own ops) but sit in no recognised component: leaves, and containers
+    whose own code does more than add residuals, inside a block (a gate, a recurrence) or, outside the blocks,
+    around a projection no component holds (a head's transform or an embedding mix written inline).  Outside the
+    blocks, a container computing around no such projection only builds positions and masks."""
     covered = {c.module for c in found}
     out = []
     for rec in inv.modules.values():
@@ -137,12 +139,21 @@ def new_modules(inv: OpInventory, found: list[Component], blocks: set[str]) -> l
             continue
         compute = pat.compute_ops(rec)
         in_block = rec.path not in blocks and any(rec.path.startswith(b + ".") for b in blocks)
-        if compute and (not rec.children or (in_block and set(compute) - _RESIDUAL_OPS)):
+        between = set(compute) - _RESIDUAL_OPS
+        if compute and (
+            not rec.children or (between and (in_block or _holds_bare_projection(inv, rec.path, covered, blocks)))
+        ):
             variant = variants.NewVariant(
                 ops=tuple(compute), container=bool(rec.children), python_sizes=takes_python_sizes(inv, rec.path)
             )
             out.append(Component(rec.path, "new", variant, False, "computes, matches no known kind"))
     return out
+
+
+def _holds_bare_projection(inv: OpInventory, path: str, covered: set[str], blocks: set[str]) -> bool:
+    """A projection below ``path``, outside the blocks, that no recognised component holds: matmul work that no
+    known kind accounts for (linear layers alone count as bookkeeping, so only their container can report it)."""
+    return any(not inside(p.path, covered | blocks, strict=False) for p in pat.projections_under(inv, path))
 
 
 def takes_python_sizes(inv: OpInventory, path: str) -> bool:
