@@ -251,7 +251,8 @@ def _describe_block(
     attn_bank, active_attn_bank = 0, 0.0
     if attn_owners:
         group = [p for o in attn_owners for p in parts.projections[o]]
-        measured_dim = next((facts[o].head_dim for o in attn_owners if o in facts and facts[o].head_dim), None)
+        core = next((facts[o] for o in attn_owners if o in facts and facts[o].head_dim), None)
+        measured_dim = core.head_dim if core else None
         if expert_attention:
             owner = expert_attention[0]
             attention, attn_bank, active_attn_bank = interpret_expert_attention(
@@ -261,8 +262,9 @@ def _describe_block(
             attn_params += attn_bank
         else:
             attention = interpret_attention(
-                group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim
-            )
+                group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim,
+                core.query_heads if core else None,
+            )  # fmt: skip
         attention.window = attention_window(attn_modules, config, index)
         measured_causal = next(
             (facts[o].causal for o in attn_owners if o in facts and facts[o].causal is not None), None

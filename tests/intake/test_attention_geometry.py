@@ -21,7 +21,9 @@ SPEC.loader.exec_module(sweep)
 
 class _BiasedAttention(nn.Module):
     """Grouped-query attention under unconventional names, plus a per-token bias over key distances mixed from
-    a (d_rel, extent) table: a 2-D parameter that touches neither the width nor any latent."""
+    a (d_rel, extent) table (a 2-D parameter that touches neither the width nor any latent), a static filter over
+    the keys' channels (a raw 2-D parameter as wide as the keys) and a per-head score offset read from the width by
+    a projection registered after the output projection."""
 
     def __init__(self, width: int, heads: int, kv_heads: int, head: int, d_rel: int, extent: int) -> None:
         super().__init__()
@@ -30,14 +32,17 @@ class _BiasedAttention(nn.Module):
         self.rel = nn.Linear(width, heads * d_rel, bias=False)
         self.table = nn.Parameter(torch.randn(d_rel, extent))
         self.back = nn.Linear(heads * head, width, bias=False)
+        self.filter = nn.Parameter(torch.randn(3, kv_heads * head))
+        self.offset = nn.Linear(width, heads, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, s, _ = h.shape
         q = self.a(h).view(b, s, self.heads, self.head).transpose(1, 2)
-        k, v = (p(h).view(b, s, self.kv_heads, self.head).transpose(1, 2) for p in (self.b, self.c))
+        k = (self.b(h) * self.filter.sum(0)).view(b, s, self.kv_heads, self.head).transpose(1, 2)
+        v = self.c(h).view(b, s, self.kv_heads, self.head).transpose(1, 2)
         k, v = (t.repeat_interleave(self.heads // self.kv_heads, 1) for t in (k, v))
         bias = (self.rel(h).view(b, s, self.heads, -1) @ self.table).transpose(1, 2)[..., :s]
-        scores = (q @ k.transpose(-1, -2)) / self.head**0.5 + bias
+        scores = (q @ k.transpose(-1, -2)) / self.head**0.5 + bias + self.offset(h).transpose(1, 2)[..., None]
         hidden = torch.ones(s, s, dtype=torch.bool, device=h.device).triu(1)
         out = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
         return self.back(out.transpose(1, 2).reshape(b, s, -1))
@@ -93,3 +98,19 @@ def test_inkling_attention_reads_as_the_grouped_heads_it_computes():
         assert (a.kind, a.head_dim) == ("gqa", computed.head_dim)
         assert (a.num_heads, a.num_kv_heads) == (computed.num_heads, computed.num_key_value_heads)
         assert a.qk_norm
+
+
+def test_a_low_rank_output_projection_leaves_the_heads_to_the_measurement():
+    """DeepSeek V4 reads one shared key-value head and writes its output through a grouped low-rank projection,
+    whose input width is no multiple of the heads: the query heads are those the attention core was seen to run."""
+    from transformers import AutoModelForCausalLM
+
+    config = sweep.tiny_config("deepseek_v4")
+    with quiet_transformers():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        spec = describe_model(model, config)
+    read = [(b.attention, layer.self_attn) for b, layer in zip(spec.blocks, model.model.layers) if b.attention]
+    assert read  # its compressed sparse layer is read as another mixer, apart from this test
+    for a, computed in read:
+        assert (a.kind, a.num_heads, a.num_kv_heads, a.head_dim) == ("mqa", computed.num_heads, 1, computed.head_dim)
