@@ -5,7 +5,7 @@ recognises components by their numbers (``Recognition``).  ``compare_with_spec``
 by block: the token mixer (attention or not, full or sliding, its window, layout, causality and soft-cap), rotary
 embedding, the MLP (kind, activation, MoE routing) and the block's norms, then the output head.  A fact one side
 did not examine (a meta model is not probed; a window longer than the probe's sequence cannot be seen; the operators
-do not state tying) is listed as not examined, never as a disagreement.  A disagreement is information for the
+traced no embedding lookup to compare the head with) is listed as not examined, never as a disagreement.  A disagreement is information for the
 user, not a failure: one side described the model wrongly, or the two vocabularies differ where this module does
 not yet know it.  Where the vocabularies name one thing differently, the tables below map them: nowhere else.
 """
@@ -28,6 +28,7 @@ from operators.recognition.variants import (
     MoEVariant,
     ProjectionResidualNormVariant,
     ResidualAddNormVariant,
+    VocabProjectionVariant,
 )
 
 Fact = Literal[
@@ -80,6 +81,7 @@ NOT_PROBED = "not measured: recognised by pattern only"
 BEYOND_PROBE = "window not shorter than the sequence the visibility probe ran"
 NOT_STATED = "this side does not state it"
 NOT_TRACED = "not traced: a meta model is traced one block of each structure"
+NO_LOOKUP = "no embedding lookup traced to compare the head's matrix with"
 OLD_SPEC = "the spec was written before intake described it"
 
 
@@ -303,9 +305,10 @@ def _block_norms(own: list[Component], hidden: int) -> Iterable[tuple[str, str, 
 
 
 def _compare_head(tally: _Tally, spec: ModelSpec, components: list[Component]) -> None:
-    """The output head's soft-cap; tying only intake states."""
+    """The output head's soft-cap (read off the loss's trace) and whether it shares the token table's matrix."""
     head = next((c for c in components if isinstance(c.variant, HeadLossVariant)), None)
-    module = head.module if head is not None else "<output head>"
+    projection = head or next((c for c in components if isinstance(c.variant, VocabProjectionVariant)), None)
+    module = projection.module if projection is not None else "<output head>"
     if spec.head is None:
         tally.unexamined("head.softcap", "intake", OLD_SPEC, module)
         return
@@ -313,4 +316,9 @@ def _compare_head(tally: _Tally, spec: ModelSpec, components: list[Component]) -
         tally.unexamined("head.softcap", "operators", "no output head with a loss was recognised", module)
     else:
         tally.compare("head.softcap", spec.head.softcap, head.variant.final_softcap, module)  # type: ignore[union-attr]
-    tally.unexamined("head.tied", "operators", NOT_STATED, module)
+    if projection is None:
+        tally.unexamined("head.tied", "operators", "no projection onto the vocabulary was recognised", module)
+    elif projection.variant.tied is None:  # type: ignore[union-attr]
+        tally.unexamined("head.tied", "operators", NO_LOOKUP, module)
+    else:
+        tally.compare("head.tied", spec.head.tied, projection.variant.tied, module)  # type: ignore[union-attr]

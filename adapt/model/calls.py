@@ -28,6 +28,14 @@ def without_cache(model: nn.Module) -> dict[str, bool]:
     return {"use_cache": False} if takes_kwargs and hasattr(config, "use_cache") else {}
 
 
+def takes_argument(model: nn.Module, name: str) -> bool:
+    """Whether the model's ``forward`` names the argument ``name``."""
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature: do not guess a keyword
+        return False
+
+
 def own_refusal(model: nn.Module, input_ids: torch.Tensor) -> str | None:
     """The model's own reason, on one line, when its plain forward on ``input_ids`` raises from its own code.
 

@@ -41,6 +41,7 @@ from adapt.model.structure import (
     is_mlp_group,
     probe_activation,
     probe_norm,
+    same_tensor,
     split_block,
 )
 
@@ -122,11 +123,14 @@ def describe_model(
     block_ids = {id(p) for block in block_list for p in block.parameters()}
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = seq_len or min(DEFAULT_SEQ_LEN, max_pos or DEFAULT_SEQ_LEN)
-    is_causal = bool(getattr(model, "can_generate", lambda: False)())
+    generates = bool(getattr(model, "can_generate", lambda: False)())
 
     rope = _rope_info(model, config)
     head_dim_hint = rope["rotary_dim"] if rope and rope.get("partial", 1.0) == 1.0 else None
     has_final_norm = _has_final_norm(model, block_ids, hidden)
+    # Before the forward: a model may reconfigure its blocks while running (BigBird falls back from block-sparse
+    # to full attention on a short input), and the measured facts are filed under the signatures they had.
+    signatures = block_signatures(found)
     try:
         measured = measure_blocks(model, found)
     except Exception:  # noqa: BLE001 - measurement is a refinement; shapes and config still describe the model
@@ -135,17 +139,20 @@ def describe_model(
     unrecognized: list[str] = []
     counts = ParamCounts()
     blocks = []
-    signatures = block_signatures(found)
     # Where the measurement sees q/k rotated in some block, a measured attention without it has no rotary there.
     rotation_seen = any(f.rotation for facts in measured.values() for f in facts.values())
     for index, block in enumerate(block_list):
         spec_block, block_counts = _describe_block(
             block, index, f"{blocks_path}.{index}", config, hidden, head_dim_hint, has_final_norm, norm_cache,
-            unrecognized, rope is not None, measured.get(signatures[index], {}), is_causal, rotation_seen,
+            unrecognized, rope is not None, measured.get(signatures[index], {}), generates, rotation_seen,
         )  # fmt: skip
         blocks.append(spec_block)
         for key, value in block_counts.items():
             setattr(counts, key, getattr(counts, key) + value)
+    # A generating class whose every attention sees later tokens (a BERT LM head built without is_decoder)
+    # computes an encoder: what its masks do decides, not which head it carries.
+    attentions = [b.attention for b in blocks if b.attention]
+    is_causal = generates and not (attentions and not any(a.causal for a in attentions))
 
     _count_outside_blocks(model, block_ids, counts, hidden)
     counts.total = sum(p.numel() for p in model.parameters())
@@ -184,7 +191,7 @@ def describe_model(
 
 def _describe_block(
     block, index, path, config, hidden, head_dim_hint, has_final_norm, norm_cache, unrecognized, has_rope,
-    facts: dict[str, ChildFacts], is_causal: bool, rotation_seen: bool,
+    facts: dict[str, ChildFacts], generates: bool, rotation_seen: bool,
 ) -> tuple[BlockSpec, dict[str, int]]:  # fmt: skip
     parts = split_block(block)
     owners = list(parts.projections)
@@ -251,7 +258,8 @@ def _describe_block(
     attn_bank, active_attn_bank = 0, 0.0
     if attn_owners:
         group = [p for o in attn_owners for p in parts.projections[o]]
-        measured_dim = next((facts[o].head_dim for o in attn_owners if o in facts and facts[o].head_dim), None)
+        core = next((facts[o] for o in attn_owners if o in facts and facts[o].head_dim), None)
+        measured_dim = core.head_dim if core else None
         if expert_attention:
             owner = expert_attention[0]
             attention, attn_bank, active_attn_bank = interpret_expert_attention(
@@ -261,10 +269,14 @@ def _describe_block(
             attn_params += attn_bank
         else:
             attention = interpret_attention(
-                group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim
-            )
+                group, attn_norm_sizes, attn_modules, config, hidden, index, head_dim_hint, measured_dim,
+                core.query_heads if core else None,
+            )  # fmt: skip
         attention.window = attention_window(attn_modules, config, index)
-        attention.causal = attention_causal(attn_modules, is_causal)
+        measured_causal = next(
+            (facts[o].causal for o in attn_owners if o in facts and facts[o].causal is not None), None
+        )
+        attention.causal = measured_causal if measured_causal is not None else attention_causal(attn_modules, generates)
         softcap = getattr(config, "attn_logit_softcapping", None)
         attention.softcap = float(softcap) if softcap else None
         attention.qk_norm = attention.kind != "mla" and attention.head_dim in attn_norm_sizes
@@ -396,7 +408,7 @@ def _count_outside_blocks(model: nn.Module, block_ids: set[int], counts: ParamCo
 
 def _tied(model: nn.Module) -> bool:
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return out is not None and out.weight is model.get_input_embeddings().weight
+    return out is not None and same_tensor(out.weight, model.get_input_embeddings().weight)
 
 
 def _rope_info(model: nn.Module, config) -> dict | None:

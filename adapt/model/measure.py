@@ -4,7 +4,8 @@ Config names and attribute names are conventions a new model need not follow; th
 forward runs are not.  This runs the model once on a short batch (meta tensors for a skeleton) with
 every block but one of each distinct structure passed through, and records, per block child:
 the attention core's operands (head dim, query heads, value width), the activation ops, a rotation of q and k,
-and a router's ``topk`` with the scoring op before it.  A block whose forward cannot run on these inputs
+a router's ``topk`` with the scoring op before it, and whether the mask the attention core applies blocks later
+positions (read from its values, see ``shadows``).  A block whose forward cannot run on these inputs
 (data-dependent control flow on meta tensors) keeps what it recorded before it stopped.
 """
 
@@ -20,12 +21,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adapt.model.blocks import BlockList
-from adapt.model.calls import without_cache
+from adapt.model.calls import takes_argument, without_cache
+from adapt.model.shadows import Shadows, blocks_future
 
 SEQ = 9  # odd and unlike any width, so the attention product [N, s, d] x [N, d, s] is recognisable
 _ACTIVATIONS = {"aten.silu.default": "silu", "aten.relu.default": "relu", "aten.tanh.default": "tanh",
                 "aten.sigmoid.default": "sigmoid", "aten.gelu.default": "gelu"}  # fmt: skip
 _RECURRENT_OPS = {"aten.exp.default", "aten.cumsum.default", "aten.softplus.default", "aten.logcumsumexp.default"}
+_SOFTMAX = ("aten._softmax.default", "aten._safe_softmax.default")
 _SCORING = {"aten._softmax.default": "softmax", "aten.sigmoid.default": "sigmoid"}
 
 
@@ -46,6 +49,7 @@ class ChildFacts:
     )
     steps: int = 0  # select/slice ops seen: a python loop over the positions runs one per position
     rotation: bool = False  # q or k rotated before the core: rotary position embedding (see _rotates)
+    causal: bool | None = None  # the core's mask blocks every later position; None where its values are unknown
     last_op: str = ""
 
 
@@ -89,6 +93,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.stack: list[str] = []
         self.facts: dict[str, ChildFacts] = {}
+        self.shadows = Shadows()
 
     def enter(self, name: str) -> None:
         self.stack.append(name)
@@ -99,13 +104,13 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.shadows.run(func, args, kwargs)
         if self.stack:
-            self._note(self.facts.setdefault(self.stack[-1], ChildFacts()), str(func), args, kwargs)
+            self._note(self.facts.setdefault(self.stack[-1], ChildFacts()), func, args, kwargs, out)
         return out
 
-    @staticmethod
-    def _note(facts: ChildFacts, name: str, args: tuple, kwargs: dict) -> None:
+    def _note(self, facts: ChildFacts, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        name = str(func)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if "scaled_dot_product" in name and len(tensors) >= 3 and facts.head_dim is None:
             q, k, v = tensors[:3]
@@ -115,10 +120,17 @@ class _Recorder(TorchDispatchMode):
                 k.shape[1],
                 v.shape[-1],
             )
+            facts.causal = self._fused_causal(func, args, kwargs, q.shape[-2], k.shape[-2])
         elif name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is None:
             a, b = tensors
             if a.dim() == 3 and a.shape[1] == SEQ and b.shape[-1] == SEQ and a.shape[-1] == b.shape[1]:
                 facts.head_dim, facts.query_heads = int(a.shape[-1]), int(a.shape[0])
+                # Zeros beside the scores: what reaches the softmax beside them is the mask alone.
+                self.shadows.set(out, torch.zeros(out.shape, dtype=out.dtype), stand_in=True)
+        elif name in _SOFTMAX and facts.head_dim is not None and facts.causal is None and tensors:
+            mask = self.shadows.stand_in_of(tensors[0])
+            if mask is not None:
+                facts.causal = blocks_future(mask, *mask.shape[-2:])
         elif (
             name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is not None and facts.value_dim is None
         ):
@@ -144,12 +156,26 @@ class _Recorder(TorchDispatchMode):
             if facts.top_k is not None and facts.scoring is None:  # the choice made on raw logits, scored after it
                 facts.scoring = _SCORING[name]
 
+    def _fused_causal(self, func: Any, args: tuple, kwargs: dict, queries: int, keys: int) -> bool | None:
+        """A fused attention core's own causal flag, else what its mask blocks (None: the mask has no values)."""
+        names = [a.name for a in func._schema.arguments]
+        named = {**dict(zip(names, args)), **kwargs}
+        if named.get("is_causal"):
+            return True
+        mask = named.get("attn_mask", named.get("attn_bias"))
+        if mask is None:
+            return False
+        value = self.shadows.value_of(mask)
+        return None if value is None else blocks_future(value, queries, keys)
+
 
 def _rotates(name: str, args: tuple) -> bool:
     """Per-head q or k rotated (before the attention core, which the caller checks): the sign flip of a half
-    rotation, the stride-2 pairs of an interleaved one, or a head's upper half taken apart to be rotated (rotary
-    written out as ``x1 * cos - x2 * sin``)."""
+    rotation, the stride-2 pairs of an interleaved one, a head's upper half taken apart to be rotated (rotary
+    written out as ``x1 * cos - x2 * sin``), or its pairs read as complex numbers (rotary as a complex product)."""
     x = args[0] if args else None
+    if name == "aten.view_as_complex.default":  # a head's dims read as complex pairs, to be turned by a product
+        return isinstance(x, torch.Tensor) and x.dim() == 5
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         return False
     if name == "aten.neg.default":
@@ -207,7 +233,15 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
         with _one_of_each(blocks) as representative:
             device = next(model.parameters()).device
             vocab = model.get_input_embeddings().num_embeddings
-            ids = torch.randint(0, vocab, (1, SEQ), device=device)
+            chosen = torch.randint(0, vocab, (1, SEQ))
+            ids = chosen.to(device)
+            recorder.shadows.set(ids, chosen)
+            inputs = {"input_ids": ids}
+            if takes_argument(model, "attention_mask"):
+                # Every token real, said outright: a model then never inspects the ids for padding (``.item()``
+                # on a tensor built from a Python list, whose values the meta device cannot know).
+                inputs["attention_mask"] = torch.ones_like(ids)
+                recorder.shadows.set(inputs["attention_mask"], torch.ones_like(chosen))
             # Caches as the model sets them up by default (without one, masks may read positions with .item(),
             # which meta tensors refuse); then without, for layers whose caches only their own generate() builds.
             uncached = without_cache(model)
@@ -218,7 +252,7 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
             for extra in attempts:
                 try:
                     with torch.no_grad(), recorder:
-                        model(input_ids=ids, **extra)
+                        model(**inputs, **extra)
                     break
                 except Exception:  # noqa: BLE001 - a model that cannot run here is described from shapes alone
                     recorder.facts, recorder.stack = {}, []

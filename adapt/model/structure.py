@@ -30,6 +30,7 @@ class Projection:
     shape: tuple[int, int]  # weight shape as stored
     bias: bool
     params: int
+    out_features: int | None = None  # where the module names it (nn.Linear); GPT-2's Conv1D stores (in, out)
 
     def other_dim(self, hidden: int) -> int | None:
         """The dimension that is not the model width (None when both are the width)."""
@@ -91,6 +92,7 @@ def split_block(block: nn.Module) -> BlockLeaves:
                 shape=(int(w.shape[0]), int(w.shape[1])),
                 bias=any(p.dim() == 1 for _, p in own),
                 params=sum(p.numel() for _, p in own),
+                out_features=getattr(module, "out_features", None) if isinstance(module, nn.Linear) else None,
             )
             parts.projections.setdefault(_owner(path), []).append(proj)
         elif dims == {1}:
@@ -231,14 +233,22 @@ def interpret_attention(
     layer: int,
     head_dim_hint: int | None,
     measured_head_dim: int | None = None,
+    measured_heads: int | None = None,
 ) -> AttentionSpec:
-    """Attention kind and geometry from projection shapes; the head size measured on the attention core's
-    operands, else from module attributes or the config, else the rotary size."""
-    low_rank = [p for p in group if hidden not in p.shape]
+    """Attention kind and geometry from projection shapes; the head size and query heads measured on the attention
+    core's operands, else from module attributes or the config, else the rotary size (heads: the output
+    projection's width over the head size, which a low-rank output projection does not hold)."""
     width_in = [p for p in group if hidden in p.shape]
-    # Output projection: the last one mapping back to the width (HF registers o_proj last).
-    out_proj = width_in[-1]
-    inputs = [p for p in width_in[:-1]]
+    # Output projection: the last one writing the width from another size (HF registers o_proj last, though a
+    # projection reading the width, a sink's or a position bias's, may follow it), else the last touching it.
+    writes = [p for p in width_in if p.out_features == hidden and p.other_dim(hidden) is not None]
+    out_proj = writes[-1] if writes else width_in[-1]
+    inputs = [p for p in width_in if p is not out_proj]
+    # MLA's up-projections are linear layers reading a latent the attention wrote from the width: a low-rank query
+    # or a normed key-value latent.  A matrix off the width that reads anything else, or whose input side is not
+    # known (a relative-position bias table, a convolution's static filter), is not one.
+    latents = {p.other_dim(hidden) for p in inputs} | set(latent_norms)
+    low_rank = [p for p in group if hidden not in p.shape and p.out_features is not None and p.shape[1] in latents]
     head_dim = (
         measured_head_dim
         or _int_attr(attn_modules, ("head_dim", "head_size", "attention_head_size", "span"))
@@ -257,20 +267,22 @@ def interpret_attention(
             int(num_heads) if num_heads else max(1, (out_proj.other_dim(hidden) or hidden) // max(int(v_dim or 1), 1))
         )
         return AttentionSpec(
-            kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=rope_dim + nope_dim, v_head_dim=v_dim,
+            kind="mla", num_heads=heads, num_kv_heads=heads, head_dim=measured_head_dim or rope_dim + nope_dim, v_head_dim=v_dim,
             q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope_dim,
             qkv_bias=any(p.bias for p in inputs),
         )  # fmt: skip
     q_out_total = out_proj.other_dim(hidden) or hidden
     if head_dim is None and num_heads:
         head_dim = q_out_total // int(num_heads)
-    head_dim = head_dim or 64
     outs = sorted((p.other_dim(hidden) or hidden) for p in inputs)
+    if head_dim:  # a projection to a width that is not whole heads (a relative-position bias's) is no q, k or v
+        outs = [o for o in outs if o % head_dim == 0] or outs
+    head_dim = head_dim or 64
     if len(inputs) != 1 and outs and (q_out_total % head_dim or outs[0] % head_dim):
         # nothing names the head size and 64 does not divide the projections: the largest size that divides
         # both the query and the key widths (never zero heads, never a zero-byte KV cache)
         head_dim = math.gcd(q_out_total, outs[0])
-    num_heads = max(1, q_out_total // head_dim)
+    num_heads = measured_heads or max(1, q_out_total // head_dim)
     if len(inputs) == 1:  # fused qkv: out = (h + 2*kv) * d
         fused = inputs[0].other_dim(hidden) or hidden
         kv_heads = max(1, (fused // head_dim - num_heads) // 2)
@@ -295,6 +307,17 @@ def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int |
     if window and _cfg(config, "use_sliding_window", default=True):
         return int(window)
     return None
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor under two names: the same object, or the same elements of one storage (a Parameter re-wrapping
+    another's data).  Equal values in two storages are two tensors: an update to one leaves the other."""
+    if a is b:
+        return True
+    if a.is_meta or b.is_meta or a.device != b.device:  # meta tensors have no storage to compare
+        return False
+    return (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride()) == (
+        b.untyped_storage().data_ptr(), b.storage_offset(), b.shape, b.stride())  # fmt: skip
 
 
 def attention_causal(attn_modules: list[nn.Module], model_causal: bool) -> bool:

@@ -52,7 +52,7 @@ class AdaptTritonProvider:
             return [KernelOption(self.name, "layer_norm", "fused", layer_norm_forward, needs_codegen=codegen)]
         if component.kind == "gated_mlp" and v.activation in _GLU and not v.packed:
             return [KernelOption(self.name, _GLU[v.activation][0], "fused", glu_forward, needs_codegen=codegen)]
-        if component.kind == "rotary_application":
+        if component.kind == "rotary_application" and (v.table, v.layout) == ("cos_sin", "bhsd"):
             return [
                 KernelOption(
                     self.name,

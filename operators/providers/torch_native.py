@@ -63,6 +63,21 @@ class TorchNativeProvider:
             return [KernelOption(self.name, "router + expert GEMMs as traced", "native", None)]
         if component.kind == "vocab_projection" and component.confirmed:
             return [KernelOption(self.name, "aten linear as traced", "native", None)]
+        if (
+            component.kind == "rotary_application"
+            and component.confirmed
+            and (v.table, v.layout) != ("cos_sin", "bhsd")
+        ):
+            return [
+                KernelOption(
+                    self.name,
+                    f"{v.function} as traced",
+                    "native",
+                    None,
+                    note=f"the rope kernel stands in for a (q, k, cos, sin) function on [b, h, s, d] heads; this one takes "
+                    f"a {v.table.replace('_', '/')} table and {v.layout} heads",
+                )
+            ]
         if component.kind in ("rotary", "embedding", "activation", "residual_add_norm", "lm_head_cross_entropy"):
             return [KernelOption(self.name, "aten ops as traced", "native", None)]
         return []

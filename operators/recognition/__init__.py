@@ -104,11 +104,11 @@ def recognise(
             if isinstance(comp.variant, variants.MoEVariant) and comp.variant.experts:
                 claimed.add(comp.variant.experts)  # experts kept as a list belong to their MoE, not each its own MLP
     found.extend(residual_norms(inventory, found))
-    head = lm_head(model, inventory, generator, can_probe, cache)
+    head = lm_head(model, inventory, generator, can_probe, cache, found)
     if head is None:  # no loss in the trace: the vocabulary projection alone
-        head = vocab_projection(model, inventory, generator, can_probe, cache, reject)
+        head = vocab_projection(model, inventory, generator, can_probe, cache, reject, found)
     elif can_probe and not head.confirmed:  # a loss the fused kernel does not reproduce: claim the projection only
-        projection = vocab_projection(model, inventory, generator, can_probe, cache, reject)
+        projection = vocab_projection(model, inventory, generator, can_probe, cache, reject, found)
         if projection is not None and projection.confirmed:
             reject(head.module, head.kind, head.evidence)
             head = projection

@@ -130,12 +130,22 @@ def _rotation_of(fn: Callable, recorded: list, generator) -> tuple[dict[str, Any
         return None, ""
     params = list(inspect.signature(fn).parameters.values())
     values = [bound.arguments.get(p.name) for p in params[:4]]
-    if len(params) < 4 or not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values):
+    # (q, k, freqs): the rotation as a complex product, each pair of dims one complex number (Llama 4's)
+    complex_table = len(values) >= 3 and isinstance(values[2], torch.Tensor) and values[2].is_complex()
+    taken = 3 if complex_table else 4
+    if len(params) < taken or not all(
+        isinstance(v, torch.Tensor) and (v.is_floating_point() or (complex_table and i == 2))
+        for i, v in enumerate(values[:taken])
+    ):
         return None, ""
-    q, k, cos, _ = values
-    for p in params[4:]:
+    for p in params[taken:]:
         if p.name in bound.arguments and not is_default(bound.arguments[p.name], p.default):
             return None, f"called with {p.name}={bound.arguments[p.name]!r}; only its default was verified"
+    if any(len(c[0]) + len(c[1]) != len(recorded[0][0]) + len(recorded[0][1]) for c in recorded):
+        return None, "called with differing arguments within one forward"
+    if complex_table:
+        return _complex_rotation_of(fn, *values[:3], generator)
+    q, k, cos, _ = values
     if (
         q.dim() != 4
         or k.dim() != 4
@@ -148,35 +158,64 @@ def _rotation_of(fn: Callable, recorded: list, generator) -> tuple[dict[str, Any
             None,
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}: not [b, h, s, d] with [b, s, r] tables",
         )
-    if any(len(c[0]) + len(c[1]) != len(recorded[0][0]) + len(recorded[0][1]) for c in recorded):
-        return None, "called with differing arguments within one forward"
-    qx = torch.randn(q.shape, generator=generator, dtype=torch.float64).requires_grad_(True)
-    kx = torch.randn(k.shape, generator=generator, dtype=torch.float64).requires_grad_(True)
-    angles = torch.rand((*cos.shape[:-1], cos.shape[-1] // 2), generator=generator, dtype=torch.float64) * 6.3
-    cos_t, sin_t = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-
-    def joined(pair) -> torch.Tensor:
-        return (
-            torch.cat([t.reshape(-1) for t in pair])
-            if isinstance(pair, (tuple, list)) and len(pair) == 2
-            else torch.zeros(0)
-        )
-
+    qx, kx = _fresh(q, generator), _fresh(k, generator)
+    cos_t, sin_t = _fresh_tables(cos.shape[:-1], cos.shape[-1] // 2, generator)
     for style in ROTATION_STYLES:
-        try:
-            matched = grads_match(
-                lambda: joined(fn(qx, kx, cos_t, sin_t)),
-                lambda style=style: joined(
-                    (rotation_reference(qx, cos_t, sin_t, style), rotation_reference(kx, cos_t, sin_t, style))
-                ),
-                [qx, kx],
-                generator,
-            )
-        except Exception:  # a function that is no rotation may fail on these inputs in any way
+        matched = _matches(lambda: fn(qx, kx, cos_t, sin_t), qx, kx, cos_t, sin_t, style, "bhsd", generator)
+        if matched is None:
             return None, ""
         if matched:
             return {"style": style, "rotary_dim": int(cos.shape[-1]), "head_dim": int(q.shape[-1])}, ""
     return None, "takes (q, k, cos, sin) but matches no rotation style"
+
+
+def _complex_rotation_of(fn: Callable, q, k, freqs, generator) -> tuple[dict[str, Any] | None, str]:
+    """``fn(q, k, freqs)`` against an interleaved rotation by ``freqs``' angles: its heads ``[b, h, s, d]`` or
+    ``[b, s, h, d]`` (whichever axis the table's positions meet), the table ``[b or 1, s, r/2]`` of unit complex
+    numbers ``cos + i sin``."""
+    if q.dim() != 4 or k.dim() != 4 or freqs.dim() != 3 or 2 * freqs.shape[-1] > q.shape[-1]:
+        return None, f"q {tuple(q.shape)}, k {tuple(k.shape)}, freqs {tuple(freqs.shape)}: not per-head pairs"
+    qx, kx = _fresh(q, generator), _fresh(k, generator)
+    cos_t, sin_t = _fresh_tables(freqs.shape[:-1], freqs.shape[-1], generator)
+    half = freqs.shape[-1]
+    table = torch.complex(cos_t[..., :half], sin_t[..., :half])
+    for layout, axis in (("bhsd", 2), ("bshd", 1)):
+        if q.shape[axis] != freqs.shape[-2]:
+            continue
+        matched = _matches(lambda: fn(qx, kx, table), qx, kx, cos_t, sin_t, "interleaved", layout, generator)
+        if matched:
+            rotary = {"style": "interleaved", "rotary_dim": 2 * half, "head_dim": int(q.shape[-1])}
+            return {**rotary, "table": "complex", "layout": layout}, ""
+    return None, "takes (q, k, complex table) but rotates no pairs of dims by its angles"
+
+
+def _fresh(like: torch.Tensor, generator) -> torch.Tensor:
+    return torch.randn(like.shape, generator=generator, dtype=torch.float64).requires_grad_(True)
+
+
+def _fresh_tables(positions: tuple[int, ...], pairs: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of fresh angles in Hugging Face's ``cat(f, f)`` layout, ``[*positions, 2 * pairs]``."""
+    angles = torch.rand((*positions, pairs), generator=generator, dtype=torch.float64) * 6.3
+    return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+
+def _matches(call: Callable, qx, kx, cos_t, sin_t, style: str, layout: str, generator) -> bool | None:
+    """Whether ``call()`` rotates (qx, kx) as ``style`` does, output and gradients; None: it failed to run."""
+
+    def joined(pair) -> torch.Tensor:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            return torch.zeros(0)
+        return torch.cat([t.reshape(-1) for t in pair])
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        if layout == "bhsd":
+            return rotation_reference(x, cos_t, sin_t, style)
+        return rotation_reference(x.transpose(1, 2), cos_t, sin_t, style).transpose(1, 2)
+
+    try:
+        return grads_match(lambda: joined(call()), lambda: joined((reference(qx), reference(kx))), [qx, kx], generator)
+    except Exception:  # a function that is no rotation may fail on these inputs in any way
+        return None
 
 
 def is_default(value: Any, default: Any) -> bool:

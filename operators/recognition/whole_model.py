@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from adapt.model.blocks import NoBlockList, find_blocks
+from adapt.model.structure import same_tensor
 from operators.inventory import OpInventory
 from operators.recognition import patterns as pat
 from operators.recognition import variants
@@ -46,7 +47,21 @@ def residual_norms(inv: OpInventory, found: list[Component]) -> list[Component]:
     return out
 
 
-def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache) -> Component | None:
+def shares_table(model: nn.Module, head: str, found: list[Component]) -> bool | None:
+    """Whether the head's matrix is a table an embedding lookup reads: the same Parameter, or a view of the same
+    storage (a copy kept in step would be two); None where no lookup was traced to compare it with."""
+    tables = [
+        p for c in found if c.kind == "embedding" for p in model.get_submodule(c.module).parameters() if p.dim() == 2
+    ]
+    if not tables:
+        return None
+    matrices = [p for p in model.get_submodule(head).parameters() if p.dim() == 2]
+    return any(same_tensor(m, t) for m in matrices for t in tables)
+
+
+def lm_head(
+    model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache, found: list[Component]
+) -> Component | None:
     """The vocabulary projection whose output the model's loss consumes, confirmed by the fused-loss probe
     (a forward of the whole model, so its verdict is keyed on the whole model's structure)."""
     head = pat.lm_head_candidate(inv)
@@ -55,7 +70,10 @@ def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool, cach
     root = inv.modules[""]
     names = [e[0] for e in root.sequence]
     softcap = tanh_cap(root.sequence, names.index("aten.tanh.default")) if "aten.tanh.default" in names else None
-    variant = variants.HeadLossVariant(vocab=head.out_features, hidden=head.in_features, final_softcap=softcap)
+    variant = variants.HeadLossVariant(
+        vocab=head.out_features, hidden=head.in_features, final_softcap=softcap,
+        tied=shares_table(model, head.path, found),
+    )  # fmt: skip
     confirmed, evidence, suffix = False, "pattern only", ""
     if can_probe:
         key = ("lm_head_loss", head.path, softcap, *structure_key(model, root, inv))
@@ -71,7 +89,7 @@ def lm_head(model: nn.Module, inv: OpInventory, generator, can_probe: bool, cach
 
 
 def vocab_projection(
-    model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache, reject
+    model: nn.Module, inv: OpInventory, generator, can_probe: bool, cache: ProbeCache, reject, found: list[Component]
 ) -> Component | None:
     """The projection onto the vocabulary whose output the model returns, for a trace without the model's loss (its
     labelled call failed, its plain forward was traced): the projection alone, confirmed on a float64 copy; no loss
@@ -79,7 +97,7 @@ def vocab_projection(
     head = pat.vocab_projection_candidate(inv)
     if head is None:
         return None
-    recorded = {"vocab": head.out_features, "hidden": head.in_features}
+    recorded = {"vocab": head.out_features, "hidden": head.in_features, "tied": shares_table(model, head.path, found)}
     call = inv.captured.get(head.path)
     if not can_probe or call is None:
         return Component(
@@ -108,8 +126,10 @@ _RESIDUAL_OPS = {"aten.add.Tensor", "aten.add_.Tensor"}
 
 
 def new_modules(inv: OpInventory, found: list[Component], blocks: set[str]) -> list[Component]:
-    """Modules that compute (non-structural own ops) but sit in no recognised component: leaves, and
-    containers inside a block whose own code does more than add residuals (a gate, a recurrence)."""
+    """Modules that compute (non-structural own ops) but sit in no recognised component: leaves, and containers
+    whose own code does more than add residuals, inside a block (a gate, a recurrence) or, outside the blocks,
+    around a projection no component holds (a head's transform or an embedding mix written inline).  Outside the
+    blocks, a container computing around no such projection only builds positions and masks."""
     covered = {c.module for c in found}
     out = []
     for rec in inv.modules.values():
@@ -119,12 +139,21 @@ def new_modules(inv: OpInventory, found: list[Component], blocks: set[str]) -> l
             continue
         compute = pat.compute_ops(rec)
         in_block = rec.path not in blocks and any(rec.path.startswith(b + ".") for b in blocks)
-        if compute and (not rec.children or (in_block and set(compute) - _RESIDUAL_OPS)):
+        between = set(compute) - _RESIDUAL_OPS
+        if compute and (
+            not rec.children or (between and (in_block or _holds_bare_projection(inv, rec.path, covered, blocks)))
+        ):
             variant = variants.NewVariant(
                 ops=tuple(compute), container=bool(rec.children), python_sizes=takes_python_sizes(inv, rec.path)
             )
             out.append(Component(rec.path, "new", variant, False, "computes, matches no known kind"))
     return out
+
+
+def _holds_bare_projection(inv: OpInventory, path: str, covered: set[str], blocks: set[str]) -> bool:
+    """A projection below ``path``, outside the blocks, that no recognised component holds: matmul work that no
+    known kind accounts for (linear layers alone count as bookkeeping, so only their container can report it)."""
+    return any(not inside(p.path, covered | blocks, strict=False) for p in pat.projections_under(inv, path))
 
 
 def takes_python_sizes(inv: OpInventory, path: str) -> bool:

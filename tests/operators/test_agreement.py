@@ -34,6 +34,9 @@ def test_every_zoo_family_agrees_block_by_block(zoo_model):
         assert agreement.compared.get(fact, 0) >= layers, (name, fact)
     assert agreement.compared.get("norm.eps", 0) >= layers
     assert {n.field for n in agreement.not_examined if n.side == "operators"} <= {"head.tied", "head.softcap"}
+    heads = [c for c in recognition.components if c.kind in ("lm_head_cross_entropy", "vocab_projection")]
+    # a head and its token table traced: tying compared, else left open because no head was there to compare
+    assert agreement.compared.get("head.tied") == (1 if heads else None), name
     if spec.is_moe:
         assert agreement.compared["moe.top_k"] == sum(b.mlp.kind == "moe" for b in spec.blocks)
 
@@ -126,6 +129,34 @@ def test_a_window_only_the_numbers_show_is_the_one_disagreement():
         Disagreement("mixer", "full_attention", "sliding_attention", f"courses.{i}.gaze") for i in range(2)
     ]
     assert agreement.compared["norm.kind"] == 4 and agreement.compared["mlp.activation"] == 2
+
+
+def _head_tied(recognition: Recognition) -> bool | None:
+    (head,) = [c for c in recognition.components if c.kind in ("lm_head_cross_entropy", "vocab_projection")]
+    return head.variant.tied
+
+
+@pytest.mark.parametrize("tying", ["separate", "one parameter", "one storage", "equal copy"])
+def test_the_operators_see_a_head_tied_when_it_shares_the_token_tables_storage(tying):
+    torch.manual_seed(0)
+    model = Wall(depth=1).eval()
+    if tying == "one parameter":
+        model.face.weight = model.bricks.weight
+    elif tying == "one storage":  # two Parameter objects over one tensor: still one matrix
+        model.face.weight = nn.Parameter(model.bricks.weight.data)
+    elif tying == "equal copy":  # equal values, two storages: training moves them apart
+        model.face.weight = nn.Parameter(model.bricks.weight.detach().clone())
+    tied = tying in ("one parameter", "one storage")
+    recognition = recognise(model, trace_model(model))
+    assert _head_tied(recognition) is tied
+    spec = describe_model(model, model.config)
+    agreement = compare_with_spec(spec, recognition)
+    assert agreement.compared["head.tied"] == 1 and spec.head.tied is tied
+    assert not any(d.field == "head.tied" for d in agreement.disagreements)
+    flipped = dataclasses.replace(spec, head=dataclasses.replace(spec.head, tied=not tied))
+    assert [d for d in compare_with_spec(flipped, recognition).disagreements if d.field == "head.tied"] == [
+        Disagreement("head.tied", not tied, tied, "face")
+    ]
 
 
 # ---- what one side did not examine is never a disagreement ---------------------------------------------------------

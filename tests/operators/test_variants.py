@@ -75,7 +75,11 @@ def test_each_kind_round_trips_through_json(kind, fresh_seed):
 def test_the_json_keys_are_the_ones_ops_json_always_had():
     rotation = variant_from_dict("rotary_application", {"global": "apply_rotary_pos_emb", "style": "half"})
     assert rotation.global_name == "apply_rotary_pos_emb"
-    assert set(rotation.to_dict()) == {"function", "global", "calls_per_forward", "style", "rotary_dim", "head_dim"}
+    assert set(rotation.to_dict()) == {
+        "function", "global", "calls_per_forward", "style", "rotary_dim", "head_dim", "table", "layout"
+    }  # fmt: skip
+    # an ops.json written before the complex-table form was known reads as what it described: cos/sin on bhsd heads
+    assert (rotation.table, rotation.layout) == ("cos_sin", "bhsd")
     attention = variant_from_dict(
         "attention", {"rope": {"style": "half", "rotary_dim": 8}, "latent_projections": ["a"]}
     )

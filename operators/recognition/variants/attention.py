@@ -87,3 +87,8 @@ class RotaryApplicationVariant(Variant):
     """Dims of each head that are rotated."""
     head_dim: int | None = None
     """Size of each head the function is called on."""
+    table: str = "cos_sin"
+    """What the function rotates by: ``cos_sin`` tables ``(q, k, cos, sin)``, or one ``complex`` table
+    ``(q, k, freqs)`` multiplying each pair of dims read as a complex number (Llama 4's)."""
+    layout: str = "bhsd"
+    """Axis order of the q and k it is called with: ``bhsd``, or ``bshd`` (heads after positions)."""

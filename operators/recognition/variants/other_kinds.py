@@ -89,6 +89,9 @@ class HeadLossVariant(Variant):
     """Hidden size (its input features)."""
     final_softcap: float | None = None
     """c of ``c * tanh(logits / c)`` on the logits; None: none."""
+    tied: bool | None = None
+    """Its matrix is the table a traced embedding lookup reads (one Parameter, or one storage); None: no lookup was
+    traced to compare it with."""
 
 
 @dataclass(frozen=True, kw_only=True)

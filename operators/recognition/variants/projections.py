@@ -82,3 +82,6 @@ class VocabProjectionVariant(Variant):
     """Name of the ``[vocab, hidden]`` matrix on the module."""
     bias: str | None = None
     """Name of the ``[vocab]`` shift on the module; None when it adds none."""
+    tied: bool | None = None
+    """Its matrix is the table a traced embedding lookup reads (one Parameter, or one storage); None: no lookup was
+    traced to compare it with."""
