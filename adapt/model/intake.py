@@ -149,10 +149,11 @@ def describe_model(
         blocks.append(spec_block)
         for key, value in block_counts.items():
             setattr(counts, key, getattr(counts, key) + value)
-    # A generating class whose every attention sees later tokens (a BERT LM head built without is_decoder)
-    # computes an encoder: what its masks do decides, not which head it carries.
+    # What the attention masks do decides, not which head the class carries: a generating class whose every
+    # attention sees later tokens (a BERT LM head built without is_decoder) computes an encoder, and a class that
+    # cannot generate (a sequence classifier over a decoder) is causal when its attention masks the future.
     attentions = [b.attention for b in blocks if b.attention]
-    is_causal = generates and not (attentions and not any(a.causal for a in attentions))
+    is_causal = any(a.causal for a in attentions) if attentions else generates
 
     _count_outside_blocks(model, block_ids, counts, hidden)
     counts.total = sum(p.numel() for p in model.parameters())

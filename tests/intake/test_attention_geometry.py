@@ -13,7 +13,9 @@ from torch import nn
 from adapt.model.intake import describe_model
 from adapt.model.skeleton import quiet_transformers
 
-SPEC = importlib.util.spec_from_file_location("bench_sweep", Path(__file__).parents[2] / "benchmarks" / "sweep.py")
+SPEC = importlib.util.spec_from_file_location(
+    "bench_sweep_tiny", Path(__file__).parents[2] / "benchmarks" / "sweep_tiny.py"
+)
 sweep = importlib.util.module_from_spec(SPEC)
 sys.modules[SPEC.name] = sweep
 SPEC.loader.exec_module(sweep)

@@ -13,7 +13,9 @@ from torch import nn
 from adapt.model.intake import describe_model
 from adapt.model.skeleton import quiet_transformers
 
-SPEC = importlib.util.spec_from_file_location("bench_sweep", Path(__file__).parents[2] / "benchmarks" / "sweep.py")
+SPEC = importlib.util.spec_from_file_location(
+    "bench_sweep_tiny", Path(__file__).parents[2] / "benchmarks" / "sweep_tiny.py"
+)
 sweep = importlib.util.module_from_spec(SPEC)
 sys.modules[SPEC.name] = sweep
 SPEC.loader.exec_module(sweep)
@@ -112,3 +114,18 @@ def test_a_hand_written_mask_decides_causality_on_meta_and_real_tensors(causal, 
     spec = describe_model(model, model.config)
     assert [b.attention.causal for b in spec.blocks] == [causal, causal]
     assert spec.is_causal is causal
+
+
+def test_a_classifier_over_a_decoder_is_causal_though_it_cannot_generate(fresh_seed):
+    """LlamaForSequenceClassification has no generation head, yet its attention masks the future."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    with quiet_transformers(), torch.device("meta"):
+        skeleton = LlamaForSequenceClassification(config)
+    assert not skeleton.can_generate()
+    spec = describe_model(skeleton, config)
+    assert spec.is_causal and all(b.attention.causal for b in spec.blocks)

@@ -19,7 +19,9 @@ from operators.inventory import trace_callable
 from operators.recognition import recognise
 from operators.recognition.component import inside
 
-SPEC = importlib.util.spec_from_file_location("bench_sweep", Path(__file__).parents[2] / "benchmarks" / "sweep.py")
+SPEC = importlib.util.spec_from_file_location(
+    "bench_sweep_tiny", Path(__file__).parents[2] / "benchmarks" / "sweep_tiny.py"
+)
 sweep = importlib.util.module_from_spec(SPEC)
 sys.modules[SPEC.name] = sweep
 SPEC.loader.exec_module(sweep)
