@@ -9,7 +9,8 @@ Modules, in the order ``parallelize`` applies them:
 * ``expert_parallel``: experts sharded over ``ep``, all-to-all dispatch and combine.
 * ``adapted``: adapt's kernel plan on each chunk (kernels on local shards under TP), blocks compiled
   in place, async TP where torch provides it.
-* ``activation_checkpoint``: full or selective recompute per block.
+* activation checkpointing (full or selective recompute per block) is ``operators.recompute``'s, shared with
+  the single-device adapted model.
 * ``data_parallel``: FSDP2 ``fully_shard`` per block and root; ZeRO-1/2/3, bf16 mixed precision, offload.
 * ``context_parallel``: PyTorch's ring-attention context manager (CUDA only).
 * ``trainer`` / ``data``: AdamW, clipping, warm-up + cosine, metrics; synthetic or token-file data.

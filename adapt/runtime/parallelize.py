@@ -12,9 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from adapt.core.errors import BadInput
-from adapt.runtime.activation_checkpoint import (
-    apply_activation_checkpointing,
-)
 from adapt.runtime.adapted import (
     AdaptedReport,
     AdaptOptions,
@@ -50,6 +47,7 @@ from adapt.runtime.tied_weights import (
     TiedAcrossStages,
     tie_across_stages,
 )
+from operators.recompute import checkpoint_blocks
 
 
 @dataclass
@@ -175,7 +173,7 @@ def parallelize(
         if adapt.kernel_plan is not None:
             apply_kernels(chunk, plan, adapt, dims.device, report)
         blocks = chunk.get_submodule(parts.blocks_path)
-        apply_activation_checkpointing(blocks, plan.recompute)
+        checkpoint_blocks(blocks.children(), plan.recompute)
         if adapt.compile:
             compile_blocks(blocks, adapt.compile, report)
         if dims.dp_mesh is not None:

@@ -224,3 +224,27 @@ def tide(seed: int = 0) -> Weave:
     """Attention alternating with a gated linear recurrence."""
     torch.manual_seed(seed)
     return Weave((LookLayer, EbbLayer)).eval()
+
+
+class TokenStack(nn.Module):
+    """Token ids -> an embedding table -> the given layers, with the least a loader-free model offers intake: a
+    ``config`` with its vocabulary, ``get_input_embeddings`` and, when asked, a claim that it generates."""
+
+    def __init__(self, vocab: int, width: int, layers: list[nn.Module], generates: bool = False) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=vocab)
+        self.table = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(layers)
+        self.generates = generates
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.table
+
+    def can_generate(self) -> bool:
+        return self.generates
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.table(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from novel_models import TokenStack
 from torch import nn
 
 from adapt.model.intake import describe_model
@@ -50,25 +51,13 @@ class _BiasedAttention(nn.Module):
         return self.back(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class _Stack(nn.Module):
-    def __init__(self, vocab: int, width: int, attention: dict[str, int]) -> None:
-        super().__init__()
-        self.config = type("Config", (), {"vocab_size": vocab})()
-        self.table = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(
-            nn.ModuleDict({"norm": nn.LayerNorm(width), "mix": _BiasedAttention(width, **attention)}) for _ in range(2)
-        )
-        for layer in self.layers:
-            layer.forward = lambda h, layer=layer: h + layer["mix"](layer["norm"](h))
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.table
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.table(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        return h
+def _stack(vocab: int, width: int, attention: dict[str, int]) -> TokenStack:
+    layers = [
+        nn.ModuleDict({"norm": nn.LayerNorm(width), "mix": _BiasedAttention(width, **attention)}) for _ in range(2)
+    ]
+    for layer in layers:
+        layer.forward = lambda h, layer=layer: h + layer["mix"](layer["norm"](h))
+    return TokenStack(vocab, width, layers)
 
 
 def test_a_relative_bias_table_is_no_latent_projection(rng):
@@ -76,7 +65,7 @@ def test_a_relative_bias_table_is_no_latent_projection(rng):
     # d_rel odd: the bias projection's width (heads * d_rel) is never whole heads, as in the models that carry one
     geometry = {"heads": heads, "kv_heads": kv_heads, "head": rng.choice([16, 32]), "d_rel": rng.choice([3, 5, 7])}
     with torch.device("meta"):
-        model = _Stack(rng.randrange(50, 200), rng.choice([48, 64]), {**geometry, "extent": rng.randrange(9, 40)})
+        model = _stack(rng.randrange(50, 200), rng.choice([48, 64]), {**geometry, "extent": rng.randrange(9, 40)})
     spec = describe_model(model, model.config)
     kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
     for block in spec.blocks:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from novel_models import TokenStack
 from torch import nn
 
 from adapt.model.intake import describe_model
@@ -84,33 +85,15 @@ class _Block(nn.Module):
         return h + self.ff(h)
 
 
-class _Stack(nn.Module):
-    def __init__(self, vocab: int, width: int, heads: int, window: int | None, causal: bool) -> None:
-        super().__init__()
-        self.config = type("Config", (), {"vocab_size": vocab})()
-        self.table = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(_Block(width, heads, window, causal) for _ in range(2))
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.table
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.table(input_ids)
-        for layer in self.layers:
-            h = layer(h)
-        return h
-
-    def can_generate(self) -> bool:  # claims to generate whatever its mask does: the mask must win
-        return True
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_a_hand_written_mask_decides_causality_on_meta_and_real_tensors(causal, device, rng):
     width, heads = rng.choice([32, 48, 64]), rng.choice([2, 4])
     window = rng.choice([None, rng.randrange(2, 6)])
     with torch.device(device):
-        model = _Stack(rng.randrange(50, 200), width, heads, window, causal)
+        model = TokenStack(
+            rng.randrange(50, 200), width, [_Block(width, heads, window, causal) for _ in range(2)], generates=True
+        )  # claims to generate whatever its mask does: the mask must win
     spec = describe_model(model, model.config)
     assert [b.attention.causal for b in spec.blocks] == [causal, causal]
     assert spec.is_causal is causal

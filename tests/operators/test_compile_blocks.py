@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from adapt.model.zoo import make_config
 from operators.api import compile_as_planned
 
 LAYERS = 10  # more than Dynamo's default recompile limit (8): a per-layer graph would show as eager layers
@@ -29,15 +30,8 @@ class CountingBackend:
 
 
 def _tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=64,
-    )
+    config = make_config("llama")  # the zoo's Llama, at a depth past the recompile limit
+    config.num_hidden_layers = LAYERS
     return LlamaForCausalLM(config)
 
 

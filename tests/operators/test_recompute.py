@@ -14,8 +14,9 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from adapt.model.zoo import make_config
 from operators.api import compile_as_planned
 from operators.recompute import checkpoint_blocks, recomputable
 
@@ -31,15 +32,8 @@ def fresh_dynamo(fresh_seed):
 
 
 def _llama(layers: int = 3) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-    )
+    config = make_config("llama")
+    config.num_hidden_layers = layers
     return LlamaForCausalLM(config).train()
 
 
