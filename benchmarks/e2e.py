@@ -20,11 +20,13 @@ what the adapt variants apply, through ``operators.adapt_model``.  Then every va
   matmul and attention outputs.  ``adapt-selective-loss1g``: that, and the fused loss's logits chunk at 1 GiB
   instead of 256 MiB (fewer, larger chunk GEMMs, spending memory the recomputation freed); ``adapt-loss1g``: the
   larger chunks alone.
+* ``adapt-adamw`` / ``adapt-selective-adamw``: ``adapt`` / ``adapt-selective`` stepped by adapt's AdamW kernel
+  (``operators.optim.TritonAdamW``) instead of torch's fused AdamW: the only variants whose loop differs.
 * ``compile-blocks``: no kernels, every block compiled (the plan's compile mode on the unpatched model).
 * ``loss-whole``: only the plan's loss head (fused linear cross-entropy), whole model compiled: whether the plan's
   other kernels help or hurt once Inductor sees the rest.
 
-Same loop for all: bf16 weights, AdamW (fused on CUDA, foreach on CPU), the HF forward with ``labels``,
+Same loop for all (but the ``-adamw`` variants' optimizer): bf16 weights, AdamW (fused on CUDA, foreach on CPU), the HF forward with ``labels``,
 ``--warmup`` steps, then ``--steps`` timed steps (CUDA events), tokens/s, MFU (6 x active params +
 6 x layers x heads x head_dim x seq per token, against 989 TFLOP/s), peak memory, step-time spread and
 every step's loss.  ``--profile`` adds a torch-profiler summary per variant: top kernels by device
@@ -65,6 +67,8 @@ VARIANTS = (
     "adapt-selective",
     "adapt-selective-loss1g",
     "adapt-loss1g",
+    "adapt-adamw",
+    "adapt-selective-adamw",
 )
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager")
 
@@ -238,6 +242,8 @@ def _setup_note(variant: dict) -> str:
     parts = [f"compile {variant['compile_mode']}"] if variant.get("compile_mode") else []
     if variant.get("recompute", "none") != "none":
         parts.append(f"recompute {variant['recompute']}")
+    if variant.get("optimizer", "").startswith("adapt"):
+        parts.append(variant["optimizer"])
     if variant.get("loss_chunk_budget_bytes"):
         parts.append(f"loss chunks {variant['loss_chunk_budget_bytes'] / 2**20:.0f} MiB")
     return ", ".join(parts)

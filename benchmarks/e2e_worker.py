@@ -29,9 +29,17 @@ ADAPT_VARIANTS = {
     "adapt-selective": None,
     "adapt-selective-loss1g": None,
     "adapt-loss1g": None,
+    "adapt-adamw": None,
+    "adapt-selective-adamw": None,
 }
 # variant -> recompute (operators.recompute), where not "none"
-RECOMPUTE_VARIANTS = {"adapt-selective": "selective", "adapt-selective-loss1g": "selective"}
+RECOMPUTE_VARIANTS = {
+    "adapt-selective": "selective",
+    "adapt-selective-loss1g": "selective",
+    "adapt-selective-adamw": "selective",
+}
+# variants whose optimizer is adapt's AdamW kernel (operators.optim.TritonAdamW) instead of torch's fused AdamW
+ADAPT_OPTIMIZER_VARIANTS = {"adapt-adamw", "adapt-selective-adamw"}
 # variant -> the fused loss's logits budget per chunk (bytes), where not the kernel's default
 LOSS_BUDGET_VARIANTS = {"adapt-selective-loss1g": 2**30, "adapt-loss1g": 2**30}
 LOSS_HEAD_KIND = "lm_head_cross_entropy"
@@ -144,8 +152,14 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
             model.register_forward_pre_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
             info["compile_mode"] = "blocks, CUDA graphs (reduce-overhead)"
     fused = device == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused, foreach=None if fused else True)
-    info["optimizer"] = "AdamW fused" if fused else "AdamW foreach"
+    if variant in ADAPT_OPTIMIZER_VARIANTS:
+        from operators.optim import TritonAdamW
+
+        optimizer = TritonAdamW(model.parameters(), lr=1e-5)
+        info["optimizer"] = "adapt AdamW (Triton)"
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused, foreach=None if fused else True)
+        info["optimizer"] = "AdamW fused" if fused else "AdamW foreach"
     gen = torch.Generator().manual_seed(1234)
     batches = [
         torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen).to(device) for _ in range(4)

@@ -59,10 +59,28 @@ def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+def _without_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The block's arguments less any key/value cache, passed by name or by position (GPT-2's blocks take it
+    second).  A rerun block would append its keys and values to the cache a second time, so the rerun would
+    differ from the forward pass; and the append is a side effect that ``torch.compile`` cannot keep inside a
+    checkpointed region (the whole block then runs eagerly).  A model being trained reads no cache."""
+    from transformers.cache_utils import Cache
+
+    args = tuple(None if isinstance(a, Cache) else a for a in args)
+    kwargs = {k: (None if isinstance(v, Cache) else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
 def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The block's forward under ``torch.utils.checkpoint``.  One function for every block (the block's
-    own state says what to run), so a block compiled on its own still shares one graph with its siblings."""
+    own state says what to run), so a block compiled on its own still shares one graph with its siblings.
+    Without gradients (evaluation, generation) nothing is recomputed and the block runs as it is."""
     mode, inner = module.__dict__["_adapt_recompute"]
+    if not torch.is_grad_enabled():
+        return type(module).forward(module, *args, **kwargs) if inner is None else inner(*args, **kwargs)
+    args, kwargs = _without_cache(args, kwargs)
     options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
     if mode == "selective":
         options["context_fn"] = _selective_contexts
@@ -86,10 +104,27 @@ def checkpoint_blocks(blocks: Iterable[nn.Module], mode: str) -> Callable[[], No
         block.__dict__["_adapt_recompute"] = (mode, block.__dict__.get("forward"))  # a patched forward is kept
         block.forward = types.MethodType(_checkpointed_forward, block)
         touched.append(block)
-    return functools.partial(_restore, touched)
+    previous = _allow_side_effects_in_checkpointed_regions(True)
+    return functools.partial(_restore, touched, previous)
 
 
-def _restore(blocks: list[nn.Module]) -> None:
+def _allow_side_effects_in_checkpointed_regions(allow: bool) -> bool:
+    """Let Dynamo trace a checkpointed block whose forward mutates Python state; returns the previous setting.
+
+    adapt's rotary patch tells its dispatcher which module runs by pushing on a list and popping it again
+    (``operators.providers.triton_rope``).  Dynamo refuses any mutation inside a checkpointed region, because
+    eager recomputation would replay it and compiled code cannot, and then runs the whole block eagerly
+    (measured on the H200: a selective Llama-1B step 14% slower than the kept one).  A push and its pop
+    leave no trace, so replaying them or not is the same; the flag is Dynamo's own switch for that choice.
+    """
+    config = torch._dynamo.config
+    previous = config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    config.skip_fwd_side_effects_in_bwd_under_checkpoint = allow
+    return previous
+
+
+def _restore(blocks: list[nn.Module], previous: bool) -> None:
+    _allow_side_effects_in_checkpointed_regions(previous)
     for block in blocks:
         _, inner = block.__dict__.pop("_adapt_recompute")
         if inner is None:

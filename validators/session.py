@@ -47,14 +47,21 @@ def prepare_run(
     seed: int,
     deterministic: bool,
     lr: float = 3e-4,
+    optimizer: str = "auto",
 ):
-    """A ``TrainingRun`` (trainer + parallelised model) for ``model`` on this one device."""
+    """A ``TrainingRun`` (trainer + parallelised model) for ``model`` on this one device.  ``optimizer``:
+    ``operators.optim.build_adamw``'s choice (a baseline steps with torch's AdamW, as its user would)."""
     from adapt.runtime.runner import prepare
     from adapt.runtime.trainer import TrainConfig
 
     ensure_single_process_group()
     config = TrainConfig(
-        steps=steps, lr=lr, warmup_steps=min(10, max(1, steps // 10)), seed=seed, deterministic=deterministic
+        steps=steps,
+        lr=lr,
+        warmup_steps=min(10, max(1, steps // 10)),
+        seed=seed,
+        deterministic=deterministic,
+        optimizer=optimizer,
     )
     return prepare(model, one_rank_plan(seq_len, batch, precision), config)
 

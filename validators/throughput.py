@@ -90,6 +90,7 @@ class VariantResult:
     step_time_cv: float | None = None
     gpu_idle_share: float | None = None  # from the profiler over one forward+backward (CUDA only)
     host_bound: bool = False
+    optimizer: str = ""  # which AdamW stepped it (operators.optim.build_adamw)
 
 
 @dataclass
@@ -411,8 +412,16 @@ def _measure(
     name: str, model: nn.Module, options: BenchOptions, device: str, flops: float, peak: float | None
 ) -> VariantResult:
     _reset_peak(device)
+    optimizer = "auto" if name == "adapted" else "torch"  # a baseline's user steps with torch's AdamW
     run = prepare_run(
-        model, options.seq_len, options.batch, options.dtype, options.warmup + options.steps, options.seed, False
+        model,
+        options.seq_len,
+        options.batch,
+        options.dtype,
+        options.warmup + options.steps,
+        options.seed,
+        False,
+        optimizer=optimizer,
     )
     steps = run.trainer.fit(options.warmup + options.steps).steps
     timed = steps[options.warmup :]
@@ -428,6 +437,7 @@ def _measure(
         prefill, decode, cached = _inference_rates(model, options, device)
     return VariantResult(
         name=name,
+        optimizer=run.trainer.optimizer_kind,
         train_step_s=step_s,
         train_tokens_per_s=tokens_per_s,
         mfu=tokens_per_s * flops / peak if peak else None,

@@ -66,6 +66,7 @@ def throughput_summary(report: dict[str, Any], finite: bool, context: SummaryCon
         "decode": report.get("decode", []),
         "decode_targets": report.get("decode_targets", []),
         "vs_best_baseline": report.get("speedup_vs_best_baseline") or {},
+        "optimizers": {v["name"]: v["optimizer"] for v in report.get("variants", []) if v.get("optimizer")},
         "finite": finite,
     }
     speedups = [

@@ -28,6 +28,7 @@ from adapt.runtime.data import make_data
 from adapt.runtime.data_parallel import set_micro_batch_sync
 from adapt.runtime.parallelize import ParallelModel
 from adapt.runtime.pipeline import logits_of
+from operators.optim import build_adamw
 
 
 @dataclass
@@ -42,6 +43,7 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False
     data: str | None = None  # token file; None = synthetic stream
+    optimizer: str = "auto"  # operators.optim.build_adamw: adapt's AdamW kernel where it runs, else torch's
 
 
 @dataclass
@@ -172,17 +174,14 @@ class Trainer:
             raise BadInput(
                 f"global_batch={plan.global_batch} must split into dp={plan.dp} x grad_accum={plan.grad_accum}"
             )
-        fused = pmodel.dims.device.type == "cuda"
-        self.optimizers = [
-            torch.optim.AdamW(
-                chunk.parameters(),
-                lr=config.lr,
-                betas=config.betas,
-                weight_decay=config.weight_decay,
-                fused=fused or None,
+        built = [
+            build_adamw(
+                chunk.parameters(), config.optimizer, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
             )
             for chunk in pmodel.chunks
         ]
+        self.optimizers = [optimizer for optimizer, _ in built]
+        self.optimizer_kind = built[0][1] if built else "none"
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config)) for opt in self.optimizers]
         self.step = 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import gemm as gemm_kernels
-from . import moe_ops, norms, ops  # noqa: F401  (ops and moe_ops register the torch.ops.adapt operators)
+from . import moe_ops, norms, ops, optim_ops  # noqa: F401  (these register the torch.ops.adapt operators)
 from ._utils import check_float
 from .cross_entropy import REDUCTIONS
 from .gemm import GemmConfig

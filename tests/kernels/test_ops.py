@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from operators.kernels import moe_ops, ops  # noqa: F401  (they register torch.ops.adapt)
+from operators.kernels import moe_ops, ops, optim_ops  # noqa: F401  (they register torch.ops.adapt)
 
 adapt = torch.ops.adapt
 
@@ -113,6 +113,10 @@ def cases():
         adapt.grouped_gemm_backward,
         (torch.randn(10, 12), torch.randn(10, 8), bank.detach(), offsets, True, True, []),
     )
+    shapes = (7, 5), (3,)
+    params, grads = [torch.randn(s) for s in shapes], [torch.randn(s) for s in shapes]
+    moments = [torch.randn(s) for s in shapes], [torch.rand(s) for s in shapes]
+    yield "adamw_update_", adapt.adamw_update_, (params, grads, *moments, [3, 1], 1e-3, 0.9, 0.99, 1e-8, 0.1)
 
 
 CASES = list(cases())

@@ -67,7 +67,8 @@ class SavedActivations:
 
 
 def _train_step(model, ids) -> dict[str, torch.Tensor]:
-    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    """As a user's loop calls it: the model's own ``use_cache`` default, so it builds a key/value cache."""
+    model(input_ids=ids, labels=ids).loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -79,7 +80,9 @@ def test_selective_keeps_only_compute_bound_outputs_and_a_third_less():
         checkpoint_blocks(model.model.layers, mode)
         saved = SavedActivations()
         compile_as_planned(model, "blocks", backend=saved.backend)
+        torch._dynamo.utils.counters.clear()
         _train_step(model, ids)
+        assert not torch._dynamo.utils.counters["graph_break"], "a checkpointed block compiles whole"
         assert len(saved.graphs) == 1, "one graph serves every block"
         kept[mode] = (saved.kept_elements(), {saved.producer(n) for n in saved.graphs[0]})
         torch._dynamo.reset()
@@ -132,6 +135,17 @@ def test_recomputed_blocks_give_the_gradients_of_kept_ones(build, mode, backend)
     assert plain.keys() == recomputed.keys()
     for name in plain:
         torch.testing.assert_close(recomputed[name], plain[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_model_that_keeps_a_cache_still_generates_the_same_with_blocks_checkpointed():
+    """Without gradients a checkpointed block runs as it is, so generation fills and reads its cache."""
+    model = _llama(2).eval()
+    ids = torch.randint(0, 96, (1, 6))
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=5, do_sample=False)
+        checkpoint_blocks(model.model.layers, "selective")
+        checkpointed = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(plain, checkpointed)
 
 
 def test_undo_restores_each_block_and_keeps_a_patched_forward():

@@ -94,6 +94,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="seed of the weight initialisation and synthetic data, the same on every rank (default 0)",
     )
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower)")
+    p.add_argument(
+        "--optimizer",
+        choices=("auto", "adapt", "torch"),
+        default="auto",
+        help="AdamW kernel: adapt's one-launch Triton update on CUDA where it runs (auto), insist on it (adapt), "
+        "or torch's fused/foreach AdamW (torch)",
+    )
     p.add_argument("--metrics", help="write per-step metrics as JSON lines here (rank 0)")
 
 
@@ -130,6 +137,7 @@ def handler(args: argparse.Namespace) -> int:
         seed=args.train_seed,
         deterministic=args.deterministic,
         data=args.data,
+        optimizer=args.optimizer,
     )
     with contextlib.ExitStack() as stack:
         metrics_file = stack.enter_context(open(args.metrics, "w")) if args.metrics and is_main_process() else None
