@@ -5,11 +5,12 @@ storage dtypes, with fp32 arithmetic in registers: 14 bytes per bf16 parameter a
 decoupled-decay form of ``torch.optim.AdamW`` (and the order of operations of its fused CUDA kernel), so the two
 are interchangeable step for step and share one ``state_dict`` layout.
 
-One launch per tensor, with the tensors' own pointers as arguments: Triton then knows their alignment and issues
-16-byte loads.  One launch over all tensors through a table of pointers (read inside the kernel, alignment
-unknown) fell back to 2-byte loads and ran 3-5 times slower on the H200.  The launches are issued from one
-operator call, so the host pays a Triton launch per tensor and one dispatch per step.  On the H200 torch's fused
-kernel moved these bytes at about 2.5 TB/s and this one at about 3.9 TB/s (``benchmarks/optimizer_step.py``).
+One launch per tensor, with the tensors' own pointers as arguments, so Triton sees their alignment.  One launch over
+all tensors through a table of pointers read inside the kernel ran 3-5 times slower on the H200 (44 ms a step for
+Qwen3-MoE's update against 8.5 ms per tensor; most likely narrow loads for want of a known alignment).  The
+launches are issued from one operator call, so the host pays a Triton launch per tensor (about 46 us: 6.7 ms for
+Llama-1B's 146 tensors) and one dispatch per step.  On the H200 torch's fused kernel moved these bytes at about
+2.7 TB/s and this one at 3.8 TB/s (``benchmarks/results/optimizer-step-h200.md``).
 """
 
 from __future__ import annotations
