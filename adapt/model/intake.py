@@ -281,8 +281,14 @@ def _describe_block(
         softcap = getattr(config, "attn_logit_softcapping", None)
         attention.softcap = float(softcap) if softcap else None
         attention.qk_norm = attention.kind != "mla" and attention.head_dim in attn_norm_sizes
-        sinks = [s for (m, _, s) in parts.other_1d if m.split(".", 1)[0] in attn_owners and s == attention.num_heads]
-        attention.sinks = bool(sinks)
+        measured_sinks = next((facts[o].sinks for o in attn_owners if o in facts and facts[o].sinks is not None), None)
+        if measured_sinks is not None:
+            attention.sinks = measured_sinks
+        else:  # the core was not seen: a per-head vector in the attention is the best evidence there is
+            sinks = [
+                s for (m, _, s) in parts.other_1d if m.split(".", 1)[0] in attn_owners and s == attention.num_heads
+            ]
+            attention.sinks = bool(sinks)
         attn_params += sum(s for (m, _, s) in parts.other_1d if m.split(".", 1)[0] in attn_owners)
 
     mlp_projs = [p for o in mlp_owners + moe_owners for p in parts.projections.get(o, [])]

@@ -50,6 +50,9 @@ class ChildFacts:
     steps: int = 0  # select/slice ops seen: a python loop over the positions runs one per position
     rotation: bool = False  # q or k rotated before the core: rotary position embedding (see _rotates)
     causal: bool | None = None  # the core's mask blocks every later position; None where its values are unknown
+    # learned per-head logits in the softmax's denominator: a column beside the keys' scores, or the output rescaled
+    # by the scores' logsumexp after it; None: the core was not seen
+    sinks: bool | None = None
     last_op: str = ""
 
 
@@ -121,6 +124,7 @@ class _Recorder(TorchDispatchMode):
                 v.shape[-1],
             )
             facts.causal = self._fused_causal(func, args, kwargs, q.shape[-2], k.shape[-2])
+            facts.sinks = False  # a fused core has no column beside the keys
         elif name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is None:
             a, b = tensors
             if a.dim() == 3 and a.shape[1] == SEQ and b.shape[-1] == SEQ and a.shape[-1] == b.shape[1]:
@@ -140,6 +144,10 @@ class _Recorder(TorchDispatchMode):
         elif name == "aten.topk.default" and len(args) > 1 and isinstance(args[1], int):
             facts.top_k = args[1]
             facts.scoring = _SCORING.get(facts.last_op, facts.scoring)
+        if name in _SOFTMAX and facts.head_dim is not None and facts.sinks is None and tensors:
+            facts.sinks = tensors[0].shape[-1] == SEQ + 1  # the scores of the SEQ keys and one learned column
+        elif name == "aten.logsumexp.default" and facts.head_dim is not None:
+            facts.sinks = True  # the softmax's denominator read back to rescale the output: a sink applied after it
         if name.startswith("aten.convolution"):
             facts.convolution = True
         facts.steps += name in ("aten.select.int", "aten.slice.Tensor")
@@ -191,20 +199,23 @@ def _one_of_each(blocks: BlockList) -> Iterator[dict[int, tuple]]:
     """Pass through every block whose structure an earlier block already has; a block that fails passes through too."""
     seen: set[tuple] = set()
     representative: dict[int, tuple] = {}
-    saved: list[nn.Module] = []
+    saved: list[tuple[nn.Module, Any]] = []  # (block, its own instance-level forward, if it had one)
     for index, (block, signature) in enumerate(zip(blocks.blocks, block_signatures(blocks))):
         original = block.forward
         skip = signature in seen
         seen.add(signature)
         if not skip:
             representative[index] = signature
+        saved.append((block, block.__dict__.get("forward")))
         block.forward = _guarded(original, skip)
-        saved.append(block)
     try:
         yield representative
     finally:
-        for block in saved:
-            del block.forward
+        for block, own in saved:  # a forward set on the instance (a patch, a wrapper) is put back, not dropped
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
 
 
 def _guarded(original, skip: bool):

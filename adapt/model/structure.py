@@ -241,7 +241,10 @@ def interpret_attention(
     width_in = [p for p in group if hidden in p.shape]
     # Output projection: the last one writing the width from another size (HF registers o_proj last, though a
     # projection reading the width, a sink's or a position bias's, may follow it), else the last touching it.
-    writes = [p for p in width_in if p.out_features == hidden and p.other_dim(hidden) is not None]
+    # A square one (heads x head size equal to the width) writes the width too, when no other one does.
+    writes = [p for p in width_in if p.out_features == hidden and p.other_dim(hidden) is not None] or [
+        p for p in width_in if p.out_features == hidden
+    ]
     out_proj = writes[-1] if writes else width_in[-1]
     inputs = [p for p in width_in if p is not out_proj]
     # MLA's up-projections are linear layers reading a latent the attention wrote from the width: a low-rank query

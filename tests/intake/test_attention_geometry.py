@@ -105,3 +105,23 @@ def test_a_low_rank_output_projection_leaves_the_heads_to_the_measurement():
     assert read  # its compressed sparse layer is read as another mixer, apart from this test
     for a, computed in read:
         assert (a.kind, a.num_heads, a.num_kv_heads, a.head_dim) == ("mqa", computed.num_heads, 1, computed.head_dim)
+
+
+def test_sinks_are_a_logit_in_the_softmax_denominator_not_any_per_head_vector():
+    """GPT-OSS concatenates a learned logit per head to the scores before the softmax; Granite-SWA rescales the
+    output by the scores' logsumexp against its per-head sink, the same sum another way.  Doge keeps a per-head
+    vector (its dynamic mask's rate) of the same size that never enters the softmax."""
+    from transformers import AutoModelForCausalLM
+
+    read = {}
+    for model_type in ("gpt_oss", "granite_swa", "doge"):
+        config = sweep.tiny_config(model_type)
+        with quiet_transformers():
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            spec = describe_model(model, config)
+        heads = {b.attention.num_heads for b in spec.blocks if b.attention}
+        per_head = [n for n, p in model.named_parameters() if "attn" in n and p.shape in {(h,) for h in heads}]
+        assert per_head, f"{model_type}: the tiny config keeps a per-head vector in its attention"
+        read[model_type] = {b.attention.sinks for b in spec.blocks if b.attention}
+    assert read == {"gpt_oss": {True}, "granite_swa": {True}, "doge": {False}}
