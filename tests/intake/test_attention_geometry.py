@@ -66,7 +66,9 @@ def test_a_relative_bias_table_is_no_latent_projection(rng):
     geometry = {"heads": heads, "kv_heads": kv_heads, "head": rng.choice([16, 32]), "d_rel": rng.choice([3, 5, 7])}
     with torch.device("meta"):
         model = _stack(rng.randrange(50, 200), rng.choice([48, 64]), {**geometry, "extent": rng.randrange(9, 40)})
+    forwards = [layer.forward for layer in model.layers]
     spec = describe_model(model, model.config)
+    assert [layer.forward for layer in model.layers] == forwards, "intake leaves a forward set on a block in place"
     kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
     for block in spec.blocks:
         a = block.attention
