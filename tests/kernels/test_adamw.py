@@ -114,7 +114,7 @@ def test_build_adamw_takes_the_kernel_only_where_asked_or_measured_faster():
 
     params = [torch.nn.Parameter(torch.randn(8))]
     auto, why = build_adamw(params, "auto", lr=1e-3)
-    assert type(auto) is torch.optim.AdamW and why == "torch AdamW foreach", "auto on a CPU is torch's AdamW"
+    assert type(auto) is torch.optim.AdamW and why == "torch AdamW", "auto on a CPU is torch's AdamW"
     insisted, why = build_adamw(params, "adapt", lr=1e-3)
     assert isinstance(insisted, TritonAdamW) and why.startswith("adapt AdamW")
     with pytest.raises(ValueError, match="amsgrad"):
