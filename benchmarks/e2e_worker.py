@@ -155,10 +155,10 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
     if variant in ADAPT_OPTIMIZER_VARIANTS:
         from operators.optim import TritonAdamW
 
-        optimizer = TritonAdamW(model.parameters(), lr=1e-5)
+        optimizer = TritonAdamW(model.parameters(), lr=args.lr)
         info["optimizer"] = "adapt AdamW (Triton)"
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused, foreach=None if fused else True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused, foreach=None if fused else True)
         info["optimizer"] = "AdamW fused" if fused else "AdamW foreach"
     gen = torch.Generator().manual_seed(1234)
     batches = [

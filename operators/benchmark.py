@@ -94,18 +94,30 @@ def fastest(
 def measure(
     options: list[KernelOption], comp: Component, target: Target, module: torch.nn.Module, *, compiled: bool = False
 ) -> dict[str, float]:
-    """Median ms of each option's forward (+ backward when training) on a CUDA copy of ``module``."""
+    """Median ms of each option's forward (+ backward when training) on a CUDA copy of ``module``.
+
+    ``compiled``: the options will run inside compiled blocks, so each path Inductor rewrites is timed as
+    Inductor compiles it; a hand kernel is timed as it is (``inductor_rewrites``), which is what runs there
+    too, without the seconds a compile per option would add to the operators stage."""
     dtype = getattr(torch, target.dtype)
     timings = {}
     for opt in options:
         mod = copy.deepcopy(module).to("cuda", dtype)
         fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
-        if compiled:
+        if compiled and inductor_rewrites(opt):
             fwd = torch.compile(fwd, fullgraph=False, dynamic=False)
         x = torch.randn(1, TOKENS, comp.variant.width, device="cuda", dtype=dtype, requires_grad=target.training)
         timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), DeviceTimer())
         del mod, fwd
     return timings
+
+
+def inductor_rewrites(option: KernelOption) -> bool:
+    """Whether compiling ``option``'s forward changes the kernels it runs.  A hand kernel (one that ships
+    its own Triton code: our ``torch.library`` operators, Liger's autograd functions) stays an opaque call
+    under Inductor, and the GEMMs beside it stay library calls; ATen's paths (fused norms, decompositions,
+    the module's own forward) are what Inductor rewrites into its own kernels."""
+    return option.needs_codegen != "triton"
 
 
 def _step(fwd, x, training: bool) -> None:

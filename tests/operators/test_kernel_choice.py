@@ -267,3 +267,22 @@ def test_device_timer_times_the_kernels_not_the_host_that_launches_them(monkeypa
     assert plain == pytest.approx(host_ms + kernel_ms)  # without the sleep the host's enqueue time is timed too
     assert benchmark.time_ms(device.launch, timer, warmup=1) == pytest.approx(kernel_ms)
     assert all(ms <= benchmark.MAX_SLEEP_MS for ms in device.sleeps)
+
+
+def test_under_compile_only_the_paths_inductor_rewrites_are_compiled_to_be_timed(monkeypatch):
+    """Hand kernels (their own Triton code) are timed as they run inside a compiled block, as themselves;
+    ATen's paths, which Inductor turns into its own kernels, are compiled first."""
+    from operators.mapping import INDUCTOR_OWN_FORWARD
+    from operators.providers import providers
+
+    for provider in providers():  # as on a CUDA machine where every provider loads
+        monkeypatch.setattr(type(provider), "available", lambda self, target: (True, ""))
+    norm = Component("0", "rms_norm", RMSNormVariant(width=64, eps=1e-6, weight=True, cast="round_then_scale"), True)
+    options = {f"{o.provider}:{o.kernel}": o for p in providers() for o in p.options(norm, CUDA)}
+    options["inductor"] = INDUCTOR_OWN_FORWARD
+    assert {name: benchmark.inductor_rewrites(o) for name, o in options.items()} == {
+        "adapt-triton:rms_norm": False,
+        "liger:LigerRMSNormFunction": False,
+        "torch-native:F.rms_norm": True,
+        "inductor": True,
+    }
