@@ -3,14 +3,16 @@
 Three instances of the model run on the same fresh random tokens:
   reference  the original model in float64 (float32 for wide models) on the CPU,
   baseline   the original model in the target dtype on the target device,
-  candidate  the adapted model (kernel plan applied) in the target dtype on the target device.
+  candidate  the adapted model as users run it (``operators.adapt_model``: the kernel plan applied, then
+             compiled as the plan says) in the target dtype on the target device.
 Every block, every component inside a block and the logits are captured with forward hooks and
 compared; gradients are compared per parameter; a short loss-curve parity run trains baseline and
-candidate side by side.  ``streamed=True`` hands off to ``validators.streamed`` (block by block).
+candidate side by side.  ``streamed=True`` hands off to ``validators.streamed`` (block by block, eager).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.core.errors import BadInput
 from adapt.core.verdicts import gradient_floor, gradient_thresholds
 from adapt.model.blocks import residual_width
 from validators.alignment import (
@@ -29,6 +32,7 @@ from validators.alignment import (
     AlignmentReport,
     AlignOptions,
     ParityResult,
+    capture_outputs,
     check_device,
     finish_report,
     float64_forward,
@@ -45,12 +49,12 @@ from validators.compare import (
 )
 from validators.modules import (
     NonFiniteOutput,
+    Recording,
     find_blocks,
     probes,
-    record_outputs,
     stop_on_nonfinite,
 )
-from validators.routing import drop_tokens, record_routing, routing_flips
+from validators.routing import RoutingRecording, drop_tokens, record_routing, routing_flips
 from validators.training import (
     batch_for_step,
     loss_and_gradients,
@@ -87,6 +91,46 @@ def kernel_plan_transform(
     return transform
 
 
+def candidate_compile_mode(kernel_plan: Any, options: AlignOptions) -> str:
+    """How the candidate is compiled: ``options.compile_mode``, else as its kernel plan says (what
+    ``operators.adapt_model`` gives users: "blocks" on CUDA, "none" on the CPU); "none" without a plan."""
+    from operators.mapping import COMPILE_MODES
+
+    mode = options.compile_mode
+    if mode is None:
+        mode = kernel_plan.compile.get("mode", "none") if kernel_plan is not None else "none"
+    if mode not in COMPILE_MODES:
+        raise BadInput(f"compile mode must be one of {', '.join(COMPILE_MODES)}, not {mode!r}")
+    return mode
+
+
+def adapted_transform(
+    kernel_plan: Any,
+    transform: CandidateTransform | None,
+    mode: str,
+    backend: str = "inductor",
+    notes: list[str] | None = None,
+    patched: list[str] | None = None,
+) -> CandidateTransform | None:
+    """The candidate as ``operators.adapt_model`` builds the adapted model, so that what is judged is what runs: the
+    kernels (``transform``, else the plan as it runs under ``mode``), then ``compile_as_planned`` with ``backend``."""
+    if transform is None and kernel_plan is not None:
+        from operators.mapping import for_compile_mode
+
+        transform = kernel_plan_transform(for_compile_mode(kernel_plan, mode), notes, patched)
+    if mode == "none":
+        return transform
+    from operators.api import compile_as_planned
+
+    def compiled(model: nn.Module) -> nn.Module:
+        if transform is not None:
+            model = transform(model) or model
+        compile_as_planned(model, mode, backend=backend)
+        return model
+
+    return compiled
+
+
 def align(
     src,
     kernel_plan: Any = None,
@@ -97,21 +141,32 @@ def align(
     transform: CandidateTransform | None = None,
     options: AlignOptions | None = None,
 ) -> AlignmentReport:
-    """Align the adapted model against the original.  ``transform`` overrides ``kernel_plan`` (tests use it)."""
+    """Align the adapted model against the original.  ``transform`` overrides ``kernel_plan``'s kernels (the pipeline
+    and tests use it); the candidate is still compiled as the plan (or ``options.compile_mode``) says."""
     parse_dtype(dtype)
     check_device(device)
     options = options or AlignOptions()
     limits = thresholds_for(dtype, thresholds)
     notes: list[str] = []
     patched: list[str] = []
-    transform = transform or kernel_plan_transform(kernel_plan, notes, patched)
+    mode = candidate_compile_mode(kernel_plan, options)
+    compiled = f"{mode} ({options.compile_backend})" if mode != "none" else "none"
+    if streamed and mode != "none":
+        notes.append(
+            "candidate not compiled: streamed alignment (one block at a time from the shards, eager; "
+            f"the adapted model compiles {compiled})"
+        )
+        mode = compiled = "none"
+    else:
+        notes.append(f"candidate compiled: {compiled}")
+    transform = adapted_transform(kernel_plan, transform, mode, options.compile_backend, notes, patched)
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
     if streamed:
         from validators.streamed import streamed_align
 
         report = streamed_align(src, dtype, device, limits, transform, options, seed)
     else:
-        report = _full_align(src, dtype, device, limits, transform, options, seed)
+        report = _full_align(src, dtype, device, limits, transform, options, seed, mode != "none")
         redraws = 0
         # A draw whose MoE routing is mostly undecidable in the dtype leaves too few tokens to judge: draw
         # again (fresh inputs only; a pinned seed is the caller's to keep).
@@ -119,7 +174,7 @@ def align(
             redraws += 1
             discarded = report.seed
             report = _full_align(
-                src, dtype, device, limits, transform, options, int.from_bytes(os.urandom(4), "little")
+                src, dtype, device, limits, transform, options, int.from_bytes(os.urandom(4), "little"), mode != "none"
             )
             report.input_redraws = redraws
             report.notes.append(
@@ -135,6 +190,7 @@ def align(
             )
     report.notes[:0] = notes
     report.patched_modules = patched
+    report.candidate_compile = compiled
     return report
 
 
@@ -147,7 +203,8 @@ def _undecidable_share(report: AlignmentReport, options: AlignOptions) -> float:
     return logits.excluded_tokens / (options.batch * options.seq_len) if logits is not None else 0.0
 
 
-def _full_align(src, dtype_name, device, limits, transform, options, seed) -> AlignmentReport:
+def _full_align(src, dtype_name, device, limits, transform, options, seed, compiled: bool) -> AlignmentReport:
+    """One draw of inputs through the three models; ``compiled``: the candidate runs compiled code (``transform``)."""
     from adapt.model.skeleton import build_skeleton, load_model
 
     started = time.perf_counter()
@@ -183,9 +240,19 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
         thresholds=limits.to_dict(),
         notes=notes,
     )
+    fallbacks = _recompile_limit_hits()
     try:
-        with stop_on_nonfinite(candidate):
-            cand_out, cand_rec = _forward(candidate, ids.to(device), options.backward, vocab)
+        # Compiled, a hook that reads its output's values would break every graph at every module: the candidate's
+        # captured outputs are searched instead (``_first_nonfinite``), which locates to the block components.
+        with contextlib.nullcontext() if compiled else stop_on_nonfinite(candidate):
+            cand_out, cand_rec = _forward(candidate, ids.to(device), options.backward, vocab, routing=not compiled)
+        nonfinite = _first_nonfinite(cand_rec, ref_rec, cand_out) if compiled else None
+        if nonfinite is not None:
+            report.notes.append(
+                "compiled candidate: NaN/Inf located among its captured outputs (blocks and their components): "
+                "an uncaptured module inside or before the one named may have produced it"
+            )
+            raise NonFiniteOutput(nonfinite)
     except NonFiniteOutput as err:
         report.nonfinite_module = report.first_divergent = err.module_path
         report.notes.append(str(err))
@@ -193,6 +260,11 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
         report.peak_rss_bytes = peak_rss_bytes()
         return report
 
+    if compiled and ref_rec.routing.calls:
+        report.notes.append(
+            "the compiled candidate's expert choices were not recorded (the top-k recorder would compile every "
+            "block anew): clear-margin routing flips are not counted; its tensors are judged all the same"
+        )
     tokens = ids.numel()
     flips = routing_flips(ref_rec.routing, base_rec.routing, cand_rec.routing, tokens, limits.max_err_ratio)
     report.notes.extend(flips.notes())
@@ -209,7 +281,8 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
     for key, ref in ref_rec.outputs.items():
         where = ref_rec.where[key]
         if key not in cand_rec.outputs or key not in base_rec.outputs:
-            report.notes.append(f"{key}: not produced by the candidate; the kernel plan changed the module tree")
+            why = "its hook did not run in compiled code" if compiled else "the kernel plan changed the module tree"
+            report.notes.append(f"{key}: not captured from the candidate ({why}); not compared")
             continue
         report.layers.append(
             routed_judge(key, where.block, where.component, ref, cand_rec.outputs[key], base_rec.outputs[key])
@@ -233,7 +306,7 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
                 )
                 return report
             for model, inputs in ((reference, ids), (baseline, ids.to(device)), (candidate, ids.to(device))):
-                _forward(model, inputs, True, vocab, skip_tokens=skipped)
+                _forward(model, inputs, True, vocab, skip_tokens=skipped, routing=not (compiled and model is candidate))
             report.notes.append(
                 f"gradients compared without the loss terms of the {len(undecided)} undecidable token(s) "
                 f"and of the later positions that attend to them ({len(skipped)} of {ids.numel()} terms left out)"
@@ -246,6 +319,11 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed) -> Al
                     "loss parity ran in eval mode: the training forward is random (dropout, router "
                     "jitter), and the two paths would compare different draws"
                 )
+    if compiled and _recompile_limit_hits() > fallbacks:
+        report.notes.append(
+            "Dynamo hit its recompile limit while the compiled candidate ran: code past it ran eagerly and was "
+            'judged as such (TORCH_LOGS="recompiles" says which)'
+        )
     finish_report(report, started)
     return report
 
@@ -259,18 +337,44 @@ def _first_positions(tokens: set[int], seq: int) -> dict[int, int]:
     return first
 
 
-def _forward(model: nn.Module, ids: torch.Tensor, backward: bool, vocab: int, skip_tokens: set[int] = frozenset()):
-    """Output and recorded tensors (``rec.routing``: the MoE top-k choices) of one forward (+ backward
-    of the loss without the terms of ``skip_tokens``, flat batch*seq indices)."""
+def _forward(
+    model: nn.Module,
+    ids: torch.Tensor,
+    backward: bool,
+    vocab: int,
+    skip_tokens: set[int] = frozenset(),
+    routing: bool = True,
+):
+    """Output and recorded tensors (``rec.routing``: the MoE top-k choices, unless ``routing`` is off) of one forward
+    (+ backward of the loss without the terms of ``skip_tokens``, flat batch*seq indices).  ``routing`` is off for a
+    compiled candidate: the top-k recorder counts calls per component, so Dynamo would compile every block anew."""
     points = probes(model, find_blocks(model))
     model.zero_grad(set_to_none=True)
+    topk = record_routing(points) if routing else contextlib.nullcontext(RoutingRecording())
     with float64_forward(model):
-        with torch.set_grad_enabled(backward), record_outputs(points) as rec, record_routing(points) as routing:
+        with torch.set_grad_enabled(backward), capture_outputs(points) as rec, topk as recorded:
             out = model_output(model, ids)
         if backward:
             loss_from_output(out, ids, vocab, skip_tokens).backward()
-    rec.routing = routing
+    rec.routing = recorded
     return out.detach(), rec
+
+
+def _recompile_limit_hits() -> int:
+    """How often Dynamo has given up on a frame past its recompile limit in this process: that frame then runs eagerly,
+    silently, so a compiled candidate would be judged partly as eager code."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for key, n in counters["unimplemented"].items() if "recompile limit" in key.lower())
+
+
+def _first_nonfinite(candidate: Recording, reference: Recording, output: torch.Tensor) -> str | None:
+    """The first captured output (in the reference's order), else the logits, of a candidate holding NaN/Inf."""
+    for key in [*reference.outputs, "logits"]:
+        tensor = output if key == "logits" else candidate.outputs.get(key)
+        if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return key
+    return None
 
 
 def _compare_gradients(reference, baseline, candidate, limits: Thresholds) -> list[LayerResult]:

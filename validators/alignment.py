@@ -1,5 +1,6 @@
 """The alignment result and what the full and the streamed comparison share: options, the report, the reference
-dtype, the device check, and the final verdict (``finish_report``)."""
+dtype, the device check, and the final verdict (``finish_report``); and the output capture that also runs inside
+compiled blocks (``capture_outputs``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from adapt.core.errors import BadInput
 from adapt.core.jsonio import to_jsonable
 from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, alignment_checks, fmt, num
 from validators.compare import LayerResult, parse_dtype
+from validators.modules import Probe, Recording, first_tensor
 
 # Widths from which a float64 CPU reference costs more than it tells: use float32 there.
 FP32_REFERENCE_FROM_WIDTH = 4096
@@ -35,6 +37,9 @@ class AlignOptions:
     parity_steps: int = 4
     lr: float = 1e-3
     reference_dtype: str | None = None  # "fp64" or "fp32"; None: fp64, or fp32 from FP32_REFERENCE_FROM_WIDTH
+    # How the candidate is compiled: "blocks", "whole" or "none"; None: as its kernel plan says (``adapt_model``)
+    compile_mode: str | None = None
+    compile_backend: str = "inductor"  # torch.compile backend of a compiled candidate ("aot_eager" where no compiler)
 
 
 @dataclass
@@ -72,6 +77,7 @@ class AlignmentReport:
     parity: ParityResult | None = None
     inconclusive: str | None = None  # why nothing diverged and still no pass can be given
     patched_modules: list[str] = field(default_factory=list)  # "module: provider/kernel", as the plan installed
+    candidate_compile: str = "none"  # what the candidate ran under: "blocks (inductor)", "whole (aot_eager)", "none"
     routing_undecidable: dict[int, int] = field(default_factory=dict)  # block -> tokens left out (near-tied router)
     routing_clear_flips: dict[int, int] = field(default_factory=dict)  # block -> tokens routed differently, judged
     input_redraws: int = 0  # fresh inputs drawn again because too many expert choices were undecidable
@@ -121,6 +127,41 @@ class AlignmentReport:
 
     def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
         return alignment_checks(self.summary().data, thresholds)
+
+
+@contextlib.contextmanager
+def capture_outputs(points: list[tuple[Probe, torch.nn.Module]]) -> Iterator[Recording]:
+    """``modules.record_outputs`` that Dynamo can trace inside a compiled block without compiling it anew for every
+    block: each probe appends to a list of its own, empty whenever its block starts.  (A dict shared by all probes is
+    guarded on its length, so each block would get its own graph, and those past Dynamo's recompile limit would run
+    eagerly.)  Calls that run eagerly note their order; the rest follow in probe order."""
+    slots: list[list[torch.Tensor]] = [[] for _ in points]
+    order: list[int] = []
+
+    def make_hook(index: int, slot: list[torch.Tensor]):
+        def hook(_module, _args, output):
+            tensor = first_tensor(output)
+            if tensor is not None:
+                slot.append(tensor.detach().clone())
+                if not torch.compiler.is_compiling():
+                    order.append(index)
+
+        return hook
+
+    rec = Recording()
+    handles = [module.register_forward_hook(make_hook(i, slots[i])) for i, (_, module) in enumerate(points)]
+    try:
+        yield rec
+    finally:
+        for handle in handles:
+            handle.remove()
+    taken = [0] * len(points)
+    for index in order + [i for i, slot in enumerate(slots) for _ in slot]:
+        if taken[index] < len(slots[index]):
+            probe, tensor = points[index][0], slots[index][taken[index]]
+            taken[index] += 1
+            key = probe.name if taken[index] == 1 else f"{probe.name}#{taken[index]}"
+            rec.outputs[key], rec.where[key] = tensor, probe
 
 
 def reference_dtype(

@@ -281,6 +281,32 @@ def direct_placement(device: str) -> dict[str, Any]:
     return {"device_map": device} if importlib.util.find_spec("accelerate") is not None else {}
 
 
+_SAFETENSORS_FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def staging_dtype(src: ModelSource, dtype: torch.dtype, device: str) -> torch.dtype | None:
+    """The checkpoint's own dtype to load in on the host when ``dtype`` only widens it on an accelerator.
+
+    Without ``device_map`` placement transformers converts every tensor on the host, which for bf16 -> fp32
+    is most of the load; widening is exact, so loading as stored and converting on the device gives the
+    same weights.  None (load in ``dtype``) for the CPU, other formats, mixed floating dtypes, or a
+    narrowing conversion.
+    """
+    if torch.device(device).type == "cpu" or src.weight_format != "safetensors" or not src.has_weights:
+        return None
+    from adapt.core.checkpoint import read_checkpoint
+
+    stored = {
+        _SAFETENSORS_FLOATS.get(t.dtype)
+        for t in read_checkpoint(src.weight_files).values()
+        if t.dtype.startswith(("F", "BF"))
+    }
+    if len(stored) != 1 or None in stored:
+        return None
+    (own,) = stored
+    return own if own.itemsize < dtype.itemsize and dtype.is_floating_point else None
+
+
 def load_model(
     src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu", notes: list[str] | None = None
 ) -> torch.nn.Module:
@@ -302,13 +328,14 @@ def load_model(
         "align it with --streamed, or bench a depth-truncated copy with --max-layers",
     )
     placement = direct_placement(device)
+    staged = None if placement else staging_dtype(src, dtype, device)
     try:
         with quiet_transformers():
             if src.has_weights:
                 model = cls.from_pretrained(
                     src.root,
                     config=config,
-                    dtype=dtype,
+                    dtype=staged or dtype,
                     trust_remote_code=src.trust_remote_code,
                     use_safetensors=src.weight_format == "safetensors",
                     **placement,
@@ -319,6 +346,8 @@ def load_model(
         raise
     except Exception as err:
         raise BadInput(f"{src.text}: transformers could not load the weights: {_first_line(err)}") from None
+    if staged is not None:  # widen on the accelerator: exact, and no host pass over the weights
+        model = model.to(device).to(dtype)
     if dtype == torch.float64:
         loop_experts(model, notes)
     bad = [name for name, p in model.named_parameters() if not _all_finite(p)]
@@ -326,7 +355,8 @@ def load_model(
         raise BadInput(f"{src.text}: non-finite (NaN/Inf) values in weights: {', '.join(bad[:3])}")
     if any(True for _ in model.buffers()):
         repaired = restore_computed_buffers(model, src)
-        note = f"loader left computed buffers uninitialised, recomputed: {', '.join(repaired)}"
+        why = f"computed at {staged} when loaded as stored" if staged else "loader left computed buffers uninitialised"
+        note = f"{why}, recomputed: {', '.join(repaired)}"
         if repaired and notes is not None and note not in notes:
             notes.append(note)
     return model.to(device).eval()

@@ -94,3 +94,48 @@ def test_a_declared_class_of_another_config_is_not_taken_for_it(tmp_path):
     _text_tower_checkpoint(tmp_path, ["LlamaForCausalLM"])
     with pytest.raises(BadInput, match="no model class for Emu3TextConfig"):
         load_model(resolve_source(str(tmp_path)), dtype=torch.float32, device="cpu")
+
+
+def _bf16_copy(zoo, tmp_path, family: str):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / f"{family}_bf16"
+    shutil.copytree(zoo(family), ckpt)
+    state = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v
+        for k, v in load_file(ckpt / "model.safetensors").items()
+    }
+    save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
+    return ckpt, state
+
+
+def test_a_widening_load_onto_an_accelerator_stages_in_the_stored_dtype(zoo, tmp_path):
+    from safetensors.torch import save_file
+
+    from adapt.model.skeleton import staging_dtype
+
+    ckpt, state = _bf16_copy(zoo, tmp_path, "llama")
+    src = resolve_source(str(ckpt))
+    assert staging_dtype(src, torch.float32, "cuda") == torch.bfloat16
+    assert staging_dtype(src, torch.float32, "cpu") is None  # the host converts anyway
+    assert staging_dtype(src, torch.bfloat16, "cuda") is None  # nothing to widen
+    assert staging_dtype(src, torch.float16, "cuda") is None  # narrowing: not exact
+    first = next(iter(state))
+    state[first] = state[first].float()  # one fp32 tensor: mixed, load as asked
+    save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
+    assert staging_dtype(resolve_source(str(ckpt)), torch.float32, "cuda") is None
+
+
+def test_a_staged_load_gives_the_same_weights_and_buffers_as_a_direct_one(zoo, tmp_path, monkeypatch):
+    import adapt.model.skeleton as skeleton
+
+    ckpt, _ = _bf16_copy(zoo, tmp_path, "llama")
+    src = resolve_source(str(ckpt))
+    direct = load_model(src, dtype=torch.float32)
+    monkeypatch.setattr(skeleton, "staging_dtype", lambda *args: torch.bfloat16)  # the accelerator path, on the CPU
+    staged = load_model(src, dtype=torch.float32)
+    want = {**dict(direct.named_parameters()), **dict(direct.named_buffers())}
+    got = {**dict(staged.named_parameters()), **dict(staged.named_buffers())}
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

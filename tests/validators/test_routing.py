@@ -108,7 +108,7 @@ def test_a_mostly_undecidable_draw_is_redrawn_and_said(monkeypatch, zoo):
     shares = iter([12, 9, 1])  # undecidable tokens of 16, draw after draw
     seeds = []
 
-    def fake_full_align(src, dtype, device, limits, transform, opts, seed):
+    def fake_full_align(src, dtype, device, limits, transform, opts, seed, compiled):
         seeds.append(seed)
         logits = LayerResult("logits", None, None, 1.0, 0.0, 0.0, 1.0, 0.0, True, excluded_tokens=next(shares))
         return align_module.AlignmentReport(
