@@ -1,6 +1,7 @@
 """bf16 GEMM and attention rates by shape on one GPU: the microbenchmark behind the planner's GEMM shape term.
 
-    python benchmarks/gemm_shapes.py OUT.json
+    python benchmarks/gemm_shapes.py OUT.json            # also writes OUT.md, a short table
+    python benchmarks/gemm_shapes.py --render OUT.json   # the table again from a saved JSON (no GPU)
 
 Times ``(m x k) @ (k x n)`` through torch (cuBLAS) for: the 8192^3 reference the catalogue's ceiling is read
 at, a sweep of the inner dimension ``k`` at a large output (16384 x 8192), and the forward, input-gradient and
@@ -11,7 +12,9 @@ warm-up, between two CUDA events.  Needs a GPU; the planner reads the JSON, neve
 """
 
 import json
+import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +62,38 @@ def attention(backend: SDPBackend, backward: bool) -> float:
     return flops * REPS / (start.elapsed_time(end) / 1e3) / 1e12
 
 
+def render(data: dict) -> str:
+    """A short table: the K sweep, each layer width's GEMMs against the 8192^3 reference, and attention."""
+    reference = statistics.median(data["reference_8192"] + data["reference_8192_after"])
+    lines = [
+        f"# bf16 GEMM rates by shape ({data['device']}, torch {data['torch']}, mean of {data['reps']} calls)",
+        "",
+        f"8192^3 reference: {', '.join(f'{r:.0f}' for r in data['reference_8192'])} TFLOP/s before the sweep, "
+        f"{', '.join(f'{r:.0f}' for r in data['reference_8192_after'])} after (median {reference:.0f}; the spread "
+        "is the clock under sustained load).",
+        "",
+        "| m x k x n | TFLOP/s | of the reference median |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {m} x {k} x {n} | {r:.0f} | {r / reference:.2f} |" for m, k, n, r in data["k_sweep"]]
+    lines += [
+        "",
+        "| hidden | TP | tokens | fwd / dgrad / wgrad, mean of the layer's GEMMs (TFLOP/s) | of the reference |",
+    ]
+    lines += ["| --- | --- | --- | --- | --- |"]
+    groups: dict[tuple[int, int, int], dict[str, list[float]]] = {}
+    for kind, h, tp, *dims, r in data["layers"]:
+        tokens = dims[0] if kind != "wgrad" else dims[1]
+        groups.setdefault((h, tp, tokens), {}).setdefault(kind, []).append(r)
+    for (h, tp, tokens), kinds in groups.items():
+        means = [statistics.fmean(kinds[k]) for k in ("fwd", "dgrad", "wgrad")]
+        rates = " / ".join(f"{m:.0f}" for m in means)
+        lines.append(f"| {h} | {tp} | {tokens} | {rates} | {statistics.fmean(means) / reference:.2f} |")
+    lines += ["", "Causal SDPA (batch 4, 16 heads of 128, seq 4096), causal FLOPs: "]
+    lines[-1] += ", ".join(f"{k} {v:.0f}" for k, v in data["attention"].items()) + " TFLOP/s."
+    return "\n".join(lines) + "\n"
+
+
 def main(path: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": REPS}
@@ -79,8 +114,12 @@ def main(path: str) -> None:
     out["reference_8192_after"] = [rate(8192, 8192, 8192) for _ in range(3)]
     with open(path, "w") as f:
         json.dump(out, f)
+    Path(path).with_suffix(".md").write_text(render(out))
     print(json.dumps({k: v for k, v in out.items() if k != "layers"}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--render":
+        Path(sys.argv[2]).with_suffix(".md").write_text(render(json.loads(Path(sys.argv[2]).read_text())))
+    else:
+        main(sys.argv[1])

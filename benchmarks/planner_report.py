@@ -412,6 +412,20 @@ def measured_markdown(report: dict[str, Any]) -> str:
             "move with the GPU host's own dispatch costs, which `benchmarks/planner_dispatch.py` measures in one "
             "command" + ("" if cal.get("dispatch") else " (not yet run)") + ".",
         ]
+        too_fast = [r for r in missed if r["host_bound_after"] and r["after_error"] > 0.15]
+        if cal.get("dispatch") and too_fast:
+            lines += [
+                "",
+                "With the GPU host's own per-operator costs, "
+                + ", ".join(f"{r['case']} is predicted {r['after_error']:+.0%}" for r in too_fast)
+                + ": too fast. Those costs come from a tiny Llama's training step on a one-rank mesh "
+                "(`parallel_planner.dispatch.measure_dispatch_costs`), and the measured 2-GPU steps spent more "
+                "host time per operator than that. Which part is missing (the collectives' host side on two ranks, "
+                "redistributions a one-rank mesh skips, or the trainer's own work) is not measured. The build "
+                'machine\'s slower costs ("before") are not a measurement of these runs either. The missing '
+                "figure is each run's own host time per step, which the throughput stage would have to record for "
+                "calibration to use.",
+            ]
     lines += ["", "## Where the time goes (before calibration, ms)", ""]
     lines += [
         "| case | GPU per micro-batch | host per micro-batch | micro-batches | data-parallel exposed | optimizer | step |",
