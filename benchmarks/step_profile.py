@@ -19,7 +19,9 @@ KERNEL_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile(r"flash|fmha|attention|cudnn|sdpa|mha_|_attn", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach", re.I)),
     ("loss", re.compile(r"_ce_chunk|cross_entropy|log_softmax|nll_loss|liger.*(ce|cross)", re.I)),
-    ("triton (Inductor or hand-written)", re.compile(r"^triton_|_kernel$|^_\w+_kernel", re.I)),
+    # A Triton kernel is named by its Python function alone (Inductor's ``triton_*``, ours ``_rms_norm_fwd``); ATen,
+    # NCCL and library kernels carry C++ signatures, namespaces or spaces.
+    ("triton (Inductor or hand-written)", re.compile(r"^triton_|^\w+$")),
     ("copies and fills", re.compile(r"memcpy|memset|copy|fill", re.I)),
 )
 OTHER = "other ATen"
@@ -74,6 +76,8 @@ def summarise(kernels: list[tuple[float, float, str]], wall_us: float, steps: in
         "top_kernels": [
             {"name": n[:90], "ms_per_step": t / per_step} for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
         ],
+        # every kernel's time, so that a later reading can group them differently
+        "by_name_ms_per_step": {n[:120]: t / per_step for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])},
         "largest_gaps": [{"ms": g / 1e3, "after": a[:60], "before": b[:60]} for g, a, b in gaps[:top_gaps] if g > 0],
         "gaps_over_50us_ms_per_step": sum(g for g, _, _ in gaps if g > 50) / per_step,
     }
