@@ -32,7 +32,6 @@ from validators.alignment import (
     AlignmentReport,
     AlignOptions,
     ParityResult,
-    capture_outputs,
     check_device,
     finish_report,
     float64_forward,
@@ -52,6 +51,7 @@ from validators.modules import (
     Recording,
     find_blocks,
     probes,
+    record_outputs,
     stop_on_nonfinite,
 )
 from validators.routing import RoutingRecording, drop_tokens, record_routing, routing_flips
@@ -352,7 +352,7 @@ def _forward(
     model.zero_grad(set_to_none=True)
     topk = record_routing(points) if routing else contextlib.nullcontext(RoutingRecording())
     with float64_forward(model):
-        with torch.set_grad_enabled(backward), capture_outputs(points) as rec, topk as recorded:
+        with torch.set_grad_enabled(backward), record_outputs(points) as rec, topk as recorded:
             out = model_output(model, ids)
         if backward:
             loss_from_output(out, ids, vocab, skip_tokens).backward()

@@ -1,6 +1,5 @@
 """The alignment result and what the full and the streamed comparison share: options, the report, the reference
-dtype, the device check, and the final verdict (``finish_report``); and the output capture that also runs inside
-compiled blocks (``capture_outputs``)."""
+dtype, the device check, and the final verdict (``finish_report``)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from adapt.core.errors import BadInput
 from adapt.core.jsonio import to_jsonable
 from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, alignment_checks, fmt, num
 from validators.compare import LayerResult, parse_dtype
-from validators.modules import Probe, Recording, first_tensor
 
 # Widths from which a float64 CPU reference costs more than it tells: use float32 there.
 FP32_REFERENCE_FROM_WIDTH = 4096
@@ -127,41 +125,6 @@ class AlignmentReport:
 
     def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:
         return alignment_checks(self.summary().data, thresholds)
-
-
-@contextlib.contextmanager
-def capture_outputs(points: list[tuple[Probe, torch.nn.Module]]) -> Iterator[Recording]:
-    """``modules.record_outputs`` that Dynamo can trace inside a compiled block without compiling it anew for every
-    block: each probe appends to a list of its own, empty whenever its block starts.  (A dict shared by all probes is
-    guarded on its length, so each block would get its own graph, and those past Dynamo's recompile limit would run
-    eagerly.)  Calls that run eagerly note their order; the rest follow in probe order."""
-    slots: list[list[torch.Tensor]] = [[] for _ in points]
-    order: list[int] = []
-
-    def make_hook(index: int, slot: list[torch.Tensor]):
-        def hook(_module, _args, output):
-            tensor = first_tensor(output)
-            if tensor is not None:
-                slot.append(tensor.detach().clone())
-                if not torch.compiler.is_compiling():
-                    order.append(index)
-
-        return hook
-
-    rec = Recording()
-    handles = [module.register_forward_hook(make_hook(i, slots[i])) for i, (_, module) in enumerate(points)]
-    try:
-        yield rec
-    finally:
-        for handle in handles:
-            handle.remove()
-    taken = [0] * len(points)
-    for index in order + [i for i, slot in enumerate(slots) for _ in slot]:
-        if taken[index] < len(slots[index]):
-            probe, tensor = points[index][0], slots[index][taken[index]]
-            taken[index] += 1
-            key = probe.name if taken[index] == 1 else f"{probe.name}#{taken[index]}"
-            rec.outputs[key], rec.where[key] = tensor, probe
 
 
 def reference_dtype(

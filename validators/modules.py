@@ -73,31 +73,37 @@ class Recording:
 
 @contextlib.contextmanager
 def record_outputs(points: list[tuple[Probe, nn.Module]]) -> Iterator[Recording]:
-    """Record a detached copy of each probe's output, in execution order."""
-    rec = Recording()
-    handles = []
+    """Record a detached copy of each probe's output: in execution order where the hooks ran eagerly, in probe order
+    where they ran inside compiled code.  Each probe appends to a list of its own, which Dynamo traces inside a
+    compiled block without compiling it anew for every block (a dict shared by all probes is guarded on its length,
+    so each block would get its own graph, and those past Dynamo's recompile limit would run eagerly)."""
+    slots: list[list[torch.Tensor]] = [[] for _ in points]
+    order: list[int] = []
 
-    def make_hook(probe: Probe):
+    def make_hook(index: int, slot: list[torch.Tensor]):
         def hook(_module, _args, output):
             tensor = first_tensor(output)
-            if tensor is None:
-                return
-            key, n = probe.name, 1
-            while key in rec.outputs:
-                n += 1
-                key = f"{probe.name}#{n}"
-            rec.outputs[key] = tensor.detach().clone()
-            rec.where[key] = probe
+            if tensor is not None:
+                slot.append(tensor.detach().clone())
+                if not torch.compiler.is_compiling():
+                    order.append(index)
 
         return hook
 
+    rec = Recording()
+    handles = [module.register_forward_hook(make_hook(i, slots[i])) for i, (_, module) in enumerate(points)]
     try:
-        for probe, module in points:
-            handles.append(module.register_forward_hook(make_hook(probe)))
         yield rec
     finally:
         for handle in handles:
             handle.remove()
+    taken = [0] * len(points)
+    for index in order + [i for i, slot in enumerate(slots) for _ in slot]:
+        if taken[index] < len(slots[index]):
+            probe, tensor = points[index][0], slots[index][taken[index]]
+            taken[index] += 1
+            key = probe.name if taken[index] == 1 else f"{probe.name}#{taken[index]}"
+            rec.outputs[key], rec.where[key] = tensor, probe
 
 
 class NonFiniteOutput(RuntimeError):
