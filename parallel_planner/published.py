@@ -48,6 +48,8 @@ SOURCE_ARCHITECTURE = {
     # Megatron-Core r0.8.0's GPT defaults (ffn 4h, GeLU, LayerNorm, learned absolute positions); the table's
     # parameter counts (1.7B at h=2048, l=24, V=131072) hold only with untied embedding and output weights.
     "mcore2024": dict(mlp="dense_plain", activation="gelu", norm="layernorm", positional="absolute", tied=False),
+    # torchtitan's Llama 2 and Llama 3 (torchtitan/models/llama: SwiGLU, RMSNorm, rotary, untied output)
+    "torchtitan2024": dict(mlp="dense_gated", activation="silu", norm="rmsnorm", positional="rope", tied=False),
 }
 
 
@@ -76,6 +78,8 @@ class PublishedRun:
     reported_tflops_per_gpu: float = 0.0
     reported_pct_peak: float = 0.0
     reported_gpu_hours_per_trillion_tokens: float = 0.0  # a source that states its cost instead of its FLOP rate
+    reported_tokens_per_s_per_gpu: float = 0.0  # a source that states its token rate per GPU (torchtitan's WPS)
+    kernels: str = "fused"  # "eager": norms, GLUs and rotary as eager PyTorch ops (no torch.compile, no fused kernels)
     framework: str = "megatron"
     attention: str = "flash2"
     cp_comm: str = "ring"  # "allgather": K/V gathered before attention, exposed (Llama 3, arXiv 2407.21783 sec. 3.3.2)
@@ -161,7 +165,7 @@ class PublishedRun:
             base or Efficiency(),
             runtime=self.framework,
             attention=self.attention,
-            fused_kernels=True,
+            fused_kernels=self.kernels != "eager",
             attention_dropout=bool(self.dropout),
             cp_allgather=self.cp_comm == "allgather",
             grads16=self.grad_bits == 16,
@@ -183,7 +187,9 @@ class PublishedRun:
 
     def published_tokens_per_s_per_gpu(self, spec: ModelSpec) -> float:
         """The paper's per-GPU FLOP rate turned into tokens/s with the paper's FLOP count, or its stated cost in
-        GPU-hours per trillion tokens as tokens/s per GPU."""
+        GPU-hours per trillion tokens as tokens/s per GPU, or its stated tokens/s per GPU as they are."""
+        if self.reported_tokens_per_s_per_gpu:
+            return self.reported_tokens_per_s_per_gpu
         if self.reported_gpu_hours_per_trillion_tokens:
             return 1e12 / (self.reported_gpu_hours_per_trillion_tokens * 3600)
         l, h, s, v = self.layers, self.hidden, self.seq, self.vocab
