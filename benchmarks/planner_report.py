@@ -78,6 +78,7 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
             "moe_weighted_activation": bool(run.moe_weighted_act),
             "moment_bits": run.moment_bits,
             "act_cache_bits": run.act_cache_bits,
+            "kernels": run.kernels,
         }
         if span:
             published = row["published_tokens_per_s_per_gpu"]
@@ -245,6 +246,7 @@ def _software(sw: dict[str, Any]) -> str:
     extra += ["weighted activation"] if sw["moe_weighted_activation"] else []
     extra += ["bf16 moments"] if sw["moment_bits"] == 16 else []
     extra += ["fp8-cached activations"] if sw["act_cache_bits"] == 8 else []
+    extra += ["eager kernels"] if sw.get("kernels") == "eager" else []
     return ", ".join([sw["framework"], sw["attention"], *extra])
 
 
