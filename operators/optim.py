@@ -20,6 +20,10 @@ from torch.distributed.tensor import DTensor
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused", "foreach")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def triton_adamw_unsupported(params: list[torch.Tensor], **options: Any) -> str | None:
     """Why ``TritonAdamW`` cannot run these parameters with these options, or None when it can."""
     from operators import kernels
@@ -32,7 +36,7 @@ def triton_adamw_unsupported(params: list[torch.Tensor], **options: Any) -> str 
     if isinstance(options.get("lr", 0.0), torch.Tensor):
         return "a tensor learning rate is not implemented by adapt's AdamW kernel"
     for p in params:
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = _local(p)
         if local.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"parameters of dtype {local.dtype} are not implemented by adapt's AdamW kernel"
         if not local.is_contiguous():
@@ -40,10 +44,6 @@ def triton_adamw_unsupported(params: list[torch.Tensor], **options: Any) -> str 
         if local.device.type != "cuda" and not kernels.interpreting():
             return f"a parameter on {local.device.type} (the kernel runs on CUDA)"
     return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class TritonAdamW(torch.optim.AdamW):

@@ -160,13 +160,14 @@ def align(
     else:
         notes.append(f"candidate compiled: {compiled}")
     transform = adapted_transform(kernel_plan, transform, mode, options.compile_backend, notes, patched)
+    compiled_candidate = mode != "none"
     seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
     if streamed:
         from validators.streamed import streamed_align
 
         report = streamed_align(src, dtype, device, limits, transform, options, seed)
     else:
-        report = _full_align(src, dtype, device, limits, transform, options, seed, mode != "none")
+        report = _full_align(src, dtype, device, limits, transform, options, seed, compiled_candidate)
         redraws = 0
         # A draw whose MoE routing is mostly undecidable in the dtype leaves too few tokens to judge: draw
         # again (fresh inputs only; a pinned seed is the caller's to keep).
@@ -174,7 +175,14 @@ def align(
             redraws += 1
             discarded = report.seed
             report = _full_align(
-                src, dtype, device, limits, transform, options, int.from_bytes(os.urandom(4), "little"), mode != "none"
+                src,
+                dtype,
+                device,
+                limits,
+                transform,
+                options,
+                int.from_bytes(os.urandom(4), "little"),
+                compiled_candidate,
             )
             report.input_redraws = redraws
             report.notes.append(
