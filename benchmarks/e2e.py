@@ -30,7 +30,9 @@ Same loop for all (but the ``-adamw`` variants' optimizer): bf16 weights, AdamW 
 ``--warmup`` steps, then ``--steps`` timed steps (CUDA events), tokens/s, MFU (6 x active params +
 6 x layers x heads x head_dim x seq per token, against 989 TFLOP/s), peak memory, step-time spread and
 every step's loss.  ``--profile`` adds a torch-profiler summary per variant: top kernels by device
-time and the device's idle share.  A total budget bounds the run: a variant that does not fit in
+time and the device's idle share; ``--memory`` what is allocated at one step's peak, grouped by who allocated it
+(``benchmarks/memory_peak.py``).  The operators stage is timed as ``adapt run`` runs it: after intake, which pays
+the process's transformers imports (its time is reported beside).  A total budget bounds the run: a variant that does not fit in
 what is left is skipped and the report says so.  Writes ``e2e-h200.{json,md}`` (``e2e-cpu-tiny`` with
 ``--tiny``) into ``--out``.
 
@@ -50,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.e2e_worker import worker
+from benchmarks.memory_peak import memory_lines
 from benchmarks.shapes import SHAPES
 from benchmarks.step_profile import profile_lines
 
@@ -107,6 +110,7 @@ def run_job(args: argparse.Namespace, model: str, job: str, timeout_s: float, en
         str(max(5.0, timeout_s - 30)),
     ]
     cmd += ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--ops-light"] * args.ops_light
+    cmd += ["--memory"] * args.memory
     start = time.perf_counter()
     log_path = out / "e2e-work" / model / f"{job}.log"
     with open(log_path, "w") as log_file:
@@ -328,14 +332,15 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
         "",
         "## Operators stage (the plan the adapt variants applied)",
         "",
-        "| model | cold s | warm s | warm phases | compile |",
-        "| --- | --- | --- | --- | --- |",
+        "| model | cold s | warm s | warm phases | compile | intake s before it (cold, warm) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for model, entry in report["models"].items():
         cold, warm = entry.get("ops-cold", {}), entry.get("ops-warm", {})
+        intake = ", ".join(str(job.get("intake_seconds", "–")) for job in (cold, warm))
         lines.append(
             f"| {model} | {cold.get('seconds', cold.get('error', '–'))} | {warm.get('seconds', warm.get('error', '–'))} | "
-            f"{warm.get('phases', '–')} | {(warm.get('compile') or {}).get('mode', '–')} |"
+            f"{warm.get('phases', '–')} | {(warm.get('compile') or {}).get('mode', '–')} | {intake} |"
         )
     lines += ["", "## Timed kernel choices (ms per candidate; margin = runner-up / winner)", ""]
     for model, entry in report["models"].items():
@@ -350,6 +355,7 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
             lines.append(f"- {model} {where} ({kind}): {kernel} chosen; {timed}")
     lines += loss_tracking_lines(report)
     lines += profile_lines(report)
+    lines += memory_lines(report)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     log(f"wrote {out / stem}.json and .md")
 
@@ -372,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ops-timeout-s", type=float, default=150.0, help="one operators-stage run's limit")
     parser.add_argument("--ops-light", action="store_true", help="operators stage without ONNX export and patch check")
     parser.add_argument("--profile", action="store_true", help="add a torch-profiler summary per variant")
+    parser.add_argument(
+        "--memory", action="store_true", help="add what is allocated at one step's peak, by origin, per variant"
+    )
     parser.add_argument(
         "--merge", action="store_true", help="keep the other models' entries of an earlier report in --out"
     )

@@ -87,8 +87,18 @@ def fastest(
         for name, ms in measure(missing, comp, target, module, compiled=compiled).items():
             timings[name] = ms
             cache.put(_key(name, comp, target, compiled), ms)
-    winner = min(timings, key=timings.get)
-    return by_name[winner], timings
+    return by_name[winner_of(timings, {name for name, o in by_name.items() if o.keeps_less})], timings
+
+
+SAME_SPEED = 0.02  # timings within this share of the fastest count as a tie (repeat timings of one kernel spread ~1%)
+
+
+def winner_of(timings: dict[str, float], keeps_less: set[str]) -> str:
+    """The fastest option, or, among those within ``SAME_SPEED`` of it, one that keeps fewer activations for the
+    backward: at equal speed, memory that a step does not hold is batch or recomputation it can spend."""
+    fastest_name = min(timings, key=timings.get)
+    frugal = [n for n in keeps_less if n in timings and timings[n] <= timings[fastest_name] * (1 + SAME_SPEED)]
+    return min(frugal, key=timings.get) if frugal else fastest_name
 
 
 def measure(

@@ -50,7 +50,7 @@ class KernelChoice:
     patch: bool = False  # True when apply_kernel_plan installs something for this component
     note: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # ms per measured candidate ("provider:kernel")
-    margin: float | None = None  # runner-up time / winner time (>1: how much the winner won by)
+    margin: float | None = None  # best other time / chosen time (>1: won by; <1: chosen at equal speed for memory)
     backend: str | None = None  # attention: the SDPA backend pinned by measurement (None: PyTorch's dispatch)
 
     def __post_init__(self) -> None:
@@ -276,8 +276,13 @@ def _choose(
     )
     context = "inside torch.compile" if compiled else "eager"
     timed = f"timed here ({context}): " + ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) if timings else ""
-    margin = _margin(timings)
-    won = f"{best.provider}:{best.kernel} won by x{margin:.2f}" if margin else ""
+    chosen = f"{best.provider}:{best.kernel}"
+    margin = _margin(timings, chosen)
+    won = ""
+    if margin and margin >= 1:
+        won = f"{chosen} won by x{margin:.2f}"
+    elif margin:
+        won = f"{chosen} chosen at x{1 / margin:.3f} of the fastest's time: the same speed, {best.keeps_less}"
     backend = None
     if comp.kind == "attention" and best.kernel and "SDPA" in best.kernel:
         from operators.benchmark import attention_backend
@@ -306,10 +311,14 @@ def _choose(
     )
 
 
-def _margin(timings: dict[str, float]) -> float | None:
-    """Runner-up over winner: how much faster the chosen path measured (None: fewer than two timed)."""
-    ordered = sorted(timings.values())
-    return round(ordered[1] / ordered[0], 4) if len(ordered) > 1 and ordered[0] > 0 else None
+def _margin(timings: dict[str, float], chosen: str | None = None) -> float | None:
+    """The best other time over ``chosen``'s (default: the fastest): above 1, how much faster the chosen path
+    measured; below 1, how much slower a path chosen at equal speed for memory was.  None: fewer than two timed."""
+    if len(timings) < 2:
+        return None
+    chosen = chosen if chosen in timings else min(timings, key=timings.get)
+    others = min(v for k, v in timings.items() if k != chosen)
+    return round(others / timings[chosen], 4) if timings[chosen] > 0 else None
 
 
 def _codegen_language(target: Target) -> str:

@@ -58,6 +58,7 @@ class KernelOption:
     requires_ops: list[str] = field(default_factory=list)  # ATen overloads the kernel dispatches (checked vs profile)
     needs_codegen: str | None = None  # e.g. "triton": only where the profile can run Triton
     note: str = ""
+    keeps_less: str = ""  # what it spares the backward's saved activations: preferred at equal speed (benchmark)
 
 
 class Provider(Protocol):

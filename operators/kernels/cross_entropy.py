@@ -5,10 +5,10 @@ reused buffer; a Triton kernel then makes one online-softmax pass (max, log-sum-
 logit and, for label smoothing, the logit sum) and a second pass that overwrites the logits with
 their gradient in place. Two more GEMMs turn that gradient into this chunk's slice of ``d hidden``
 and accumulate ``d weight``, so the backward pass is only a scale by the incoming gradient.
-The chunk holds at least ``CHUNK_BUDGET_BYTES`` of logits (more when ``hidden`` itself is larger): every chunk
-rewrites the whole ``d weight`` in its accumulating GEMM, so small chunks (Liger-Kernel keeps the logits about the size
-of ``hidden``, 128 rows for a 128k vocabulary at width 2048) spend more time re-reading ``d weight`` than computing,
-and run their GEMMs at a skinny, inefficient shape.  ``reduction="none"`` cannot pre-scale per token, so it
+The chunk holds at least ``CHUNK_BUDGET_BYTES`` of logits, and at least as many as ``d weight`` has entries
+(``hidden`` rows): every chunk rewrites the whole ``d weight`` in its accumulating GEMM, so small chunks (Liger-Kernel
+keeps the logits about the size of the hidden states, 128 rows for a 128k vocabulary at width 2048) spend more time
+re-reading ``d weight`` than computing, and run their GEMMs at a skinny, inefficient shape.  ``reduction="none"`` cannot pre-scale per token, so it
 recomputes the chunks in backward.
 """
 
@@ -107,8 +107,12 @@ CHUNK_ROW_MULTIPLE = 128  # GEMM tile height: a chunk of whole tiles
 
 
 def default_chunk_size(tokens: int, hidden: int, vocab: int, element_bytes: int = 2) -> int:
-    """Rows per chunk: logits of ``max(CHUNK_BUDGET_BYTES, the hidden states' size)``, in whole GEMM tiles."""
-    budget = max(CHUNK_BUDGET_BYTES, tokens * hidden * element_bytes)
+    """Rows per chunk: logits of ``max(CHUNK_BUDGET_BYTES, the hidden states' size, d weight's size)``, in whole
+    GEMM tiles.  A chunk of ``hidden`` rows holds as many logits as d weight has entries, so the accumulating GEMM
+    re-reads d weight at most once per its own operand's bytes: on an H200 the head's GEMMs ran at 0.98-1.0 of
+    their unchunked time from there, against 1.06 (Llama-3.2-1B) and 1.14 (Gemma-2-2B) at 256 MiB chunks
+    (``benchmarks/results/flce-chunks-h200.md``)."""
+    budget = max(CHUNK_BUDGET_BYTES, tokens * hidden * element_bytes, hidden * vocab * element_bytes)
     rows = max(1, budget // (vocab * element_bytes))
     if rows >= CHUNK_ROW_MULTIPLE:
         rows -= rows % CHUNK_ROW_MULTIPLE

@@ -14,6 +14,7 @@ from . import moe_ops, norms, ops, optim_ops  # noqa: F401  (these register the 
 from ._utils import check_float
 from .cross_entropy import REDUCTIONS
 from .gemm import GemmConfig
+from .glu import ACTIVATIONS
 from .moe import SCORINGS, PermutationState
 from .norms import CAST_MODES, RowConfig
 
@@ -85,6 +86,23 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> to
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     return _glu(gate, up, "gelu" if approximate == "none" else "gelu_tanh")
+
+
+def glu_linear(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str
+) -> torch.Tensor:
+    """``F.linear(act(gate) * up, weight, bias)`` with ``activation`` in ``glu.ACTIVATIONS`` ("silu", "gelu",
+    "gelu_tanh"), keeping gate and up but not their product for the backward."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    check_float("gate", gate)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)}/{gate.dtype} and up {tuple(up.shape)}/{up.dtype} must match")
+    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1] or weight.dtype != gate.dtype:
+        raise ValueError(
+            f"weight must be [out, {gate.shape[-1]}] in {gate.dtype}, got {tuple(weight.shape)} {weight.dtype}"
+        )
+    return _adapt.glu_linear(gate, up, weight, bias, activation)
 
 
 def apply_rotary(q, k, cos, sin, interleaved: bool = False, rotary_dim: int | None = None):

@@ -1,7 +1,8 @@
 """Gated linear units: ``act(gate) * up`` for SiLU (SwiGLU) and exact / tanh GELU (GeGLU).
 
 The forward streams gate and up once and writes the product once (three tensors, no stored
-activations); the backward recomputes the activation from the saved inputs. Contiguous inputs are
+activations); the backward recomputes the activation from the saved inputs, and can write the product
+again from the same loads, so that a down projection fused behind the unit need not keep it (``ops.glu_linear``). Contiguous inputs are
 treated as one flat vector so every program moves a full, aligned block; row-strided inputs (for
 example the two halves of a fused gate_up projection) are read in place through their row stride.
 """
@@ -62,7 +63,9 @@ def _glu_fwd(G, U, Y, N, stride_g, stride_u, ACT: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _glu_bwd(DY, G, U, DG, DU, N, stride_dy, stride_g, stride_u, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_bwd(
+    DY, G, U, DG, DU, Y, N, stride_dy, stride_g, stride_u, ACT: tl.constexpr, STORE_Y: tl.constexpr, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(N, BLOCK)
     row = (pid // col_blocks).to(tl.int64)
@@ -74,6 +77,8 @@ def _glu_bwd(DY, G, U, DG, DU, N, stride_dy, stride_g, stride_u, ACT: tl.constex
     act, dact = _act_and_grad(g, ACT, True)
     tl.store(DG + row * N + cols, (dy * u * dact).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + row * N + cols, (dy * act).to(DU.dtype.element_ty), mask=mask)
+    if STORE_Y:  # the forward's output again, from the same loads (for a following GEMM's weight gradient)
+        tl.store(Y + row * N + cols, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
 def _row_view(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -117,14 +122,29 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     return y
 
 
-def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str):
-    """(d gate, d up), recomputing the activation from the saved inputs."""
+def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, recompute: bool = False):
+    """(d gate, d up, and with ``recompute`` the forward's output, else None), recomputing the activation from
+    the saved inputs."""
     (d, g, u), rows, width, (sd, sg, su) = _layout(dy, gate, up)
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     dup = torch.empty_like(dgate)
+    y = torch.empty_like(dgate) if recompute else None
     block, warps = _block(width)
     if dgate.numel():
         _glu_bwd[(rows * cdiv(width, block),)](
-            d, g, u, dgate, dup, width, sd, sg, su, ACT=ACTIVATIONS[activation], BLOCK=block, num_warps=warps
+            d,
+            g,
+            u,
+            dgate,
+            dup,
+            y if recompute else dgate,
+            width,
+            sd,
+            sg,
+            su,
+            ACT=ACTIVATIONS[activation],
+            STORE_Y=recompute,
+            BLOCK=block,
+            num_warps=warps,
         )
-    return dgate, dup
+    return dgate, dup, y

@@ -42,7 +42,8 @@ def glu_backward(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     CALLS["glu_backward"] += 1
-    return glu.glu_backward(dy, gate, up, activation)
+    dgate, dup, _ = glu.glu_backward(dy, gate, up, activation)
+    return dgate, dup
 
 
 @glu_backward.register_fake
@@ -63,6 +64,70 @@ def _glu_grad(ctx, dy):
 
 
 register_autograd("adapt::glu", _glu_grad, setup_context=_glu_setup)
+
+
+@custom_op("adapt::glu_linear", mutates_args=())
+def glu_linear(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str
+) -> torch.Tensor:
+    """``F.linear(act(gate) * up, weight, bias)``: a gated unit and the projection after it, keeping only
+    gate and up for the backward.  The unit's output (as large as gate) is made again by the backward's
+    unit kernel, from the loads it makes anyway, for the projection's weight gradient."""
+    CALLS["glu_linear"] += 1
+    return torch.nn.functional.linear(glu.glu_forward(gate, up, activation), weight, bias)
+
+
+@glu_linear.register_fake
+def _(gate, up, weight, bias, activation):
+    return gate.new_empty((*gate.shape[:-1], weight.shape[0]))
+
+
+@custom_op("adapt::glu_linear_backward", mutates_args=())
+def glu_linear_backward(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    activation: str,
+    need_dweight: bool,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d gate, d up, d weight, d bias); a gradient not asked for is an empty tensor."""
+    CALLS["glu_linear_backward"] += 1
+    dy_rows = dy.reshape(-1, weight.shape[0])
+    d_unit = (dy_rows @ weight).view(*gate.shape[:-1], weight.shape[1])
+    dgate, dup, unit = glu.glu_backward(d_unit, gate, up, activation, recompute=need_dweight)
+    dweight = dy_rows.t() @ unit.reshape(-1, weight.shape[1]) if need_dweight else no_gradient(weight)
+    dbias = dy_rows.sum(0) if need_dbias else no_gradient(weight)
+    return dgate, dup, dweight, dbias
+
+
+@glu_linear_backward.register_fake
+def _(dy, gate, up, weight, activation, need_dweight, need_dbias):
+    return (
+        gate.new_empty(gate.shape),
+        gate.new_empty(gate.shape),
+        weight.new_empty(weight.shape if need_dweight else (0,)),
+        weight.new_empty(weight.shape[0] if need_dbias else 0),
+    )
+
+
+def _glu_linear_setup(ctx, inputs, output):
+    gate, up, weight, bias, activation = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.activation = activation
+
+
+def _glu_linear_grad(ctx, dy):
+    gate, up, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dgate, dup, dweight, dbias = torch.ops.adapt.glu_linear_backward(
+        dy, gate, up, weight, ctx.activation, need[2], need[3]
+    )
+    return dgate, dup, none_if_empty(dweight), none_if_empty(dbias), None
+
+
+register_autograd("adapt::glu_linear", _glu_linear_grad, setup_context=_glu_linear_setup)
 
 
 # ---------------------------------------------------------------- rotary embedding
@@ -283,6 +348,9 @@ def _ce_setup(ctx, inputs, output):
     else:
         ctx.save_for_backward(*output[1:])
     ctx.mark_non_differentiable(*output[1:])
+    # the gradient outputs take no gradient: without this autograd allocates zeros of d weight's size for them,
+    # at the step's peak (measured: 0.52 GiB for Llama-3.2-1B, benchmarks/results/e2e-h200-memory.md)
+    ctx.set_materialize_grads(False)
 
 
 def _ce_grad(ctx, grad_loss, *_):
@@ -293,7 +361,7 @@ def _ce_grad(ctx, grad_loss, *_):
             grad_loss, hidden, weight, labels, bias, *ctx.opts, need[0], need[1], need[3]
         )
     else:  # the forward computed the gradients of the reduced loss; scale them by what flows in
-        dh, dw, db = (g * grad_loss.to(g.dtype) if g.numel() else g for g in ctx.saved_tensors)
+        dh, dw, db = (_scaled(g, grad_loss) for g in ctx.saved_tensors)
     db = none_if_empty(db)
     return (
         none_if_empty(dh),
@@ -313,3 +381,13 @@ def _ce_grad(ctx, grad_loss, *_):
 
 
 register_autograd("adapt::fused_linear_cross_entropy", _ce_grad, setup_context=_ce_setup)
+
+
+def _scaled(grad: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
+    """``grad * by``, in place on a plain tensor: a copy would hold a second d weight at the step's peak.  A
+    second backward through the same graph (retain_graph) is then refused by autograd's version check on the
+    saved tensor, never scaled twice.  A traced graph (AOTAutograd, export: subclass tensors) gets the
+    functional form, whose buffers Inductor plans itself."""
+    if not grad.numel():
+        return grad
+    return grad.mul_(by.to(grad.dtype)) if type(grad) is torch.Tensor else grad * by.to(grad.dtype)

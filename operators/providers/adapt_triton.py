@@ -17,7 +17,8 @@ from operators.providers import triton_head, triton_moe, triton_residual, triton
 from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
 
-_GLU = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh": ("geglu", "tanh")}
+# the gated unit's activation -> the kernel's name (the unit fused with the down projection after it)
+_GLU = {"silu": "swiglu_linear", "gelu": "geglu_linear", "gelu_tanh": "geglu_linear"}
 
 
 class AdaptTritonProvider:
@@ -51,7 +52,16 @@ class AdaptTritonProvider:
         if component.kind == "layer_norm" and v.weight:
             return [KernelOption(self.name, "layer_norm", "fused", layer_norm_forward, needs_codegen=codegen)]
         if component.kind == "gated_mlp" and v.activation in _GLU and not v.packed:
-            return [KernelOption(self.name, _GLU[v.activation][0], "fused", glu_forward, needs_codegen=codegen)]
+            return [
+                KernelOption(
+                    self.name,
+                    _GLU[v.activation],
+                    "fused",
+                    glu_forward,
+                    needs_codegen=codegen,
+                    keeps_less="the unit's output is remade in the backward, not kept",
+                )
+            ]
         if component.kind == "rotary_application" and (v.table, v.layout) == ("cos_sin", "bhsd"):
             return [
                 KernelOption(
@@ -107,18 +117,35 @@ def layer_norm_forward(module: nn.Module, component: Component):
 
 
 def glu_forward(module: nn.Module, component: Component):
+    """The gated unit as one kernel, fused with the down projection (``kernels.glu_linear``: the unit's output,
+    one ``[tokens, ffn]`` tensor per layer, is not kept for the backward) where that projection is a plain
+    ``nn.Linear``.  A projection that is wrapped, hooked (adapters, quantisation) or sharded (a DTensor weight
+    under tensor parallelism) runs as its own module after the unit's kernel, which keeps the output."""
     from operators import kernels
 
     v = component.variant
-    name, approximate = _GLU[v.activation]
+    activation = v.activation
     gate, up, down = (module.get_submodule(path) for path in (v.gate, v.up, v.down))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         g, u = gate(x), up(x)
-        h = kernels.swiglu(g, u) if name == "swiglu" else kernels.geglu(g, u, approximate)
-        return down(h)
+        if _plain_linear(down) and down.weight.dtype == g.dtype:  # (under autocast F.linear would cast)
+            return kernels.glu_linear(g, u, down.weight, down.bias, activation)
+        return down(torch.ops.adapt.glu(g, u, activation))
 
     return forward
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether calling ``module`` is exactly ``F.linear`` on its own local tensors (nothing else runs)."""
+    from torch.distributed.tensor import DTensor
+
+    return (
+        type(module) is nn.Linear
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not isinstance(module.weight, DTensor)
+    )
 
 
 @functools.cache

@@ -130,11 +130,51 @@ def test_flce_without_grad_is_loss_only(reduction):
 
 @pytest.mark.parametrize("tokens,hidden,vocab", [(8192, 2048, 128256), (8192, 2304, 256000), (65536, 8192, 32000)])
 def test_default_chunk_keeps_gemms_in_whole_tiles_and_the_weight_gradient_rereads_few(tokens, hidden, vocab):
-    """Each chunk re-reads the whole weight gradient: chunks hold at least the byte budget (or all tokens)."""
+    """Each chunk re-reads the whole weight gradient: chunks hold at least the byte budget or as many logits as
+    d weight has entries (or all tokens)."""
     from operators.kernels.cross_entropy import CHUNK_BUDGET_BYTES, CHUNK_ROW_MULTIPLE, default_chunk_size
 
     rows = default_chunk_size(tokens, hidden, vocab)
+    budget = max(CHUNK_BUDGET_BYTES, tokens * hidden * 2, hidden * vocab * 2)
     assert rows % CHUNK_ROW_MULTIPLE == 0
-    assert rows * vocab * 2 <= max(CHUNK_BUDGET_BYTES, tokens * hidden * 2)
-    assert rows == tokens or (rows + CHUNK_ROW_MULTIPLE) * vocab * 2 > CHUNK_BUDGET_BYTES
+    assert rows * vocab * 2 <= budget  # never more logits than the budget
+    assert rows == tokens or (rows + CHUNK_ROW_MULTIPLE) * vocab * 2 > budget  # and no fewer than fit in it
+    assert rows == tokens or rows >= hidden - CHUNK_ROW_MULTIPLE  # d weight is re-read once per its size at most
     assert default_chunk_size(7, hidden, vocab) == 7  # fewer tokens than a chunk: one chunk
+
+
+def test_flce_backward_allocates_nothing_of_the_weight_gradients_size():
+    """The forward already holds d weight: its backward scales it in place (no copy, no zeros for the gradient
+    outputs), so the step's peak holds one d weight, not three.  (Values: ``test_flce_reductions_multi_chunk``.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NewTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+            existing = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):  # in place, out= and views: storage that exists
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in existing:
+                    self.shapes.append(tuple(t.shape))
+            return out
+
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, 16, device=DEVICE, requires_grad=True)
+    loss = fused_linear_cross_entropy(h, w, torch.randint(0, 40, (6,), device=DEVICE), chunk_size=4)
+    mode = NewTensors()
+    with mode:
+        (loss * 0.5).backward()
+    assert mode.shapes and (40, 16) not in mode.shapes and (6, 16) not in mode.shapes, mode.shapes
+
+
+def test_flce_second_backward_through_the_same_graph_is_refused_not_scaled_twice():
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, 16, device=DEVICE, requires_grad=True)
+    loss = fused_linear_cross_entropy(h, w, torch.randint(0, 40, (6,), device=DEVICE)) * 3.0
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()

@@ -56,6 +56,21 @@ def cases():
     gate_up = leaf(3, 32)
     yield "glu/strided halves", adapt.glu, (gate_up[:, :16], gate_up[:, 16:], "gelu_tanh")
     yield "glu_backward", adapt.glu_backward, (torch.randn(3, 16), torch.randn(3, 16), torch.randn(3, 16), "silu")
+    yield "glu_linear", adapt.glu_linear, (leaf(2, 3, 16), leaf(2, 3, 16), leaf(8, 16), leaf(8), "silu")
+    yield "glu_linear/strided halves", adapt.glu_linear, (gate_up[:, :16], gate_up[:, 16:], leaf(8, 16), None, "gelu")
+    yield (
+        "glu_linear_backward",
+        adapt.glu_linear_backward,
+        (
+            torch.randn(2, 3, 8),
+            torch.randn(2, 3, 16),
+            torch.randn(2, 3, 16),
+            torch.randn(8, 16),
+            "gelu_tanh",
+            True,
+            True,
+        ),
+    )
     yield "apply_rotary", adapt.apply_rotary, (q, k, cos, sin, False, 8)
     yield "apply_rotary/hf layout", adapt.apply_rotary, (leaf(2, 5, 4, 12).transpose(1, 2), k, cos, sin, True, 8)
     yield (

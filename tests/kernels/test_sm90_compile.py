@@ -48,7 +48,11 @@ CASES = {
         dict(COMPUTE_DW=True, COMPUTE_DB=True, PREFETCH=True, BLOCK_M=2, BLOCK_N=4096),
     ),
     "glu._glu_fwd": ("G U Y N stride_g stride_u", [P16, P16, P16, I32, I32, I32], dict(ACT=2, BLOCK=2048)),
-    "glu._glu_bwd": ("DY G U DG DU N stride_dy stride_g stride_u", [P16] * 5 + [I32] * 4, dict(ACT=1, BLOCK=2048)),
+    "glu._glu_bwd": (
+        "DY G U DG DU Y N stride_dy stride_g stride_u",
+        [P16] * 6 + [I32] * 4,
+        dict(ACT=1, STORE_Y=True, BLOCK=2048),
+    ),
     "rope._rope_kernel": (
         "Q K COS SIN QO KO S N HQ HK D half q_sb q_sh q_ss q_sd k_sb k_sh k_ss k_sd c_sb c_ss c_sd "
         "qo_sb qo_sh qo_ss qo_sd ko_sb ko_sh ko_ss ko_sd",

@@ -30,8 +30,8 @@ EXPECTED = {
     "rms_norm": ({"rms_norm"}, {"rms_norm_backward"}),
     "add_rms_norm": ({"add_rms_norm"}, {"rms_norm_backward"}),
     "layer_norm": ({"layer_norm"}, {"layer_norm_backward"}),
-    "swiglu": ({"glu"}, {"glu_backward"}),
-    "geglu": ({"glu"}, {"glu_backward"}),
+    "swiglu_linear": ({"glu_linear"}, {"glu_linear_backward"}),
+    "geglu_linear": ({"glu_linear"}, {"glu_linear_backward"}),
     "apply_rotary": ({"apply_rotary"}, {"apply_rotary_backward"}),
     "fused_linear_cross_entropy": ({"fused_linear_cross_entropy"}, set()),  # mean loss: gradients made in forward
     "moe_grouped_gemm": (_MOE_FORWARD, _MOE_BACKWARD),
@@ -170,7 +170,7 @@ def test_export_of_a_patched_llama_keeps_the_adapt_operators(zoo):
             exported_loss = program.module()(input_ids=ids, labels=labels, use_cache=False).loss
     finally:
         model.train(training)
-    assert {"rms_norm", "add_rms_norm", "glu", "apply_rotary", "fused_linear_cross_entropy"} <= want_forward
+    assert {"rms_norm", "add_rms_norm", "glu_linear", "apply_rotary", "fused_linear_cross_entropy"} <= want_forward
     assert want_forward <= exported
     torch.testing.assert_close(exported_loss, eager_loss, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # the export left the model unpatched again

@@ -16,7 +16,7 @@ from torch import nn
 from operators import benchmark
 from operators.mapping import _choose
 from operators.recognition import Component
-from operators.recognition.variants import AttentionVariant, MoEVariant, RMSNormVariant
+from operators.recognition.variants import AttentionVariant, GatedMLPVariant, MoEVariant, RMSNormVariant
 from operators.registry import KernelOption, Target
 
 CUDA = Target("cuda", "bfloat16", True, (9, 0))
@@ -286,3 +286,22 @@ def test_under_compile_only_the_paths_inductor_rewrites_are_compiled_to_be_timed
         "torch-native:F.rms_norm": True,
         "inductor": True,
     }
+
+
+@pytest.mark.parametrize(
+    "frugal_ms, chosen",
+    [(1.01, "adapt:swiglu_linear"), (1.10, "liger:silu_mul")],
+    ids=["within-the-same-speed-keeps-less", "slower-loses"],
+)
+def test_at_the_same_speed_the_kernel_that_keeps_fewer_activations_is_chosen(monkeypatch, tmp_path, frugal_ms, chosen):
+    timed = _fake_cuda(monkeypatch, tmp_path, {"adapt:swiglu_linear": frugal_ms, "liger:silu_mul": 1.00})
+    frugal = KernelOption("adapt", "swiglu_linear", "fused", lambda m, c: m.forward, keeps_less="its output")
+    plain = KernelOption("liger", "silu_mul", "fused", lambda m, c: m.forward)
+    providers = [Provider("liger", [plain]), Provider("adapt", [frugal])]
+    mlp = Component("0", "gated_mlp", GatedMLPVariant(width=8, activation="silu"), True)
+    choice = _choose(mlp, providers, Profile(), CUDA, nn.Sequential(nn.Linear(8, 8)))
+    assert len(timed) == 1 and f"{choice.provider}:{choice.kernel}" == chosen
+    if chosen.startswith("adapt"):  # the note says it was not the fastest, by how much, and what it spares
+        assert choice.margin == pytest.approx(1.00 / frugal_ms, abs=1e-4) and "its output" in choice.note
+    else:
+        assert choice.margin == pytest.approx(frugal_ms, abs=1e-4)

@@ -152,7 +152,7 @@ TRITON_SCRIPT = textwrap.dedent(
     chosen = sorted({{(c.kind, c.provider, c.kernel) for c in plan.components if c.patch}})
     check = check_kernel_plan(model, plan)
     print(chosen, check.passed, check.logits_max_abs_diff, check.grad_max_rel_diff)
-    assert ("gated_mlp", "adapt-triton", "swiglu") in chosen and ("rms_norm", "adapt-triton", "rms_norm") in chosen
+    assert ("gated_mlp", "adapt-triton", "swiglu_linear") in chosen and ("rms_norm", "adapt-triton", "rms_norm") in chosen
     assert check.passed, check
     """
 )
