@@ -242,6 +242,7 @@ def loss_tracking_lines(report: dict[str, Any]) -> list[str]:
     for model, entry in report["models"].items():
         reference = (entry["variants"].get("eager") or {}).get("losses")
         if not reference:
+            lines.append(f"- {model}: no eager run in this report, so no loss is judged")
             continue
         rounding = BF16_EPS * max(abs(b) for b in reference)
         trusted = {
@@ -342,7 +343,7 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
             f"| {model} | {cold.get('seconds', cold.get('error', '–'))} | {warm.get('seconds', warm.get('error', '–'))} | "
             f"{warm.get('phases', '–')} | {(warm.get('compile') or {}).get('mode', '–')} | {intake} |"
         )
-    lines += ["", "## Timed kernel choices (ms per candidate; margin = runner-up / winner)", ""]
+    lines += ["", "## Timed kernel choices (ms per candidate; margin = best other / chosen, below 1 when chosen for memory)", ""]
     for model, entry in report["models"].items():
         groups: dict[tuple[str, str, str], list[str]] = {}
         for choice in (entry.get("ops-cold") or {}).get("choices", []):

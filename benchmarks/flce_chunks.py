@@ -122,6 +122,8 @@ def render(results: dict) -> str:
                 f"{r['d_hidden_ms']:.3f} | {r['d_weight_accumulate_ms']:.3f} | {r['head_gemms_ms']:.2f} | "
                 f"{r['operator_ms']:.2f} | {r['operator_tflops']:.0f} | {r['extra_gib']:.2f} |"
             )
+    if results.get("note"):
+        lines += ["", results["note"]]
     return "\n".join(lines) + "\n"
 
 

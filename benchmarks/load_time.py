@@ -1,6 +1,7 @@
 """Where the operators stage's "load" phase goes: the checkpoint's read, transformers' loader, the dtype and device.
 
     python benchmarks/load_time.py OUT.json [--model llama-1b]    # on a GPU; builds the checkpoint under /tmp
+    python benchmarks/load_time.py --render OUT.json              # the table again (no GPU)
 
 Each way of loading runs in its own fresh process (imports included, as a user's run pays them), after one
 raw read has put the file in the page cache:
@@ -61,7 +62,27 @@ def run_case(code: str, path: str) -> dict:
     return {"error": proc.stderr[-2000:]}
 
 
+def render(results: dict) -> str:
+    """A short table: each case's process time and the parts it timed itself (seconds)."""
+    lines = [
+        f"# Loading the {results['model']} checkpoint ({results['bytes'] / 2**30:.2f} GiB), one process per way",
+        "",
+        "| way | process s | timed parts (s) |",
+        "| --- | --- | --- |",
+    ]
+    for name, case in results["cases"].items():
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in case.items() if isinstance(v, float) and k != "process_s")
+        lines.append(f"| {name} | {case.get('process_s', 0):.2f} | {parts or case.get('error', '')[:200]} |")
+    if results.get("note"):
+        lines += ["", results["note"]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--render"]:
+        path = Path(argv[1])
+        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+        return 0
     out = Path(argv[0])
     model = argv[argv.index("--model") + 1] if "--model" in argv else "llama-1b"
     ckpt = Path("/tmp/load-time") / model
@@ -76,6 +97,7 @@ def main(argv: list[str]) -> int:
         print(name, {k: v for k, v in results["cases"][name].items() if k != "profile"}, flush=True)
     print(results["cases"]["adapt load_model"].get("profile", ""))
     out.write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(render(results))
     return 0
 
 
