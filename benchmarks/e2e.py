@@ -343,7 +343,11 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
             f"| {model} | {cold.get('seconds', cold.get('error', '–'))} | {warm.get('seconds', warm.get('error', '–'))} | "
             f"{warm.get('phases', '–')} | {(warm.get('compile') or {}).get('mode', '–')} | {intake} |"
         )
-    lines += ["", "## Timed kernel choices (ms per candidate; margin = best other / chosen, below 1 when chosen for memory)", ""]
+    lines += [
+        "",
+        "## Timed kernel choices (ms per candidate; margin = best other / chosen, below 1 when chosen for memory)",
+        "",
+    ]
     for model, entry in report["models"].items():
         groups: dict[tuple[str, str, str], list[str]] = {}
         for choice in (entry.get("ops-cold") or {}).get("choices", []):
