@@ -38,6 +38,7 @@ from operators.mapping import KernelPlan, for_compile_mode, plan_kernels
 from operators.meta_trace import trace_meta_model
 from operators.ops_report import OpsReport, PatchCheck
 from operators.patch import PatchHandle, apply_kernel_plan
+from operators.positions import derived_positions_in_training
 from operators.profiles import BackendProfile, load_profile
 from operators.recognition import recognise
 from operators.recognition.probe_cache import ProbeCache
@@ -192,6 +193,8 @@ def adapt_model(
     compiled graph, and modules outside the blocks (embedding, head, fused loss) stay eager.
     ``recompute`` ("none", "selective", "full"; ``operators.recompute``) is how much of each block's
     activations is recomputed in backward instead of kept: the parallel plan's choice, from its memory model.
+    Training forwards that pass only token ids skip transformers' packed-sequence check and its host read
+    (``operators.positions``).
     """
     mode = compile_mode or plan.compile.get("mode", "none")
     handle = apply_kernel_plan(model, for_compile_mode(plan, mode))
@@ -203,6 +206,8 @@ def adapt_model(
             if mode != "blocks":  # (compiled blocks already run uncached while training)
                 handle.releases.append(uncached_in_training(model))  # a cache grown in forward breaks the rerun
         handle.releases.extend(compile_as_planned(model, mode))
+        if mode != "whole":  # (a model compiled whole is traced, and transformers skips the check when tracing)
+            handle.releases.append(derived_positions_in_training(model))
     except Exception:
         handle.revert()
         raise

@@ -121,8 +121,11 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> int:
     return sum(len(g) for g in pending.values())
 
 
-def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
-    """Clip by the norm of the whole model's gradient, across every mesh dimension, and return it."""
+def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> torch.Tensor:
+    """Clip by the norm of the whole model's gradient, across every mesh dimension, and return it.
+
+    The norm stays on the device (a 0-dim tensor): reading it here would make the host wait for the backward
+    before it queues the optimizer, leaving the device idle while the optimizer's launches are issued."""
     groups: dict[Any, list[torch.Tensor]] = {}
     expert_ids = {id(p) for p in (pmodel.experts.params if pmodel.experts else [])}
     counted_elsewhere = pmodel.tied.param if pmodel.tied and not pmodel.tied.counted_in_norm else None
@@ -155,11 +158,8 @@ def clip_grad_norm(pmodel: ParallelModel, max_norm: float) -> float:
     total = total_sq.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in [*groups.values(), *([scale_only] if scale_only else [])]:
-        torch._foreach_mul_(
-            grads,
-            scale.to(grads[0].device) if not isinstance(grads[0], DTensor) else scale.item(),
-        )
-    return float(total)
+        torch._foreach_mul_(grads, scale.to(grads[0].device))  # a DTensor list takes a plain 0-dim tensor too
+    return total
 
 
 class Trainer:
@@ -279,6 +279,7 @@ class Trainer:
             sched.step()
             opt.zero_grad(set_to_none=True)
         loss = self._global_loss(local_loss)
+        grad_norm = float(grad_norm)  # the step's work is queued: reading it now costs no idle device time
         if self.pmodel.dims.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
