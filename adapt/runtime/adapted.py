@@ -216,10 +216,6 @@ def apply_kernels(
     restricted, left_out = restrict_kernel_plan(options.kernel_plan, chunk, plan, compiling, opaque)
     report.left_out += left_out
     handle = apply_kernel_plan(chunk, restricted)
-    if plan.pp == 1:  # the chunk is the whole model: its forward prepares the causal mask
-        from operators.positions import derived_positions_in_training
-
-        handle.releases.append(derived_positions_in_training(chunk))
     report.handles.append(handle)
     report.patched += handle.patched
     for module, previous in handle.forwards:

@@ -47,6 +47,7 @@ from adapt.runtime.tied_weights import (
     TiedAcrossStages,
     tie_across_stages,
 )
+from operators.positions import derived_positions_in_training
 from operators.recompute import checkpoint_blocks
 
 
@@ -186,6 +187,8 @@ def parallelize(
                 offload=plan.offload_optimizer,
                 ignored_params=ignored or None,
             )
+    if plan.pp == 1:  # the one chunk is the whole model, whose forward prepares the causal mask
+        derived_positions_in_training(stage_modules[0][1])  # (for the life of the run: no undo kept)
     result = ParallelModel(
         dims=dims,
         parts=parts,
