@@ -13,6 +13,8 @@ import math
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from . import moe_ops, ops  # noqa: F401  (registers the operators these formulas count)
+
 _adapt = torch.ops.adapt
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from . import flops, moe_ops, norms, ops, optim_ops  # noqa: F401  (the torch.ops.adapt operators, FLOP formulas)
 from . import gemm as gemm_kernels
-from . import moe_ops, norms, ops, optim_ops  # noqa: F401  (these register the torch.ops.adapt operators)
-from . import flops  # noqa: F401  (their FLOP formulas, once the operators exist)
 from ._utils import check_float
 from .cross_entropy import REDUCTIONS
 from .gemm import GemmConfig
