@@ -14,12 +14,12 @@ Each figure is the median of ``REPS`` timed calls between CUDA events after warm
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
+
+from benchmarks.results_files import rerender_if_asked, write_results
 
 SHAPES = {"llama-1b": (8192, 2048, 128256), "gemma2-2b": (8192, 2304, 256000), "h4096": (8192, 4096, 128256)}
 CHUNKS = (512, 1024, 2048, 4096, 8192)
@@ -128,15 +128,8 @@ def render(results: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--render"]:
-        path = Path(argv[1])
-        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
-        return 0
-    path = Path(argv[0])
-    results = measure()
-    path.write_text(json.dumps(results, indent=1))
-    path.with_suffix(".md").write_text(render(results))
-    print(render(results))
+    if not rerender_if_asked(argv, render):
+        print(write_results(argv[0], measure(), render))
     return 0
 
 

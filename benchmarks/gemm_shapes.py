@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root
+from benchmarks.results_files import rerender_if_asked, write_results  # noqa: E402
+
 REPS = 20
 LAYERS = [(2048, 1), (4096, 2), (6144, 4), (7168, 8), (8192, 8), (10240, 8), (12288, 8), (16384, 8), (18432, 8)]
 
@@ -112,14 +115,10 @@ def main(path: str) -> None:
         for bwd in (False, True)
     }
     out["reference_8192_after"] = [rate(8192, 8192, 8192) for _ in range(3)]
-    with open(path, "w") as f:
-        json.dump(out, f)
-    Path(path).with_suffix(".md").write_text(render(out))
+    write_results(path, out, render)
     print(json.dumps({k: v for k, v in out.items() if k != "layers"}))
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--render":
-        Path(sys.argv[2]).with_suffix(".md").write_text(render(json.loads(Path(sys.argv[2]).read_text())))
-    else:
+    if not rerender_if_asked(sys.argv[1:], render):
         main(sys.argv[1])

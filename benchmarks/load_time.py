@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.results_files import rerender_if_asked, write_results
+
 CASES = {
     "raw read": "data = open(path + '/model.safetensors', 'rb').read()",
     "import transformers + config": (
@@ -79,11 +81,8 @@ def render(results: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--render"]:
-        path = Path(argv[1])
-        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+    if rerender_if_asked(argv, render):
         return 0
-    out = Path(argv[0])
     model = argv[argv.index("--model") + 1] if "--model" in argv else "llama-1b"
     ckpt = Path("/tmp/load-time") / model
     if not (ckpt / "model.safetensors").is_file():
@@ -96,8 +95,7 @@ def main(argv: list[str]) -> int:
         results["cases"][name] = {**run_case(code, str(ckpt)), "process_s": time.perf_counter() - started}
         print(name, {k: v for k, v in results["cases"][name].items() if k != "profile"}, flush=True)
     print(results["cases"]["adapt load_model"].get("profile", ""))
-    out.write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(render(results))
+    write_results(argv[0], results, render)
     return 0
 
 

@@ -12,6 +12,7 @@ import os
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from operators.providers import triton_head, triton_moe, triton_residual, triton_rope
 from operators.recognition.component import Component
@@ -138,8 +139,6 @@ def glu_forward(module: nn.Module, component: Component):
 
 def _plain_linear(module: nn.Module) -> bool:
     """Whether calling ``module`` is exactly ``F.linear`` on its own local tensors (nothing else runs)."""
-    from torch.distributed.tensor import DTensor
-
     return (
         type(module) is nn.Linear
         and not module._forward_hooks
