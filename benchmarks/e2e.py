@@ -15,7 +15,7 @@ what the adapt variants apply, through ``operators.adapt_model``.  Then every va
 * ``liger``: ``apply_liger_kernel_to_<type>()`` where Liger has that entry point (import guarded).
 * ``adapt``: the plan's kernels and its compilation (the default adapted configuration).
 * ``adapt-eager``: the plan's kernels, not compiled.   * ``adapt-whole``: kernels, whole model compiled.
-* ``adapt-cudagraphs``: the plan's kernels, every block compiled with ``mode="reduce-overhead"`` (CUDA graphs).
+* ``adapt-cudagraphs``: ``adapt-adamw`` with its compiled graphs replayed as CUDA graphs (``mode="reduce-overhead"``).
 * ``adapt-selective``: ``adapt`` with selective recomputation (``operators.recompute``): each block keeps only its
   matmul and attention outputs.  ``adapt-selective-loss1g``: that, and the fused loss's logits chunk at 1 GiB
   instead of 256 MiB (fewer, larger chunk GEMMs, spending memory the recomputation freed); ``adapt-loss1g``: the
@@ -26,7 +26,7 @@ what the adapt variants apply, through ``operators.adapt_model``.  Then every va
 * ``loss-whole``: only the plan's loss head (fused linear cross-entropy), whole model compiled: whether the plan's
   other kernels help or hurt once Inductor sees the rest.
 
-Same loop for all (but the ``-adamw`` variants' optimizer): bf16 weights, AdamW (fused on CUDA, foreach on CPU), the HF forward with ``labels``,
+Same loop for all (but the optimizer of the ``-adamw`` variants and ``adapt-cudagraphs``): bf16 weights, AdamW (fused on CUDA, foreach on CPU), the HF forward with ``labels``,
 ``--warmup`` steps, then ``--steps`` timed steps (CUDA events), tokens/s, MFU (6 x active params +
 6 x layers x heads x head_dim x seq per token, against 989 TFLOP/s), peak memory, step-time spread and
 every step's loss.  ``--profile`` adds a torch-profiler summary per variant: top kernels by device

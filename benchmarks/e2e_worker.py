@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.memory_peak import live_at_peak
 from benchmarks.shapes import SHAPES, build_checkpoint
-from benchmarks.step_profile import profile_steps
+from benchmarks.step_profile import gemm_time_by_shape, profile_steps
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 # variant -> compile mode override
@@ -26,7 +26,7 @@ ADAPT_VARIANTS = {
     "adapt-eager": "none",
     "adapt-whole": "whole",
     "loss-whole": "whole",
-    "adapt-cudagraphs": "none",  # then every block compiled with CUDA graphs (below)
+    "adapt-cudagraphs": None,  # the plan's compile mode, its graphs replayed as CUDA graphs
     "adapt-selective": None,
     "adapt-selective-loss1g": None,
     "adapt-loss1g": None,
@@ -40,7 +40,9 @@ RECOMPUTE_VARIANTS = {
     "adapt-selective-adamw": "selective",
 }
 # variants whose optimizer is adapt's AdamW kernel (operators.optim.TritonAdamW) instead of torch's fused AdamW
-ADAPT_OPTIMIZER_VARIANTS = {"adapt-adamw", "adapt-selective-adamw"}
+ADAPT_OPTIMIZER_VARIANTS = {"adapt-adamw", "adapt-selective-adamw", "adapt-cudagraphs"}
+# variants whose compiled graphs replay as CUDA graphs (operators.api.compile_as_planned)
+CUDA_GRAPH_VARIANTS = {"adapt-cudagraphs"}
 # variant -> the fused loss's logits budget per chunk (bytes), where not the kernel's default
 LOSS_BUDGET_VARIANTS = {"adapt-selective-loss1g": 2**30, "adapt-loss1g": 2**30}
 LOSS_HEAD_KIND = "lm_head_cross_entropy"
@@ -148,17 +150,13 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
             cross_entropy.CHUNK_BUDGET_BYTES = LOSS_BUDGET_VARIANTS[variant]
             info["loss_chunk_budget_bytes"] = cross_entropy.CHUNK_BUDGET_BYTES
         recompute = RECOMPUTE_VARIANTS.get(variant, "none")
-        handle = adapt_model(model, plan, compile_mode=ADAPT_VARIANTS[variant], recompute=recompute)
+        graphs = variant in CUDA_GRAPH_VARIANTS
+        handle = adapt_model(model, plan, compile_mode=ADAPT_VARIANTS[variant], recompute=recompute, cuda_graphs=graphs)
         info["patched"] = len(handle.patched)
         info["compile_mode"] = ADAPT_VARIANTS[variant] or plan.compile["mode"]
+        if graphs and info["compile_mode"] != "none":
+            info["compile_mode"] += ", CUDA graphs"
         info["recompute"] = recompute
-        if variant == "adapt-cudagraphs":
-            from adapt.model.blocks import find_blocks
-
-            for block in find_blocks(model):
-                block.compile(mode="reduce-overhead")
-            model.register_forward_pre_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
-            info["compile_mode"] = "blocks, CUDA graphs (reduce-overhead)"
     fused = device == "cuda"
     if variant in ADAPT_OPTIMIZER_VARIANTS:
         from operators.optim import TritonAdamW
@@ -235,8 +233,14 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "losses": losses,
     }
+    if device == "cuda":
+        from torch._dynamo.utils import counters
+
+        # graphs Inductor compiled for CUDA-graph replay but ran without it (mutated inputs, CPU tensors, ...)
+        result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
     if args.profile:
         result["profile"] = profile_steps(step, device)
+        result["gemm_by_shape"] = gemm_time_by_shape(step, device)
     if args.memory and device == "cuda":
         result["memory_at_peak"] = live_at_peak(lambda: issue(0))
     return result

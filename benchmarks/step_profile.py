@@ -100,6 +100,37 @@ def profile_steps(step: Callable[[int], Any], device: str, steps: int = 3) -> di
     return summarise(_device_kernels(prof), wall_us, steps)
 
 
+# Leaf GEMM operators: their device time is the GEMM kernels they launch (aten::linear and matmul only route to them).
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::_scaled_mm")
+
+
+def gemm_time_by_shape(step: Callable[[int], Any], device: str, steps: int = 2, top: int = 12) -> list[dict[str, Any]]:
+    """GEMM device time per step by (operator, input shapes), from one more traced pass that records host-side
+    operators and their shapes.  That adds host work, so it is a separate pass from ``profile_steps``; a GEMM's
+    own device time does not change with it.  Graphs replayed as CUDA graphs launch no operators and are absent."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if device != "cuda":
+        return []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    rows = [
+        {
+            "op": e.key,
+            "shapes": str(e.input_shapes)[:160],
+            "calls_per_step": e.count / steps,
+            "ms_per_step": e.device_time_total / 1e3 / steps,
+        }
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key in GEMM_OPS and e.device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
+
+
 def profile_lines(report: dict[str, Any]) -> list[str]:
     """Per variant: device busy against the step's wall time, the host's own time, GPU time by kernel kind,
     the largest idle gaps and the top kernels."""
@@ -123,6 +154,10 @@ def profile_lines(report: dict[str, Any]) -> list[str]:
         top = "; ".join(f"{t['name']} {t['ms_per_step']:.1f}" for t in prof["top_kernels"][:5])
         host = v.get("host_issue_s_mean")
         host_text = f"{1e3 * host:.1f}" if host is not None else "–"
+        gemms = "; ".join(
+            f"{g['op'][6:]} {g['shapes']} x{g['calls_per_step']:.0f} {g['ms_per_step']:.1f}"
+            for g in v.get("gemm_by_shape", [])[:6]
+        )
         lines += [
             f"- **{model} {name}**: wall {prof['wall_ms_per_step']:.1f}, device busy "
             f"{prof['device_busy_ms_per_step']:.1f} (idle {prof['device_idle_share']:.1%}, gaps over 50 us "
@@ -131,4 +166,8 @@ def profile_lines(report: dict[str, Any]) -> list[str]:
             f"  - largest gaps: {gaps or 'none'}",
             f"  - top kernels: {top}",
         ]
+        if gemms:
+            lines.append(f"  - GEMMs by shape: {gemms}")
+        if v.get("cudagraph_skips"):
+            lines.append(f"  - graphs that ran without CUDA-graph replay: {v['cudagraph_skips']}")
     return lines

@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/validation.py --out DIR                         # Llama-3.2-1B shape, on the H200
     PYTHONPATH=$PWD python benchmarks/validation.py --out DIR --model qwen3-moe       # reduced Qwen3-30B-A3B, on the H200
+    PYTHONPATH=$PWD python benchmarks/validation.py --out DIR --model gemma2-2b       # Gemma-2-2B shape, on the H200
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/validation.py --out DIR --tiny [--model ...]   # CPU rehearsal
 
 Each model is a random-init checkpoint built from its transformers config and saved with

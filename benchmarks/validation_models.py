@@ -63,6 +63,15 @@ MODELS = {
         ops_limit_s=240,
         check_patch=False,
     ),
+    "gemma2-2b": ValidationModel(
+        **SHAPES["gemma2-2b"],  # model_type, full and tiny: the reference shape (benchmarks/shapes.py)
+        title="the Gemma-2-2B shape",
+        file_stem="validation-gemma2-h200",
+        sizes=StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=200),
+        tiny_sizes=_TINY_SIZES,
+        ops_limit_s=240,
+        check_patch=False,
+    ),
     "qwen3-moe": ValidationModel(
         **SHAPES["qwen3-moe"],  # model_type, full and tiny: the reference shape (benchmarks/shapes.py)
         title="a reduced Qwen3-30B-A3B shape ({num_hidden_layers} routed layers, {num_experts} experts top-{num_experts_per_tok})",

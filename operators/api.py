@@ -184,10 +184,16 @@ def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
 
 
 def adapt_model(
-    model: nn.Module, plan: KernelPlan, *, compile_mode: str | None = None, recompute: str = "none"
+    model: nn.Module,
+    plan: KernelPlan,
+    *,
+    compile_mode: str | None = None,
+    recompute: str = "none",
+    cuda_graphs: bool | None = None,
 ) -> PatchHandle:
     """The adapted configuration of ``model``: the plan's kernels patched in, then compiled as the plan
-    says (``compile_mode`` overrides it: "blocks", "whole" or "none").  ``handle.revert()`` undoes both.
+    says (``compile_mode`` overrides it: "blocks", "whole" or "none"; ``cuda_graphs`` overrides whether the
+    compiled code replays as CUDA graphs).  ``handle.revert()`` undoes both.
 
     "blocks" compiles each repeated block in place (``module.compile()``): identical blocks share one
     compiled graph, and modules outside the blocks (embedding, head, fused loss) stay eager.
@@ -197,6 +203,7 @@ def adapt_model(
     (``operators.positions``).
     """
     mode = compile_mode or plan.compile.get("mode", "none")
+    graphs = plan.compile.get("cuda_graphs", False) if cuda_graphs is None else cuda_graphs
     handle = apply_kernel_plan(model, for_compile_mode(plan, mode))
     try:
         if recompute != "none":
@@ -205,7 +212,7 @@ def adapt_model(
             handle.releases.append(checkpoint_blocks(find_blocks(model), recompute))
             if mode != "blocks":  # (compiled blocks already run uncached while training)
                 handle.releases.append(uncached_in_training(model))  # a cache grown in forward breaks the rerun
-        handle.releases.extend(compile_as_planned(model, mode))
+        handle.releases.extend(compile_as_planned(model, mode, cuda_graphs=graphs and mode != "none"))
         if mode != "whole":  # (a model compiled whole is traced, and transformers skips the check when tracing)
             handle.releases.append(derived_positions_in_training(model))
     except Exception:
@@ -214,12 +221,15 @@ def adapt_model(
     return handle
 
 
-def compile_as_planned(model: nn.Module, mode: str, backend: str | Callable = "inductor") -> list[Callable[[], None]]:
+def compile_as_planned(
+    model: nn.Module, mode: str, backend: str | Callable = "inductor", *, cuda_graphs: bool = False
+) -> list[Callable[[], None]]:
     """Compile ``model`` in place the way a plan's compile mode says; returns the undo callables.
 
     For callers that patch through their own transform and need only the plan's compilation on top.
     "blocks" also runs the model uncached while it trains (``uncached_in_training``): one compiled graph
-    then serves every block instead of one per layer.
+    then serves every block instead of one per layer.  ``cuda_graphs`` replays each compiled graph as a CUDA
+    graph (Inductor's "reduce-overhead" mode, CUDA graph trees): one launch per graph instead of one per kernel.
     """
     undo: list[Callable[[], None]] = []
     if mode == "blocks":
@@ -233,8 +243,11 @@ def compile_as_planned(model: nn.Module, mode: str, backend: str | Callable = "i
         targets = []
     else:
         raise ValueError(f"compile mode must be blocks, whole or none, not {mode!r}")
+    if cuda_graphs and backend != "inductor":
+        raise ValueError(f"CUDA graphs need the inductor backend, not {backend!r}")
+    options = {"mode": "reduce-overhead"} if cuda_graphs else {"backend": backend}
     for module in targets:
-        module.compile(backend=backend)
+        module.compile(**options)
     return undo + [functools.partial(_uncompile, module) for module in targets]
 
 

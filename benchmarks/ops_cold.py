@@ -1,0 +1,127 @@
+"""Where a cold operators stage's seconds go on the device: every cache empty, one fresh process per setting.
+
+``benchmarks/e2e.py`` measures the stage cold with only adapt's timing cache emptied, so its first model pays
+for Triton's and Inductor's empty caches as well and the models after it do not.  This script empties all three
+(``ADAPT_CACHE``, ``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``) for every run, runs intake and ``run_ops``
+as ``adapt run`` does, and splits the plan phase by the candidates it timed, so that a setting meant to cut the
+first compile's cost (Inductor's compile workers, say) is measured against the default on equal terms.
+
+    PYTHONPATH=$PWD python benchmarks/ops_cold.py --out DIR [--model llama-1b] [--settings default,threads1]
+
+Writes ``ops-cold-h200.{json,md}`` (``ops-cold-cpu`` without CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.results_files import write_results
+from benchmarks.shapes import SHAPES, build_checkpoint
+
+# setting -> environment it adds to the run
+SETTINGS: dict[str, dict[str, str]] = {
+    "default": {},
+    "threads1": {"TORCHINDUCTOR_COMPILE_THREADS": "1"},  # Inductor compiles in process: no worker pool to start
+}
+
+_RUN = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+from adapt.model.intake import build_spec, resolve_source
+import operators.benchmark as benchmark
+from operators import run_ops
+
+measured = []
+timed = benchmark.measure
+
+def measure(options, comp, target, module, *, compiled=False):
+    began = time.perf_counter()
+    result = timed(options, comp, target, module, compiled=compiled)
+    measured.append({"kind": comp.kind, "module": comp.module, "compiled": compiled,
+                     "options": list(result), "seconds": time.perf_counter() - began})
+    return result
+
+benchmark.measure = measure
+imports = time.perf_counter() - start
+source = resolve_source(sys.argv[1])
+spec = build_spec(source)
+intake = time.perf_counter() - start - imports
+began = time.perf_counter()
+report = run_ops(source, onnx=False, check_patch=False, spec=spec)
+import torch._inductor.config as inductor_config
+print(json.dumps({"imports_s": imports, "intake_s": intake, "ops_s": time.perf_counter() - began,
+                  "phases": report.phases, "measured": measured, "compile_threads": inductor_config.compile_threads}))
+"""
+
+
+def run_cold(checkpoint: Path, setting: str, work: Path) -> dict[str, Any]:
+    """One run in a fresh process with every cache empty."""
+    caches = {name: work / setting / name for name in ("ADAPT_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    env = dict(os.environ, **{k: str(v) for k, v in caches.items()}, **SETTINGS[setting])
+    env.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    done = subprocess.run([sys.executable, "-c", _RUN, str(checkpoint)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        return {"setting": setting, "error": done.stderr.strip().splitlines()[-1][:300] if done.stderr else "failed"}
+    return {"setting": setting, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        f"# Operators stage, cold: every cache empty ({result['device']})",
+        "",
+        f"{result['model']}: intake then `run_ops` without ONNX export and patch check, each setting in a fresh "
+        "process with empty adapt, Triton and Inductor caches, in the order listed. Seconds.",
+        "",
+        "| setting | compile threads | imports | intake | operators stage | plan phase | timing candidates |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in result["runs"]:
+        if "error" in run:
+            lines.append(f"| {run['setting']} | failed: {run['error']} | | | | | |")
+            continue
+        timed = "; ".join(
+            f"{m['kind']}{' (compiled)' if m['compiled'] else ''} {m['seconds']:.1f}" for m in run["measured"]
+        )
+        lines.append(
+            f"| {run['setting']} | {run['compile_threads']} | {run['imports_s']:.1f} | {run['intake_s']:.1f} | "
+            f"{run['ops_s']:.1f} | {run['phases'].get('plan', 0.0):.1f} | {timed or 'none'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="llama-1b")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {', '.join(SETTINGS)}")
+    parser.add_argument("--tiny", action="store_true", help="rehearsal widths on the CPU")
+    args = parser.parse_args()
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        checkpoint = build_checkpoint(args.model, work / "checkpoint", args.tiny, "cuda" if cuda else "cpu")
+        runs = [run_cold(checkpoint, setting, work) for setting in args.settings.split(",")]
+    result = {
+        "model": args.model + (" (tiny)" if args.tiny else ""),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "cpu_count": os.cpu_count(),
+        "runs": runs,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(write_results(out / ("ops-cold-h200.json" if cuda else "ops-cold-cpu.json"), result, render))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
