@@ -22,5 +22,5 @@ def provider_status(target: Target) -> dict[str, str]:
     out = {}
     for prov in providers():
         ok, why = prov.available(target)
-        out[prov.name] = "available" if ok else f"unavailable: {why}"
+        out[prov.name] = ("available" + (f" ({why})" if why else "")) if ok else f"unavailable: {why}"
     return out

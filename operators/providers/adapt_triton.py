@@ -38,15 +38,27 @@ class AdaptTritonProvider:
             device = "cpu"
         else:
             return False, f"no Triton backend for device {target.device!r} (CPU needs TRITON_INTERPRET=1)"
-        failure = _self_test_remembered(device)
-        return (False, f"kernel self-test failed on {device}: {failure}") if failure else (True, "")
+        failure = _case_failure(device, CANARY_CASE)
+        if failure:
+            return False, f"kernel self-test failed on {device}: {failure}"
+        failed = sorted(f for name in _case_failure_names() if (f := _case_failure(device, name)))
+        return True, (f"kernels off after their self-test failed on {device}: {'; '.join(failed)}" if failed else "")
+
+    def _passes(self, target: Target, cases: tuple[str, ...]) -> bool:
+        """Whether the kernels behind ``cases`` passed their self-test on ``target``'s device (run on first ask)."""
+        device = "cuda" if target.device == "cuda" else "cpu"
+        return all(_case_failure(device, name) is None for name in cases)
 
     def options(self, component: Component, target: Target) -> list[KernelOption]:
         if not component.confirmed or not self.available(target)[0]:
             return []
-        v = component.variant
         if target.dtype not in ("float32", "bfloat16", "float16"):
             return []
+        options = self._options(component, target)
+        return options if options and self._passes(target, _cases_of(component)) else []
+
+    def _options(self, component: Component, target: Target) -> list[KernelOption]:
+        v = component.variant
         codegen = "triton"  # Triton kernels only exist where the profile can run Triton (interpreter included)
         if component.kind == "rms_norm" and v.weight:
             return [KernelOption(self.name, "rms_norm", "fused", rms_norm_forward, needs_codegen=codegen)]
@@ -147,39 +159,105 @@ def _plain_linear(module: nn.Module) -> bool:
     )
 
 
+# The case every use of the provider runs first: a Triton build (or interpreter) that cannot run it makes the
+# provider unavailable.  The other cases run when a component first asks for their kernels (``_cases_of``), so a
+# cold start compiles only the kernels the model can use.
+CANARY_CASE = "rms_norm"
+
+
+def _cases_of(component: Component) -> tuple[str, ...]:
+    """The self-test cases behind the kernels offered for ``component``."""
+    kind, v = component.kind, component.variant
+    if kind == "gated_mlp":
+        return (f"glu_linear_{v.activation}",)
+    if kind == "rotary_application":
+        return (f"rotary_{v.style}",)
+    return (CASE_OF_KIND[kind],)
+
+
+CASE_OF_KIND = {
+    "rms_norm": "rms_norm",
+    "layer_norm": "layer_norm",
+    "lm_head_cross_entropy": "linear_cross_entropy",
+    "residual_add_norm": "add_rms_norm",
+    "moe": "moe",
+}
+
+
+_asked: set[tuple[str, str]] = set()
+
+
+def _case_failure_names() -> list[str]:
+    return sorted({name for _, name in _asked})
+
+
+def _case_failure(device: str, name: str) -> str | None:
+    """``_self_test`` of one case, with a pass kept on disk per device, library versions and kernel sources (a
+    failure is never kept: it is tried again next run)."""
+    _asked.add((device, name))
+    return _remembered_case_failure(device, name)
+
+
 @functools.cache
-def _self_test_remembered(device: str) -> str | None:
-    """``_self_test``, with a pass kept on disk per device, library versions and kernel sources (a failure is
-    never kept: it is tried again next run)."""
+def _remembered_case_failure(device: str, name: str) -> str | None:
     from pathlib import Path
 
     from operators.timing_cache import DiskCache, make_key, source_digest
 
     here = Path(__file__).parent
     cache = DiskCache("kernel_self_test")
-    key = make_key(device, "self-test", source_digest(here, here.parent / "kernels"))
+    key = make_key(device, "self-test", name, source_digest(here, here.parent / "kernels"))
     if cache.get(key) == "passed":
         return None
-    failure = _self_test(device)
+    failure = _self_test(device, (name,))
     if failure is None:
         cache.put(key, "passed")
     return failure
 
 
-@functools.cache
-def _self_test(device: str) -> str | None:
-    """Run every kernel this provider offers once, forward and backward, against PyTorch in float64.
+def _self_test(device: str, names: tuple[str, ...] | None = None) -> str | None:
+    """Run the named kernels (all this provider offers when None) once, forward and backward, against PyTorch
+    in float64.
 
-    A Triton build (or interpreter) that cannot run them makes the provider unavailable instead of
-    failing later inside a patched model.  Returns None on success, else the reason.
+    A kernel that cannot run here, or runs wrong, is then not offered instead of failing later inside a patched
+    model.  Returns None on success, else the reason.
     """
+    cases = _self_test_cases()
+    unknown = set(names or ()) - set(cases)
+    if unknown:
+        raise KeyError(f"no self-test case {sorted(unknown)}")
+    for name in names or tuple(cases):
+        kernel, reference, inputs = cases[name]
+        failure = _run_case(device, kernel, reference, inputs)
+        if failure:
+            return f"{name}: {failure}"
+    return None
+
+
+def _run_case(device: str, kernel, reference, inputs) -> str | None:
+    try:
+        got_in = [t.detach().clone().to(device).requires_grad_() for t in inputs]
+        out = kernel(*got_in)
+        out.sum().backward()
+        ref_in = [t.detach().double().requires_grad_() for t in inputs]
+        ref = reference(*ref_in)
+        ref.sum().backward()
+        ok = torch.allclose(out.double().cpu(), ref, atol=1e-4, rtol=1e-4) and all(
+            torch.allclose(a.grad.double().cpu(), r.grad, atol=1e-4, rtol=1e-4) for a, r in zip(got_in, ref_in)
+        )
+    except Exception as err:  # any failure means the kernel cannot be offered here
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    return None if ok else "result differs from PyTorch"
+
+
+def _self_test_cases() -> dict[str, tuple]:
+    """(kernel, float64 reference, inputs) per case, on fresh CPU tensors of a fixed seed."""
     import torch.nn.functional as F
 
     from operators import kernels
 
     gen = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(s, generator=gen) for s in ((3, 40), (40,), (40,)))
-    g, u = torch.randn(3, 24, generator=gen), torch.randn(3, 24, generator=gen)
     r = torch.randn(3, 40, generator=gen)
     cases = {
         "rms_norm": (
@@ -199,28 +277,35 @@ def _self_test(device: str) -> str | None:
             ),
             (x, r, w),
         ),
-        "swiglu": (kernels.swiglu, lambda g, u: F.silu(g) * u, (g, u)),
-        "geglu": (lambda g, u: kernels.geglu(g, u, "tanh"), lambda g, u: F.gelu(g, approximate="tanh") * u, (g, u)),
+        **{f"glu_linear_{activation}": _glu_case(activation, gen) for activation in _GLU},
         **triton_rope.self_test_cases(gen),
         **triton_head.self_test_cases(gen),
         "moe": _moe_case(gen),
     }
-    for name, (kernel, reference, inputs) in cases.items():
-        try:
-            got_in = [t.detach().clone().to(device).requires_grad_() for t in inputs]
-            out = kernel(*got_in)
-            out.sum().backward()
-            ref_in = [t.detach().double().requires_grad_() for t in inputs]
-            ref = reference(*ref_in)
-            ref.sum().backward()
-            ok = torch.allclose(out.double().cpu(), ref, atol=1e-4, rtol=1e-4) and all(
-                torch.allclose(a.grad.double().cpu(), r.grad, atol=1e-4, rtol=1e-4) for a, r in zip(got_in, ref_in)
-            )
-        except Exception as err:  # any failure means the kernel cannot be offered here
-            return f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
-        if not ok:
-            return f"{name}: result differs from PyTorch"
-    return None
+    return cases
+
+
+def _glu_case(activation: str, gen: torch.Generator) -> tuple:
+    """The gated unit fused with its down projection (biased), and the unit alone (the path taken when that
+    projection is not a plain linear layer)."""
+    import torch.nn.functional as F
+
+    from operators import kernels
+
+    def kernel(g, u, w, b):
+        fused = kernels.glu_linear(g, u, w, b, activation)
+        return torch.cat([fused.flatten(), torch.ops.adapt.glu(g, u, activation).flatten()])
+
+    def reference(g, u, w, b):
+        act = (
+            F.silu(g)
+            if activation == "silu"
+            else F.gelu(g, approximate="tanh" if activation == "gelu_tanh" else "none")
+        )
+        return torch.cat([F.linear(act * u, w, b).flatten(), (act * u).flatten()])
+
+    shapes = ((3, 24), (3, 24), (16, 24), (16,))
+    return kernel, reference, tuple(torch.randn(s, generator=gen) for s in shapes)
 
 
 def _moe_case(gen: torch.Generator):
