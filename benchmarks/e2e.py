@@ -333,15 +333,17 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
         "",
         "## Operators stage (the plan the adapt variants applied)",
         "",
-        "| model | cold s | warm s | warm phases | compile | intake s before it (cold, warm) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| model | cold s | cold plan s by kind | warm s | warm phases | compile | intake s before it (cold, warm) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model, entry in report["models"].items():
         cold, warm = entry.get("ops-cold", {}), entry.get("ops-warm", {})
         intake = ", ".join(str(job.get("intake_seconds", "–")) for job in (cold, warm))
+        by_kind = ", ".join(f"{k} {v:.1f}" for k, v in cold.get("plan_seconds_by_kind", {}).items() if v >= 0.1)
         lines.append(
-            f"| {model} | {cold.get('seconds', cold.get('error', '–'))} | {warm.get('seconds', warm.get('error', '–'))} | "
-            f"{warm.get('phases', '–')} | {(warm.get('compile') or {}).get('mode', '–')} | {intake} |"
+            f"| {model} | {cold.get('seconds', cold.get('error', '–'))} | {by_kind or '–'} | "
+            f"{warm.get('seconds', warm.get('error', '–'))} | {warm.get('phases', '–')} | "
+            f"{(warm.get('compile') or cold.get('compile') or {}).get('mode', '–')} | {intake} |"
         )
     lines += [
         "",

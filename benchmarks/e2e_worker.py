@@ -66,6 +66,7 @@ def ops_job(ckpt: Path, plan_path: Path, light: bool) -> dict[str, Any]:
         "intake_seconds": round(intake_seconds, 2),
         "seconds": round(seconds, 2),
         "phases": {k: round(v, 2) for k, v in report.phases.items()},
+        "plan_seconds_by_kind": report.plan.seconds_by_kind,
         "compile": report.plan.compile,
         "patch_check": report.patch_check.passed if report.patch_check is not None and report.patch_check.ran else None,
         "choices": [

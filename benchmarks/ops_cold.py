@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results_files import write_results
+from benchmarks.results_files import rerender_if_asked, write_results
 from benchmarks.shapes import SHAPES, build_checkpoint
 
 # setting -> environment it adds to the run
@@ -73,6 +73,12 @@ def run_cold(checkpoint: Path, setting: str, work: Path) -> dict[str, Any]:
     return {"setting": setting, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
+def _commit() -> str:
+    """The checkout's commit, where git can tell (a copied working tree may have no repository)."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
 def render(result: dict[str, Any]) -> str:
     lines = [
         f"# Operators stage, cold: every cache empty ({result['device']})",
@@ -80,24 +86,27 @@ def render(result: dict[str, Any]) -> str:
         f"{result['model']}: intake then `run_ops` without ONNX export and patch check, each setting in a fresh "
         "process with empty adapt, Triton and Inductor caches, in the order listed. Seconds.",
         "",
-        "| setting | compile threads | imports | intake | operators stage | plan phase | timing candidates |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| commit | setting | compile threads | imports | intake | operators stage | plan phase | timing candidates |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in result["runs"]:
         if "error" in run:
-            lines.append(f"| {run['setting']} | failed: {run['error']} | | | | | |")
+            lines.append(f"| {run.get('commit', '?')} | {run['setting']} | failed: {run['error']} | | | | | |")
             continue
         timed = "; ".join(
             f"{m['kind']}{' (compiled)' if m['compiled'] else ''} {m['seconds']:.1f}" for m in run["measured"]
         )
         lines.append(
-            f"| {run['setting']} | {run['compile_threads']} | {run['imports_s']:.1f} | {run['intake_s']:.1f} | "
+            f"| {run.get('commit', '?')} | {run['setting']} | {run['compile_threads']} | {run['imports_s']:.1f} | {run['intake_s']:.1f} | "
             f"{run['ops_s']:.1f} | {run['phases'].get('plan', 0.0):.1f} | {timed or 'none'} |"
         )
+    lines += ["", *(f"- {note}" for note in result.get("notes", []))] if result.get("notes") else []
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
+    if rerender_if_asked(sys.argv[1:], render):
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", choices=sorted(SHAPES), default="llama-1b")
@@ -110,7 +119,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         checkpoint = build_checkpoint(args.model, work / "checkpoint", args.tiny, "cuda" if cuda else "cpu")
-        runs = [run_cold(checkpoint, setting, work) for setting in args.settings.split(",")]
+        runs = [{"commit": _commit(), **run_cold(checkpoint, setting, work)} for setting in args.settings.split(",")]
     result = {
         "model": args.model + (" (tiny)" if args.tiny else ""),
         "device": torch.cuda.get_device_name() if cuda else "cpu",

@@ -252,7 +252,8 @@ def main() -> int:
 
         run.stage("alignment", alignment, runs_adapted_model=True)
         if moe_blocks:  # float32 rounding decides every expert choice: each token judged, layer by layer
-            fp32_options = dataclasses.replace(options, seed=None)
+            # (a float64 reference: one in float32 is no more precise than this candidate, and its verdict is void)
+            fp32_options = dataclasses.replace(options, seed=None, reference_dtype="fp64")
             run.stage(
                 "alignment_fp32",
                 lambda: align(src, plan, dtype="fp32", device=device, options=fp32_options).to_dict(),

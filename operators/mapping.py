@@ -16,6 +16,7 @@ beat and by how much.  Elsewhere the plan runs eager and says why.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,8 @@ class KernelPlan:
     ops: list[OpDecision]
     providers: dict[str, str] = field(default_factory=dict)
     compile: dict[str, Any] = field(default_factory=lambda: {"mode": "none", "reason": "not decided"})
+    # seconds spent deciding each component kind (self-tests, timings, compiles of candidates): where a cold plan goes
+    seconds_by_kind: dict[str, float] = field(default_factory=dict)
 
     def component(self, module: str, kind: str | None = None) -> KernelChoice | None:
         return next((c for c in self.components if c.module == module and (kind is None or c.kind == kind)), None)
@@ -127,6 +130,7 @@ class KernelPlan:
             ops=[OpDecision(**o) for o in data["ops"]],
             providers=data.get("providers", {}),
             compile=data.get("compile", {"mode": "none", "reason": "not recorded"}),
+            seconds_by_kind=data.get("seconds_by_kind", {}),
         )
 
 
@@ -147,12 +151,17 @@ def plan_kernels(
     provs = providers()
     compile_choice = compile_plan(target, profile, compile_mode)
     compiled = compile_choice["mode"] != "none"
-    choices = [_choose(c, provs, profile, target, model, compiled) for c in comps]
+    choices, seconds = [], Counter()
+    for comp in comps:
+        start = time.perf_counter()
+        choices.append(_choose(comp, provs, profile, target, model, compiled))
+        seconds[comp.kind] += time.perf_counter() - start
     ops, to_generate = _op_decisions(inventory, choices, profile)
     if to_generate:  # whole components become generated kernels: their ops follow them
         _escalate_to_generated(to_generate, choices)
         ops, _ = _op_decisions(inventory, choices, profile)
     plan = KernelPlan(profile.to_dict(), target.to_dict(), choices, ops, provider_status(target), compile_choice)
+    plan.seconds_by_kind = {kind: round(t, 3) for kind, t in seconds.most_common()}
     return for_compile_mode(plan, compile_choice["mode"])
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from operators import benchmark
 from operators.mapping import _choose
+from operators.providers import adapt_triton
 from operators.recognition import Component
 from operators.recognition.variants import AttentionVariant, GatedMLPVariant, MoEVariant, RMSNormVariant
 from operators.registry import KernelOption, Target
@@ -184,6 +185,9 @@ def test_a_saved_plan_reads_back_equal(zoo):
     plan = run_ops(str(zoo("llama")), config_only=True).plan
     again = KernelPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.to_dict() == plan.to_dict() and again.compile == plan.compile
+    # where the plan's seconds went, per component kind, travels with it
+    assert set(plan.seconds_by_kind) == {c.kind for c in plan.components}
+    assert again.seconds_by_kind == plan.seconds_by_kind and all(t >= 0 for t in plan.seconds_by_kind.values())
 
 
 def test_the_sdpa_backend_is_pinned_only_when_it_beats_the_default(monkeypatch, tmp_path):
@@ -277,6 +281,7 @@ def test_under_compile_only_the_paths_inductor_rewrites_are_compiled_to_be_timed
 
     for provider in providers():  # as on a CUDA machine where every provider loads
         monkeypatch.setattr(type(provider), "available", lambda self, target: (True, ""))
+    monkeypatch.setattr(adapt_triton.AdaptTritonProvider, "_passes", lambda self, target, cases: True)
     norm = Component("0", "rms_norm", RMSNormVariant(width=64, eps=1e-6, weight=True, cast="round_then_scale"), True)
     options = {f"{o.provider}:{o.kernel}": o for p in providers() for o in p.options(norm, CUDA)}
     options["inductor"] = INDUCTOR_OWN_FORWARD
