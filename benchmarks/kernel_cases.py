@@ -1,4 +1,4 @@
-"""The cases timed by ``benchmarks/kernels.py``: shapes, inputs, variants and float64 references.
+"""The cases timed by ``benchmarks/kernel_speed.py``: shapes, inputs, variants and float64 references.
 
 Shapes follow ``/work/shared/anchors.md``. Variants are adapt's kernel, the Hugging Face eager code
 path (the modules and functions transformers itself runs), ``torch.compile`` of that path, and

@@ -141,6 +141,7 @@ class OpsReport:
                 "generated": self.generated,
                 "providers": self.plan.providers,
                 "compile": self.plan.compile,
+                "plan_seconds_by_kind": self.plan.seconds_by_kind,
                 "patch_check": self.patch_check,
                 "seconds": round(self.seconds, 3),
                 "phases": {k: round(v, 3) for k, v in self.phases.items()},
@@ -202,6 +203,7 @@ class OpsReport:
             ops=[OpDecision(**o) for o in data["ops"]],
             providers=data.get("providers", {}),
             compile=data.get("compile") or {"mode": "none", "reason": "not recorded"},
+            seconds_by_kind=dict(data.get("plan_seconds_by_kind") or {}),
         )
         return cls(
             source=data["source"],

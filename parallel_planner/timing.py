@@ -60,12 +60,16 @@ HEAD_OPS = 40  # embedding lookup, final norm, head GEMM and cross-entropy, forw
 # Streaming multiprocessors (CUs on MI300X): a GEMM's output tiles run in waves of this many (datasheets).
 SM_COUNT = {"a100": 108, "h100": 132, "h800": 132, "h200": 132, "b200": 148, "mi300x": 304}
 GEMM_TILE = (128, 256)  # output tile of the vendor BLAS's large bf16 kernels (cuBLAS/CUTLASS Hopper default)
-# Fraction of dense bf16 peak that flash attention sustains over forward + backward (causal, head dim 128),
-# from the kernels' papers: FlashAttention-2 (Dao 2023, Fig. 4-7: ~170-190 TFLOP/s on A100; ~330-350 on
-# H100 per the FlashAttention-3 paper, Shah et al. 2024, Fig. 5-6) and FlashAttention-3 / cuDNN (~550-600 on H100).
+# Fraction of dense bf16 peak that flash attention sustains over forward + backward (causal, head dim 128).
+# FlashAttention-2: its paper (Dao 2023, Fig. 4-7: ~170-190 TFLOP/s forward + backward on A100; ~330-350 on H100
+# per the FlashAttention-3 paper, Shah et al. 2024).  The FlashAttention-3 / cuDNN class on GH100 (H100, H800,
+# H200: one die, one clock envelope): measured, cuDNN's causal SDPA at Megatron-Core's attention shape (batch 4,
+# 16 heads of 128, seq 4096) ran forward + backward at 477 TFLOP/s on the H200 (forward alone 595;
+# benchmarks/results/gemm-shapes-h200.md), 0.48 of peak.  The FA3 paper's 550-600 are forward figures; its
+# backward runs slower, as cuDNN's does (about 440 here).
 ATTENTION_FRACTION = {
     "flash2": {"a100": 0.58, "h100": 0.34, "h800": 0.34, "h200": 0.34, "b200": 0.30, "mi300x": 0.30},
-    "flash3": {"a100": 0.58, "h100": 0.57, "h800": 0.57, "h200": 0.57, "b200": 0.50, "mi300x": 0.35},
+    "flash3": {"a100": 0.58, "h100": 0.48, "h800": 0.48, "h200": 0.48, "b200": 0.50, "mi300x": 0.35},
 }
 ATTENTION_KERNELS = ("flash2", "flash3", "unfused")
 DROPOUT_BYTES = 5  # per attention score and pass: fp16 read and write, 1-byte mask written (read in backward)

@@ -34,6 +34,21 @@ def session_adapt_cache(tmp_path_factory):
         os.environ["ADAPT_CACHE"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_self_tests_before_any_kernel_is_poisoned(session_adapt_cache):
+    """adapt-triton self-tests a kernel family when a plan first asks for it.  Tests that poison a kernel (to show
+    that the patch is what runs) would otherwise be the first to ask, fail its self-test and leave the family off
+    for the rest of the session: every case runs once, unpatched, before any test."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from operators.providers import adapt_triton
+    except ImportError:  # no Triton: the provider reports itself unavailable
+        return
+    for name in adapt_triton.self_test_case_names():
+        adapt_triton._case_failure("cpu", name)
+
+
 @pytest.fixture(scope="session")
 def zoo_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("zoo")

@@ -68,3 +68,15 @@ def test_layers_import_downward_only():
         pytest.skip("import-linter is not installed")
     proc = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_no_script_directory_module_shadows_an_installed_package():
+    """``python benchmarks/x.py`` puts ``benchmarks/`` first on the import path, so a file there named like an
+    installed top-level package replaces it for every library in that process (transformers 5.25 imports the
+    ``kernels`` package, which ``benchmarks/kernels.py`` once shadowed)."""
+    import importlib.metadata
+
+    installed = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    for directory in ("benchmarks", "examples"):
+        stems = {p.stem for p in (ROOT / directory).glob("*.py")} - {"__init__"}
+        assert not stems & installed, f"{directory}/ shadows {sorted(stems & installed)}"

@@ -7,7 +7,6 @@ a residual add in a block's own code fuses with the norm it feeds (``triton_resi
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -41,7 +40,7 @@ class AdaptTritonProvider:
         failure = _case_failure(device, CANARY_CASE)
         if failure:
             return False, f"kernel self-test failed on {device}: {failure}"
-        failed = sorted(f for name in _case_failure_names() if (f := _case_failure(device, name)))
+        failed = sorted(why for (on, _), why in _verdicts.items() if on == device and why)
         return True, (f"kernels off after their self-test failed on {device}: {'; '.join(failed)}" if failed else "")
 
     def _passes(self, target: Target, cases: tuple[str, ...]) -> bool:
@@ -184,22 +183,21 @@ CASE_OF_KIND = {
 }
 
 
-_asked: set[tuple[str, str]] = set()
-
-
-def _case_failure_names() -> list[str]:
-    return sorted({name for _, name in _asked})
+# This process's verdicts: (device, case) -> None (passed) or why it failed.  A failure is also kept here, so that
+# a broken family costs one run per process; on disk only passes are kept, so it is tried again next run.
+_verdicts: dict[tuple[str, str], str | None] = {}
 
 
 def _case_failure(device: str, name: str) -> str | None:
-    """``_self_test`` of one case, with a pass kept on disk per device, library versions and kernel sources (a
-    failure is never kept: it is tried again next run)."""
-    _asked.add((device, name))
-    return _remembered_case_failure(device, name)
+    """``_self_test`` of one case, run once per process, with a pass kept on disk per device, library versions and
+    kernel sources."""
+    key = (device, name)
+    if key not in _verdicts:
+        _verdicts[key] = _remembered_or_run(device, name)
+    return _verdicts[key]
 
 
-@functools.cache
-def _remembered_case_failure(device: str, name: str) -> str | None:
+def _remembered_or_run(device: str, name: str) -> str | None:
     from pathlib import Path
 
     from operators.timing_cache import DiskCache, make_key, source_digest
@@ -213,6 +211,10 @@ def _remembered_case_failure(device: str, name: str) -> str | None:
     if failure is None:
         cache.put(key, "passed")
     return failure
+
+
+def self_test_case_names() -> list[str]:
+    return list(_self_test_cases())
 
 
 def _self_test(device: str, names: tuple[str, ...] | None = None) -> str | None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from operators.recognition.component import Component
-from operators.recognition.rotary_probes import forward_function, is_default
+from operators.recognition.rotary_probes import called_function, forward_function, is_default
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,11 @@ def rotary_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
     Recognition verified ``original`` only at the defaults of its parameters past (q, k, cos, sin); a
     call that sets any of them differently is a recognition gap and raises rather than guessing.
     """
-    params = list(inspect.signature(original).parameters.values())
+    function = called_function(original)  # (the function a stateless wrapper module stands for has the signature)
+    params = list(inspect.signature(function).parameters.values())
     names = [p.name for p in params]
 
-    @functools.wraps(original)
+    @functools.wraps(function)
     def dispatch(*args, **kwargs):
         spec = _ACTIVE[-1] if _ACTIVE else None
         if spec is None or spec.original is not original:
@@ -84,7 +85,7 @@ def rotary_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
         for p in params[4:]:
             if p.name in bound and not is_default(bound[p.name], p.default):
                 raise RuntimeError(
-                    f"{spec.module}: {original.__name__} called with {p.name}={bound[p.name]!r}, "
+                    f"{spec.module}: {function.__name__} called with {p.name}={bound[p.name]!r}, "
                     "which recognition did not verify"
                 )
         q, k, cos, sin = (bound[name] for name in names[:4])

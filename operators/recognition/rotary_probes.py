@@ -58,6 +58,21 @@ def forward_function(module: nn.Module) -> Callable:
     return inspect.unwrap(type(module).forward)
 
 
+def called_function(obj: Any) -> Callable | None:
+    """The plain function a module-level global stands for: the function itself, or a stateless module that wraps
+    one (a function turned into a layer, as the ``kernels`` package does to transformers' hub-kernel functions from
+    transformers 5.25): the single plain function its ``forward`` closes over.  None for anything else."""
+    if inspect.isfunction(obj):
+        return obj
+    if not isinstance(obj, nn.Module) or any(True for _ in obj.parameters()) or any(True for _ in obj.buffers()):
+        return None
+    if any(True for _ in obj.children()):
+        return None
+    forward = inspect.unwrap(type(obj).forward)
+    inner = [c.cell_contents for c in forward.__closure__ or () if inspect.isfunction(c.cell_contents)]
+    return inner[0] if len(inner) == 1 else None
+
+
 def probe_rotary_application(
     module: nn.Module, args: tuple, kwargs: dict, generator
 ) -> tuple[dict[str, Any] | None, str]:
@@ -70,11 +85,11 @@ def probe_rotary_application(
     """
     fn = forward_function(module)
     scope = fn.__globals__
-    names = [n for n in dict.fromkeys(fn.__code__.co_names) if inspect.isfunction(scope.get(n))]
+    names = [n for n in dict.fromkeys(fn.__code__.co_names) if called_function(scope.get(n)) is not None]
     calls = _record_global_calls(module, scope, names, args, kwargs, generator)
     matches, reasons = [], []
     for name, recorded in calls.items():
-        verdict, why = _rotation_of(scope[name], recorded, generator)
+        verdict, why = _rotation_of(called_function(scope[name]), recorded, generator)
         if verdict is not None:
             matches.append((name, verdict))
         elif why:

@@ -14,12 +14,9 @@ pytest.importorskip("triton")
 
 @pytest.fixture
 def fresh_self_tests(monkeypatch, tmp_path):
-    """No pass remembered from earlier tests, on disk or in this process."""
+    """No verdict remembered from earlier tests, on disk or in this process (both restored afterwards)."""
     monkeypatch.setenv("ADAPT_CACHE", str(tmp_path))
-    monkeypatch.setattr(adapt_triton, "_asked", set())
-    adapt_triton._remembered_case_failure.cache_clear()
-    yield
-    adapt_triton._remembered_case_failure.cache_clear()
+    monkeypatch.setattr(adapt_triton, "_verdicts", {})
 
 
 def test_a_failed_family_is_not_offered_and_the_status_says_why(zoo, monkeypatch, fresh_self_tests):

@@ -226,6 +226,51 @@ class TinyAttention(nn.Module):
         return self.out((weights @ k).sum(1))
 
 
+def function_as_layer(fn):
+    """A function turned into a stateless module that calls it, as the ``kernels`` package does to transformers'
+    hub-kernel functions (transformers 5.25 installs it): the modelling module's global is then this instance."""
+
+    class FunctionLayer(nn.Module):
+        def forward(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+
+    return FunctionLayer()
+
+
+rotate_pairs_layer = function_as_layer(rotate_pairs)
+
+
+class LayerAttention(TinyAttention):
+    """``TinyAttention("pairs")`` calling its rotation through the module global ``rotate_pairs_layer``."""
+
+    def forward(self, h, cos, sin):
+        b, s, _ = h.shape
+        q, k = self.qk(h).view(b, s, 4, 16).transpose(1, 2).chunk(2, dim=1)
+        q, k = rotate_pairs_layer(q, k, cos, sin)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1)
+        return self.out((weights @ k).sum(1))
+
+
+def test_a_function_wrapped_in_a_stateless_layer_is_recognised_and_dispatched(kernel_calls):
+    from operators.providers import triton_rope
+    from operators.recognition.rotary_probes import called_function
+
+    assert called_function(rotate_pairs_layer) is rotate_pairs and called_function(nn.Linear(2, 2)) is None
+    cos, sin = tables(6, 16)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    variant, evidence = probe_rotary_application(LayerAttention("pairs"), (torch.randn(2, 6, 32), cos, sin), {}, gen)
+    assert variant is not None, evidence
+    assert (variant["global"], variant["style"]) == ("rotate_pairs_layer", "interleaved")
+    dispatch = rotary_dispatcher(rotate_pairs_layer)
+    q, k = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    want = rotate_pairs(q, k, cos, sin)
+    with triton_rope.running(triton_rope.RotarySpec(rotate_pairs_layer, "interleaved", "m")):
+        got = dispatch(q, k, cos, sin)
+    assert len(kernel_calls) == 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def tables(seq: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     angles = torch.arange(seq)[:, None] * 10000 ** (-torch.arange(0, dim, 2) / dim)
     emb = torch.cat([angles, angles], -1)[None]

@@ -8,8 +8,8 @@ CUDA graph: that is GPU time alone, without the Python/launch overhead that eage
 Bandwidth counts bytes read plus bytes written once each (``/work/shared/anchors.md``) and is
 reported against a device-to-device copy measured in the same run.
 
-    python benchmarks/kernels.py --out benchmarks/results            # full run on a GPU
-    TRITON_INTERPRET=1 python benchmarks/kernels.py --smoke --out /tmp/k  # tiny shapes, CPU, logic only
+    python benchmarks/kernel_speed.py --out benchmarks/results            # full run on a GPU
+    TRITON_INTERPRET=1 python benchmarks/kernel_speed.py --smoke --out /tmp/k  # tiny shapes, CPU, logic only
 """
 
 from __future__ import annotations
