@@ -3,7 +3,7 @@
 ``benchmarks/e2e.py`` measures the stage cold with only adapt's timing cache emptied, so its first model pays
 for Triton's and Inductor's empty caches as well and the models after it do not.  This script empties all three
 (``ADAPT_CACHE``, ``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``) for every run, runs intake and ``run_ops``
-as ``adapt run`` does, and splits the plan phase by the candidates it timed, so that a setting meant to cut the
+as ``adapt run`` does, and splits the plan phase by component kind (``KernelPlan.seconds_by_kind``), so that a setting meant to cut the
 first compile's cost (Inductor's compile workers, say) is measured against the default on equal terms.
 
     PYTHONPATH=$PWD python benchmarks/ops_cold.py --out DIR [--model llama-1b] [--settings default,threads1]
@@ -35,30 +35,19 @@ _RUN = """
 import json, sys, time
 start = time.perf_counter()
 import torch
+import torch._inductor.config as inductor_config
 from adapt.model.intake import build_spec, resolve_source
-import operators.benchmark as benchmark
 from operators import run_ops
 
-measured = []
-timed = benchmark.measure
-
-def measure(options, comp, target, module, *, compiled=False):
-    began = time.perf_counter()
-    result = timed(options, comp, target, module, compiled=compiled)
-    measured.append({"kind": comp.kind, "module": comp.module, "compiled": compiled,
-                     "options": list(result), "seconds": time.perf_counter() - began})
-    return result
-
-benchmark.measure = measure
 imports = time.perf_counter() - start
 source = resolve_source(sys.argv[1])
 spec = build_spec(source)
 intake = time.perf_counter() - start - imports
 began = time.perf_counter()
 report = run_ops(source, onnx=False, check_patch=False, spec=spec)
-import torch._inductor.config as inductor_config
 print(json.dumps({"imports_s": imports, "intake_s": intake, "ops_s": time.perf_counter() - began,
-                  "phases": report.phases, "measured": measured, "compile_threads": inductor_config.compile_threads}))
+                  "phases": report.phases, "plan_seconds_by_kind": report.plan.seconds_by_kind,
+                  "compile_threads": inductor_config.compile_threads}))
 """
 
 
@@ -79,6 +68,17 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+def _plan_seconds(run: dict[str, Any]) -> dict[str, float]:
+    """Where the plan phase's seconds went, by component kind (``KernelPlan.seconds_by_kind``).  Runs saved before
+    plans recorded it timed the candidates' ``measure`` calls instead; those are summed by kind."""
+    if "plan_seconds_by_kind" in run:
+        return run["plan_seconds_by_kind"]
+    by_kind: dict[str, float] = {}
+    for m in run.get("measured", []):
+        by_kind[m["kind"]] = by_kind.get(m["kind"], 0.0) + m["seconds"]
+    return by_kind
+
+
 def render(result: dict[str, Any]) -> str:
     lines = [
         f"# Operators stage, cold: every cache empty ({result['device']})",
@@ -86,16 +86,14 @@ def render(result: dict[str, Any]) -> str:
         f"{result['model']}: intake then `run_ops` without ONNX export and patch check, each setting in a fresh "
         "process with empty adapt, Triton and Inductor caches, in the order listed. Seconds.",
         "",
-        "| commit | setting | compile threads | imports | intake | operators stage | plan phase | timing candidates |",
+        "| commit | setting | compile threads | imports | intake | operators stage | plan phase | plan s by kind |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in result["runs"]:
         if "error" in run:
             lines.append(f"| {run.get('commit', '?')} | {run['setting']} | failed: {run['error']} | | | | | |")
             continue
-        timed = "; ".join(
-            f"{m['kind']}{' (compiled)' if m['compiled'] else ''} {m['seconds']:.1f}" for m in run["measured"]
-        )
+        timed = "; ".join(f"{kind} {t:.1f}" for kind, t in _plan_seconds(run).items() if t >= 0.1)
         lines.append(
             f"| {run.get('commit', '?')} | {run['setting']} | {run['compile_threads']} | {run['imports_s']:.1f} | {run['intake_s']:.1f} | "
             f"{run['ops_s']:.1f} | {run['phases'].get('plan', 0.0):.1f} | {timed or 'none'} |"

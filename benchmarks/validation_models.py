@@ -53,30 +53,34 @@ class ValidationModel:
 # The CPU rehearsal checks that every stage runs (the Triton interpreter is slow), not soak statistics.
 _TINY_SIZES = StageSizes(bench_batch=2, bench_seq=64, soak_batch=2, soak_seq=32, soak_steps=20)
 
+
+def _h200_sizes(soak_steps: int) -> StageSizes:
+    """The bench at the e2e batch (4 x 2048) and a short-sequence soak of ``soak_steps``, on the H200."""
+    return StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=soak_steps)
+
+
+def _dense(shape: str, title: str, file_stem: str, soak_steps: int) -> ValidationModel:
+    """A dense reference shape (``benchmarks/shapes.py``: model_type, full and tiny): bf16 alignment judges every
+    token, so no float32 patch check is needed beside it."""
+    return ValidationModel(
+        **SHAPES[shape],
+        title=title,
+        file_stem=file_stem,
+        sizes=_h200_sizes(soak_steps),
+        tiny_sizes=_TINY_SIZES,
+        ops_limit_s=240,
+        check_patch=False,
+    )
+
+
 MODELS = {
-    "llama-1b": ValidationModel(
-        **SHAPES["llama-1b"],  # model_type, full and tiny: the reference shape (benchmarks/shapes.py)
-        title="the Llama-3.2-1B shape",
-        file_stem="validation-h200",
-        sizes=StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=500),
-        tiny_sizes=_TINY_SIZES,
-        ops_limit_s=240,
-        check_patch=False,
-    ),
-    "gemma2-2b": ValidationModel(
-        **SHAPES["gemma2-2b"],  # model_type, full and tiny: the reference shape (benchmarks/shapes.py)
-        title="the Gemma-2-2B shape",
-        file_stem="validation-gemma2-h200",
-        sizes=StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=200),
-        tiny_sizes=_TINY_SIZES,
-        ops_limit_s=240,
-        check_patch=False,
-    ),
+    "llama-1b": _dense("llama-1b", "the Llama-3.2-1B shape", "validation-h200", soak_steps=500),
+    "gemma2-2b": _dense("gemma2-2b", "the Gemma-2-2B shape", "validation-gemma2-h200", soak_steps=200),
     "qwen3-moe": ValidationModel(
         **SHAPES["qwen3-moe"],  # model_type, full and tiny: the reference shape (benchmarks/shapes.py)
         title="a reduced Qwen3-30B-A3B shape ({num_hidden_layers} routed layers, {num_experts} experts top-{num_experts_per_tok})",
         file_stem="validation-moe-h200",
-        sizes=StageSizes(bench_batch=4, bench_seq=2048, soak_batch=4, soak_seq=256, soak_steps=100),
+        sizes=_h200_sizes(soak_steps=100),
         tiny_sizes=_TINY_SIZES,
         ops_limit_s=300,  # a float64 probe of a 604 M-parameter expert bank on the CPU, once per structure
         # bf16 alignment judges few tokens past a 128-expert router (ALIGN_SEED_NOTE, validation.py); the float32 check

@@ -160,8 +160,10 @@ def plan_kernels(
     if to_generate:  # whole components become generated kernels: their ops follow them
         _escalate_to_generated(to_generate, choices)
         ops, _ = _op_decisions(inventory, choices, profile)
-    plan = KernelPlan(profile.to_dict(), target.to_dict(), choices, ops, provider_status(target), compile_choice)
-    plan.seconds_by_kind = {kind: round(t, 3) for kind, t in seconds.most_common()}
+    by_kind = {kind: round(t, 3) for kind, t in seconds.most_common()}
+    plan = KernelPlan(
+        profile.to_dict(), target.to_dict(), choices, ops, provider_status(target), compile_choice, by_kind
+    )
     return for_compile_mode(plan, compile_choice["mode"])
 
 

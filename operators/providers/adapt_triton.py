@@ -7,12 +7,14 @@ a residual add in a block's own code fuses with the norm it feeds (``triton_resi
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from adapt.model.activations import ACTIVATIONS
 from operators.providers import triton_head, triton_moe, triton_residual, triton_rope
 from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
@@ -44,9 +46,9 @@ class AdaptTritonProvider:
         return True, (f"kernels off after their self-test failed on {device}: {'; '.join(failed)}" if failed else "")
 
     def _passes(self, target: Target, cases: tuple[str, ...]) -> bool:
-        """Whether the kernels behind ``cases`` passed their self-test on ``target``'s device (run on first ask)."""
-        device = "cuda" if target.device == "cuda" else "cpu"
-        return all(_case_failure(device, name) is None for name in cases)
+        """Whether the kernels behind ``cases`` passed their self-test on ``target``'s device (run on first ask;
+        called once ``available`` said the provider runs there)."""
+        return all(_case_failure(target.device, name) is None for name in cases)
 
     def options(self, component: Component, target: Target) -> list[KernelOption]:
         if not component.confirmed or not self.available(target)[0]:
@@ -164,6 +166,15 @@ def _plain_linear(module: nn.Module) -> bool:
 CANARY_CASE = "rms_norm"
 
 
+CASE_OF_KIND = {
+    "rms_norm": "rms_norm",
+    "layer_norm": "layer_norm",
+    "lm_head_cross_entropy": "linear_cross_entropy",
+    "residual_add_norm": "add_rms_norm",
+    "moe": "moe",
+}
+
+
 def _cases_of(component: Component) -> tuple[str, ...]:
     """The self-test cases behind the kernels offered for ``component``."""
     kind, v = component.kind, component.variant
@@ -172,15 +183,6 @@ def _cases_of(component: Component) -> tuple[str, ...]:
     if kind == "rotary_application":
         return (f"rotary_{v.style}",)
     return (CASE_OF_KIND[kind],)
-
-
-CASE_OF_KIND = {
-    "rms_norm": "rms_norm",
-    "layer_norm": "layer_norm",
-    "lm_head_cross_entropy": "linear_cross_entropy",
-    "residual_add_norm": "add_rms_norm",
-    "moe": "moe",
-}
 
 
 # This process's verdicts: (device, case) -> None (passed) or why it failed.  A failure is also kept here, so that
@@ -213,8 +215,9 @@ def _remembered_or_run(device: str, name: str) -> str | None:
     return failure
 
 
-def self_test_case_names() -> list[str]:
-    return list(_self_test_cases())
+def self_test_everything(device: str) -> dict[str, str | None]:
+    """Every case's verdict on ``device`` (None: passed), each run now unless this process or the disk has it."""
+    return {name: _case_failure(device, name) for name in _self_test_cases()}
 
 
 def _self_test(device: str, names: tuple[str, ...] | None = None) -> str | None:
@@ -252,8 +255,10 @@ def _run_case(device: str, kernel, reference, inputs) -> str | None:
     return None if ok else "result differs from PyTorch"
 
 
+@functools.cache
 def _self_test_cases() -> dict[str, tuple]:
-    """(kernel, float64 reference, inputs) per case, on fresh CPU tensors of a fixed seed."""
+    """(kernel, float64 reference, inputs) per case, on CPU tensors of a fixed seed (each run clones them).  Built
+    once: every kernel is looked up when its case runs, not when it is built."""
     import torch.nn.functional as F
 
     from operators import kernels
@@ -299,12 +304,8 @@ def _glu_case(activation: str, gen: torch.Generator) -> tuple:
         return torch.cat([fused.flatten(), torch.ops.adapt.glu(g, u, activation).flatten()])
 
     def reference(g, u, w, b):
-        act = (
-            F.silu(g)
-            if activation == "silu"
-            else F.gelu(g, approximate="tanh" if activation == "gelu_tanh" else "none")
-        )
-        return torch.cat([F.linear(act * u, w, b).flatten(), (act * u).flatten()])
+        unit = ACTIVATIONS[activation](g) * u
+        return torch.cat([F.linear(unit, w, b).flatten(), unit.flatten()])
 
     shapes = ((3, 24), (3, 24), (16, 24), (16,))
     return kernel, reference, tuple(torch.randn(s, generator=gen) for s in shapes)
