@@ -15,6 +15,7 @@ second model with the same shapes, times nothing.  Repetitions stop as soon as t
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from operators.recognition.component import Component
 from operators.recognition.variants import AttentionVariant
 from operators.registry import KernelOption, Target
 from operators.timing_cache import DiskCache, make_key
+
+log = logging.getLogger(__name__)
 
 TOKENS = 8192
 MIN_REPS, MAX_REPS = 5, 30
@@ -115,6 +118,7 @@ def measure(
     dtype = getattr(torch, target.dtype)
     timings = {}
     for opt in options:
+        began = time.perf_counter()
         mod = copy.deepcopy(module).to("cuda", dtype)
         fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
         if compiled and inductor_rewrites(opt):
@@ -122,6 +126,7 @@ def measure(
         x = torch.randn(1, TOKENS, comp.variant.width, device="cuda", dtype=dtype, requires_grad=target.training)
         timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), DeviceTimer())
         del mod, fwd
+        log.debug("timed %s for %s: %.2f s (compile included)", _name(opt), comp.kind, time.perf_counter() - began)
     return timings
 
 

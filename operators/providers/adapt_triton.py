@@ -8,7 +8,9 @@ a residual add in a block's own code fuses with the norm it feeds (``triton_resi
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 
 import torch
 from torch import nn
@@ -18,6 +20,8 @@ from adapt.model.activations import ACTIVATIONS
 from operators.providers import triton_head, triton_moe, triton_residual, triton_rope
 from operators.recognition.component import Component
 from operators.registry import KernelOption, Target
+
+log = logging.getLogger(__name__)
 
 # the gated unit's activation -> the kernel's name (the unit fused with the down projection after it)
 _GLU = {"silu": "swiglu_linear", "gelu": "geglu_linear", "gelu_tanh": "geglu_linear"}
@@ -209,7 +213,9 @@ def _remembered_or_run(device: str, name: str) -> str | None:
     key = make_key(device, "self-test", name, source_digest(here, here.parent / "kernels"))
     if cache.get(key) == "passed":
         return None
+    began = time.perf_counter()
     failure = _self_test(device, (name,))
+    log.debug("self-test %s on %s: %.2f s (%s)", name, device, time.perf_counter() - began, failure or "passed")
     if failure is None:
         cache.put(key, "passed")
     return failure
