@@ -90,6 +90,9 @@ def fastest(
         for name, ms in measure(missing, comp, target, module, compiled=compiled).items():
             timings[name] = ms
             cache.put(_key(name, comp, target, compiled), ms)
+    timings = {name: ms for name, ms in timings.items() if ms is not None}  # a candidate that could not run is out
+    if not timings:
+        raise RuntimeError(f"no candidate for {comp.module} ({comp.kind}) could run on {target.device}")
     return by_name[winner_of(timings, {name for name, o in by_name.items() if o.keeps_less})], timings
 
 
@@ -114,18 +117,24 @@ def measure(
 
     ``compiled``: the options will run inside compiled blocks, so each path Inductor rewrites is timed as
     Inductor compiles it; a hand kernel is timed as it is (``inductor_rewrites``), which is what runs there
-    too, without the seconds a compile per option would add to the operators stage."""
+    too, without the seconds a compile per option would add to the operators stage.
+
+    Candidates are timed before any check of their numerics (``KernelOption.verify`` runs on the winner), so
+    one that cannot run here is left out of the result, with a warning, instead of failing the plan."""
     dtype = getattr(torch, target.dtype)
     timings = {}
     for opt in options:
         began = time.perf_counter()
         mod = copy.deepcopy(module).to("cuda", dtype)
-        fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
-        if compiled and inductor_rewrites(opt):
-            fwd = torch.compile(fwd, fullgraph=False, dynamic=False)
         x = torch.randn(1, TOKENS, comp.variant.width, device="cuda", dtype=dtype, requires_grad=target.training)
-        timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), DeviceTimer())
-        del mod, fwd
+        try:
+            fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
+            if compiled and inductor_rewrites(opt):
+                fwd = torch.compile(fwd, fullgraph=False, dynamic=False)
+            timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), DeviceTimer())
+        except Exception as err:  # a kernel that cannot run here is not a candidate; the others still are
+            log.warning("%s could not run for %s: %s: %s", _name(opt), comp.module, type(err).__name__, err)
+        del mod
         log.debug("timed %s for %s: %.2f s (compile included)", _name(opt), comp.kind, time.perf_counter() - began)
     return timings
 

@@ -271,7 +271,9 @@ def _choose(
                 opt.needs_codegen is None or opt.needs_codegen == profile.codegen
             ):
                 options.append(opt)
-    if not options:
+    module = model.get_submodule(comp.module) if model is not None else None
+    best, timings, rejected = _verified_rank(options, comp, target, module, compiled)
+    if best is None:
         return KernelChoice(
             comp.module,
             comp.kind,
@@ -280,11 +282,8 @@ def _choose(
             None,
             "native",
             comp.confirmed,
-            note="no provider kernel; runs as traced",
+            note="; ".join(["no provider kernel; runs as traced", *rejected]),
         )
-    best, timings = _rank(
-        options, comp, target, model.get_submodule(comp.module) if model is not None else None, compiled
-    )
     context = "inside torch.compile" if compiled else "eager"
     timed = f"timed here ({context}): " + ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) if timings else ""
     chosen = f"{best.provider}:{best.kernel}"
@@ -305,7 +304,7 @@ def _choose(
             + (", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()) + "; " if timings else "")
             + why
         )
-    note = "; ".join(filter(None, [best.note, timed, won]))
+    note = "; ".join(filter(None, [best.note, timed, won, *rejected]))
     return KernelChoice(
         comp.module,
         comp.kind,
@@ -334,6 +333,23 @@ def _margin(timings: dict[str, float], chosen: str | None = None) -> float | Non
 
 def _codegen_language(target: Target) -> str:
     return "Triton" if target.device == "cuda" else "C++/OpenMP"
+
+
+def _verified_rank(
+    options: list[KernelOption], comp: Component, target: Target, module: nn.Module | None, compiled: bool
+) -> tuple[KernelOption | None, dict[str, float], list[str]]:
+    """``_rank``'s pick once it passed its provider's check (``KernelOption.verify``), the timings, and each
+    pick that failed the check (dropped, the rest ranked again: their timings come from the cache).  None when
+    no option is left."""
+    rejected: list[str] = []
+    while options:
+        best, timings = _rank(options, comp, target, module, compiled)
+        failure = best.verify() if best.verify else None
+        if failure is None:
+            return best, timings, rejected
+        rejected.append(f"{best.provider}:{best.kernel} not used: its check failed ({failure})")
+        options = [o for o in options if o is not best]
+    return None, {}, rejected
 
 
 def _rank(

@@ -2,8 +2,8 @@
 
 A provider declares, per component kind, which kernels it implements and the conditions they
 need (device, dtype, training, shape limits, compute capability, interpreter).  ``options`` only
-returns kernels whose conditions hold for the target, so a chosen kernel is a kernel that runs:
-nothing falls back silently.  A kernel option carries ``make_forward``, the replacement forward the
+returns kernels whose conditions hold for the target, and the plan runs an option's ``verify`` before it uses
+it, so a chosen kernel is a kernel that runs: nothing falls back silently.  A kernel option carries ``make_forward``, the replacement forward the
 patcher installs; ``None`` means the model already runs this kernel and nothing needs patching.
 """
 
@@ -59,6 +59,10 @@ class KernelOption:
     needs_codegen: str | None = None  # e.g. "triton": only where the profile can run Triton
     note: str = ""
     keeps_less: str = ""  # what it spares the backward's saved activations: preferred at equal speed (benchmark)
+    # The provider's check of the kernels behind this option (a self-test against float64), run before the option
+    # is used: None when it passed, else why not.  Run on the winner only, so a cold plan does not compile and check
+    # kernels that lose the timing.
+    verify: Callable[[], str | None] | None = field(default=None, compare=False)
 
 
 class Provider(Protocol):

@@ -7,6 +7,7 @@ a residual add in a block's own code fuses with the norm it feeds (``triton_resi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -49,18 +50,19 @@ class AdaptTritonProvider:
         failed = sorted(why for (on, _), why in _verdicts.items() if on == device and why)
         return True, (f"kernels off after their self-test failed on {device}: {'; '.join(failed)}" if failed else "")
 
-    def _passes(self, target: Target, cases: tuple[str, ...]) -> bool:
-        """Whether the kernels behind ``cases`` passed their self-test on ``target``'s device (run on first ask;
-        called once ``available`` said the provider runs there)."""
-        return all(_case_failure(target.device, name) is None for name in cases)
-
     def options(self, component: Component, target: Target) -> list[KernelOption]:
+        """The kernels for ``component``, each verified by its family's self-test when the plan picks it (a family
+        that already failed in this process is not offered)."""
         if not component.confirmed or not self.available(target)[0]:
             return []
         if target.dtype not in ("float32", "bfloat16", "float16"):
             return []
         options = self._options(component, target)
-        return options if options and self._passes(target, _cases_of(component)) else []
+        cases = _cases_of(component) if options else ()
+        if any(_verdicts.get((target.device, name)) for name in cases):
+            return []
+        verify = functools.partial(_first_failure, target.device, cases)
+        return [dataclasses.replace(o, verify=verify) for o in options]
 
     def _options(self, component: Component, target: Target) -> list[KernelOption]:
         v = component.variant
@@ -201,6 +203,11 @@ def _case_failure(device: str, name: str) -> str | None:
     if key not in _verdicts:
         _verdicts[key] = _remembered_or_run(device, name)
     return _verdicts[key]
+
+
+def _first_failure(device: str, cases: tuple[str, ...]) -> str | None:
+    """Why the first of ``cases`` to fail its self-test on ``device`` failed (each case runs once per process)."""
+    return next(filter(None, (_case_failure(device, name) for name in cases)), None)
 
 
 def _remembered_or_run(device: str, name: str) -> str | None:

@@ -77,8 +77,8 @@ def probe_moe(
     ``expert_list``: the experts are a list of separate gated MLPs at this path (relative to the module);
     their weights are stacked into banks for the reference."""
     # Grouped-GEMM expert kernels have no float64 path: run the module in float32 and the reference in
-    # float64 from the very same (float32-representable) weights.
-    m = float64_copy(module, generator, scale=0.3).float()
+    # float64 from the very same weights (widened expert by expert as the reference reaches them).
+    m = float64_copy(module, generator, scale=0.3, dtype=torch.float32)
     rel = lambda p: p[len(path) + 1 :]  # noqa: E731
     router_mod = m.get_submodule(rel(router[0])) if router[0] != path else m
     router_w = dotted_attr(router_mod, router[1]).detach().double()
@@ -94,9 +94,7 @@ def probe_moe(
         names, banks = stacked_banks(m.get_submodule(expert_list), width, expert_list)
     else:
         names = [f"{mod}.{name}" for mod, name, _ in bank]
-        banks = [
-            getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach().double() for mod, name, _ in bank
-        ]
+        banks = [getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach() for mod, name, _ in bank]
     experts = _expert_layouts(banks, names, width, num_experts)
     if not experts:
         return None
@@ -112,12 +110,21 @@ def probe_moe(
         outputs = _output_structure(full, logits)
         logits_output = _logits_output(router_mod, x2d.float(), logits) if router_mod is not m else None
         weights, index = route(x2d, router_w, router_b, correction, routing)
+        used, index = index.unique(return_inverse=True)  # the reference widens only the experts tokens reach
+        widened: dict[int, torch.Tensor] = {}
+
+        def wide(bank: torch.Tensor) -> torch.Tensor:
+            if id(bank) not in widened:
+                widened[id(bank)] = bank[used].double()
+            return widened[id(bank)]
+
         shared_out = shared_mod.double()(x).reshape(-1, width) if shared_mod is not None else None
         scales = sorted({1.0, *(s for s in scalars if 0.0 < s <= 64.0 and s != 1.0)})
         for (layout, gate_first, where), (act_name, act), normalize in itertools.product(
             experts, ACTIVATIONS.items(), (True, False)
         ):
-            routed = _run_experts(x2d, weights, index, layout, gate_first, act, normalize)
+            up, down, inner = layout
+            routed = _run_experts(x2d, weights, index, (wide(up), wide(down), inner), gate_first, act, normalize)
             for scale, with_shared, with_bias in itertools.product(
                 scales, (shared_out is not None, False), (output_bias is not None, False)
             ):
@@ -165,10 +172,7 @@ def stacked_banks(experts: nn.Module, width: int, path: str) -> tuple[list[str],
             return [], []
         ups.append(torch.cat(into, dim=0))
         downs.append(out[0])
-    return [f"{path}.*.gate_up", f"{path}.*.down"], [
-        torch.stack(ups).detach().double(),
-        torch.stack(downs).detach().double(),
-    ]
+    return [f"{path}.*.gate_up", f"{path}.*.down"], [torch.stack(ups).detach(), torch.stack(downs).detach()]
 
 
 def _expert_layouts(banks: list[torch.Tensor], names: list[str], width: int, num_experts: int):

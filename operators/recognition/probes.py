@@ -28,26 +28,32 @@ RTOL = 2e-5
 ATOL = 2e-6
 
 
-def float64_copy(module: nn.Module, generator: torch.Generator, scale: float = 0.5) -> nn.Module:
+def float64_copy(
+    module: nn.Module, generator: torch.Generator, scale: float = 0.5, dtype: torch.dtype = torch.float64
+) -> nn.Module:
     """Independent CPU float64 copy of ``module`` with every parameter redrawn from N(0, scale^2).
 
     Probes always run on CPU: float64 everywhere, no TF32, and the model's device stays untouched.
     The module's own weights are never copied (they are redrawn anyway): the clone is built around
     meta stand-ins, then each parameter is drawn fresh.  Draws are made in float32 and widened, four
-    times faster than float64 draws at 1B width; the probe's arithmetic stays float64 throughout."""
+    times faster than float64 draws at 1B width; the probe's arithmetic stays float64 throughout.
+
+    ``dtype=torch.float32`` keeps the draws as drawn, for a module that cannot run in float64 (grouped-GEMM
+    experts) and whose reference widens the same values itself: at a 604 M-parameter expert bank, widening
+    the whole copy and narrowing it back cost four times the draws."""
     stand_ins = {id(p): nn.Parameter(torch.empty(p.shape, device="meta"), p.requires_grad) for p in module.parameters()}
     clone = copy.deepcopy(module, memo=dict(stand_ins))
     drawn: dict[int, nn.Parameter] = {}  # tied parameters stay tied
     for sub in clone.modules():
         for name, param in sub._parameters.items():
             if param is not None and id(param) not in drawn:
-                value = torch.randn(param.shape, generator=generator, dtype=torch.float32).double() * scale
+                value = torch.randn(param.shape, generator=generator, dtype=torch.float32).to(dtype).mul_(scale)
                 drawn[id(param)] = nn.Parameter(value, param.requires_grad)
             if param is not None:
                 sub._parameters[name] = drawn[id(param)]
         for name, buf in sub._buffers.items():
             if buf is not None:
-                sub._buffers[name] = buf.to(device="cpu", dtype=torch.float64 if buf.is_floating_point() else buf.dtype)
+                sub._buffers[name] = buf.to(device="cpu", dtype=dtype if buf.is_floating_point() else buf.dtype)
     return clone
 
 

@@ -15,7 +15,6 @@ from torch import nn
 
 from operators import benchmark
 from operators.mapping import _choose
-from operators.providers import adapt_triton
 from operators.recognition import Component
 from operators.recognition.variants import AttentionVariant, GatedMLPVariant, MoEVariant, RMSNormVariant
 from operators.registry import KernelOption, Target
@@ -121,6 +120,56 @@ def test_a_hand_kernel_that_beats_inductor_stays_and_eager_timings_are_kept_apar
         compiled=True,
     )
     assert len(timed) == 1
+
+
+def _checked_providers(checks: list[str], verdicts: dict[str, str | None]) -> list[Provider]:
+    """Two kernels whose checks record that they ran and answer from ``verdicts``, beside the traced path."""
+
+    def option(name: str) -> KernelOption:
+        def verify() -> str | None:
+            checks.append(name)
+            return verdicts[name]
+
+        return KernelOption(name, "moe", "fused", lambda module, component: module.forward, verify=verify)
+
+    return [Provider("fast", [option("fast")]), Provider("slow", [option("slow")]), provider_options()[1]]
+
+
+def test_only_the_winner_is_checked_and_one_that_fails_gives_way_to_the_next(monkeypatch, tmp_path):
+    figures = {"fast:moe": 1.0, "slow:moe": 2.0, "native:as traced": 3.0}
+    timed = _fake_cuda(monkeypatch, tmp_path, figures)
+    model = nn.Sequential(nn.Linear(8, 8))
+    moe = Component("0", "moe", MoEVariant(width=8, top_k=2), True)
+    checks: list[str] = []
+    choice = _choose(moe, _checked_providers(checks, {"fast": None, "slow": "wrong"}), Profile(), CUDA, model)
+    assert choice.provider == "fast" and checks == ["fast"]  # the losers' kernels are never checked
+
+    checks.clear()
+    choice = _choose(moe, _checked_providers(checks, {"fast": "wrong", "slow": None}), Profile(), CUDA, model)
+    assert choice.provider == "slow" and checks == ["fast", "slow"]
+    assert "fast:moe not used: its check failed (wrong)" in choice.note
+    assert len(timed) == 1  # the second ranking read the cache
+
+    checks.clear()
+    choice = _choose(moe, _checked_providers(checks, {"fast": "wrong", "slow": "wrong"}), Profile(), CUDA, model)
+    assert (choice.provider, choice.patch) == ("native", False) and checks == ["fast", "slow"]
+
+
+def test_a_candidate_that_cannot_run_is_left_out_and_the_rest_still_compete(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "test device")
+
+    def broken(module, component):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(benchmark, "time_ms", lambda fn, timer: (fn(), 1.0)[1])
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self)
+    monkeypatch.setattr(torch, "randn", lambda *shape, **kwargs: torch.ones(*shape, requires_grad=True))
+    options = [KernelOption("kernels", "broken", "fused", broken), KernelOption("native", "as traced", "native", None)]
+    norm = Component("0", "rms_norm", RMSNormVariant(width=8, eps=1e-6), True)
+    best, timings = benchmark.fastest(options, norm, CUDA, nn.Sequential(nn.LayerNorm(8)))
+    assert (best.provider, list(timings)) == ("native", ["native:as traced"])
 
 
 def test_a_new_candidate_is_timed_alone_beside_cached_ones(monkeypatch, tmp_path):
@@ -281,7 +330,6 @@ def test_under_compile_only_the_paths_inductor_rewrites_are_compiled_to_be_timed
 
     for provider in providers():  # as on a CUDA machine where every provider loads
         monkeypatch.setattr(type(provider), "available", lambda self, target: (True, ""))
-    monkeypatch.setattr(adapt_triton.AdaptTritonProvider, "_passes", lambda self, target, cases: True)
     norm = Component("0", "rms_norm", RMSNormVariant(width=64, eps=1e-6, weight=True, cast="round_then_scale"), True)
     options = {f"{o.provider}:{o.kernel}": o for p in providers() for o in p.options(norm, CUDA)}
     options["inductor"] = INDUCTOR_OWN_FORWARD
