@@ -34,7 +34,7 @@ from adapt.model.calls import without_cache
 from operators.agreement import compare_with_spec
 from operators.generated import GeneratedKernel, generate
 from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
-from operators.mapping import KernelPlan, compile_plan, for_compile_mode, plan_kernels
+from operators.mapping import KernelPlan, for_compile_mode, plan_kernels
 from operators.meta_trace import trace_meta_model
 from operators.ops_report import OpsReport, PatchCheck
 from operators.patch import PatchHandle, apply_kernel_plan
@@ -144,8 +144,6 @@ def run_ops(
             with _phase(phases, "device_init"):  # the process's first CUDA context: seconds on a cold GPU, not loading
                 torch.empty(1, device="cuda")
                 torch.cuda.synchronize()
-                if compile_plan(tgt, prof, compile_mode)["mode"] != "none":
-                    _start_compile_workers()
         with _phase(phases, "load"):
             model = load_model(
                 source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu"
@@ -174,17 +172,6 @@ def run_ops(
     if out:
         atomic_write_text(out / "ops.json", json.dumps(report.to_dict(), indent=1))
     return report
-
-
-def _start_compile_workers() -> None:
-    """Start Inductor's pool of compile workers now, so that its start-up overlaps loading, tracing and recognition
-    instead of delaying the plan's first compiled candidate (Dynamo starts it at the first compile otherwise).
-    Its ``maybe_warm_pool`` keeps Inductor's own conditions (the pool allowed, more than one compile thread)."""
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # a torch without it starts the pool at the first compile, as before
-        return
-    maybe_warm_pool()
 
 
 @contextlib.contextmanager

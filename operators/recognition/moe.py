@@ -19,7 +19,7 @@ from torch import nn
 
 from adapt.model.activations import ACTIVATIONS
 from operators.recognition.component import dotted_attr
-from operators.recognition.probes import close, float64_copy
+from operators.recognition.probes import close, float32_sum_tolerance, float64_copy
 
 
 @dataclass
@@ -120,6 +120,7 @@ def probe_moe(
 
         shared_out = shared_mod.double()(x).reshape(-1, width) if shared_mod is not None else None
         scales = sorted({1.0, *(s for s in scalars if 0.0 < s <= 64.0 and s != 1.0)})
+        atol = float32_sum_tolerance(width + experts[0][0][2])
         for (layout, gate_first, where), (act_name, act), normalize in itertools.product(
             experts, ACTIVATIONS.items(), (True, False)
         ):
@@ -129,7 +130,7 @@ def probe_moe(
                 scales, (shared_out is not None, False), (output_bias is not None, False)
             ):
                 ref = routed * scale + (shared_out if with_shared else 0.0) + (output_bias if with_bias else 0.0)
-                if close(out.reshape(-1, width), ref):
+                if close(out.reshape(-1, width), ref, atol=atol):
                     return {
                         "kind": "moe",
                         "num_experts": num_experts,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ def float64_copy(
     for sub in clone.modules():
         for name, param in sub._parameters.items():
             if param is not None and id(param) not in drawn:
-                value = torch.randn(param.shape, generator=generator, dtype=torch.float32).to(dtype).mul_(scale)
+                value = _normal(param.shape, generator).to(dtype).mul_(scale)
                 drawn[id(param)] = nn.Parameter(value, param.requires_grad)
             if param is not None:
                 sub._parameters[name] = drawn[id(param)]
@@ -55,6 +56,37 @@ def float64_copy(
             if buf is not None:
                 sub._buffers[name] = buf.to(device="cpu", dtype=dtype if buf.is_floating_point() else buf.dtype)
     return clone
+
+
+_DRAW_CHUNK = 1 << 22  # values per independently seeded piece of a large draw
+
+
+def _normal(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """float32 N(0, 1) values, deterministic in ``generator``.  A large tensor is drawn in pieces, each from its own
+    generator seeded by ``generator``, on a thread per core: one CPU generator draws serially, and an MoE expert bank
+    of 604 M values took seconds that way."""
+    out = torch.empty(shape, dtype=torch.float32)
+    flat = out.view(-1)
+    if flat.numel() <= _DRAW_CHUNK:
+        return torch.randn(shape, generator=generator, out=out)
+    pieces = flat.split(_DRAW_CHUNK)
+    seeds = torch.randint(1 << 62, (len(pieces),), generator=generator).tolist()
+
+    def draw(piece: torch.Tensor, seed: int) -> None:
+        torch.randn(piece.shape, generator=torch.Generator().manual_seed(seed), out=piece)
+
+    with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
+        list(pool.map(draw, pieces, seeds))
+    return out
+
+
+def float32_sum_tolerance(terms: int) -> float:
+    """``close``'s absolute tolerance (a share of the reference's largest value) for a module that must run in float32
+    against a float64 reference: rounding grows with the square root of the terms summed into each output (the
+    experts' two projections: 2816 at Qwen3-30B-A3B's width, about 5e-6 of the output's scale, measured, where ATOL
+    allows 2e-6), so the tolerance is 32 float32 rounding steps per root term.  A wrong reading of the module (another
+    activation, normalisation or scale, the halves swapped) is off by a share of 1e-2 or more."""
+    return max(ATOL, 32 * torch.finfo(torch.float32).eps * terms**0.5)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rtol: float = RTOL, atol: float = ATOL) -> bool:
