@@ -171,6 +171,11 @@ def main() -> int:
 
     cuda = torch.cuda.is_available() and not args.tiny
     runs, notes = _kept(Path(args.keep)) if args.keep else ([], [])
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "cpu_count": os.cpu_count(), "runs": runs}
+    result["notes"] = notes
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("ops-cold-h200.json" if cuda else "ops-cold-cpu.json")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for model in models:
@@ -179,15 +184,7 @@ def main() -> int:
                 runs.append({"commit": _commit(), **run_cold(checkpoint, model, setting, work)})
                 if args.warm:
                     runs.append({"commit": _commit(), **run_warm(checkpoint, model, setting, work)})
-    result = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "cpu_count": os.cpu_count(),
-        "runs": runs,
-        "notes": notes,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(write_results(out / ("ops-cold-h200.json" if cuda else "ops-cold-cpu.json"), result, render))
+                print(write_results(path, result, render))  # after every model and setting: a time limit keeps them
     return 0
 
 

@@ -107,3 +107,22 @@ def test_loss_tracking_takes_a_trusted_baselines_drift_as_the_noise():
     variants["a"] = {"losses": inside[:8]}  # judged over the steps it ran
     variants["compile"] = {"losses": compiled[:8]}
     assert _verdicts({"models": {"m": {"variants": variants}}})["a"] == "tracks eager"
+
+
+def test_a_second_eager_run_sets_the_noise_of_a_run_to_run_nondeterministic_model():
+    """Two eager processes of a model with atomics (MoE routing) drift apart: that drift is the noise a variant is
+    judged against, where it is wider than a reordering baseline's."""
+    import random
+
+    from benchmarks.e2e import BF16_EPS
+
+    eager = [random.uniform(5.0, 8.0) for _ in range(50)]
+    wide = 8.0 * BF16_EPS * 20
+    again = [x + wide for x in eager]
+    compiled = [x - 0.3 * wide for x in eager]
+    adapted = [x + 0.8 * wide for x in eager]
+    variants = {"eager": {"losses": eager}, "eager-again": {"losses": again}, "compile": {"losses": compiled}}
+    variants["adapt"] = {"losses": adapted}
+    assert _verdicts({"models": {"m": {"variants": variants}}})["adapt"] == "tracks eager"
+    del variants["eager-again"]
+    assert _verdicts({"models": {"m": {"variants": variants}}})["adapt"] == "BEYOND the noise"
