@@ -10,15 +10,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from adapt.core.jsonio import atomic_write_text
+
 Render = Callable[[dict[str, Any]], str]
 
 
 def write_results(path: str | Path, results: dict[str, Any], render: Render) -> str:
-    """Write ``results`` to ``path`` (JSON) and its table beside it (``.md``); returns the table."""
+    """Write ``results`` to ``path`` (JSON) and its table beside it (``.md``), each whole or not at all (a benchmark
+    killed at its time limit leaves the last complete pair); returns the table."""
     path = Path(path)
-    path.write_text(json.dumps(results, indent=1))
+    atomic_write_text(path, json.dumps(results, indent=1))
     table = render(results)
-    path.with_suffix(".md").write_text(table)
+    atomic_write_text(path.with_suffix(".md"), table)
     return table
 
 
