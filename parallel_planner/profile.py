@@ -25,6 +25,9 @@ class GemmShape:
     routed: bool = False  # routed-expert GEMM: its M dimension is the tokens each expert receives
     row_parallel: bool = False  # back to the residual width: TP splits the inner dimension, not the output
     recomputed: bool = False  # selective recompute runs it again in backward (MLA's up-projections)
+    # The separate matmuls this shape stands for, by output width, in the order the block runs them (k then v; gate
+    # then up); empty: one.  Op-level recompute policies count matmuls, not fused shapes (timing.alternate_matmuls).
+    parts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def _attention_parts(block: BlockSpec, h: int) -> _Parts:
     out = GemmShape(a * dv, h, row_parallel=True)
     if attn.kind != "mla":
         saved = 2 * h + a * dq + g * (dq + dv) + a * dv + 2 * a  # norm in, qkv in, q/k/v, output, fp32 lse
-        gemms = [GemmShape(h, a * dq), GemmShape(h, g * (dq + dv)), out]
+        gemms = [GemmShape(h, a * dq), GemmShape(h, g * (dq + dv), parts=(g * dq, g * dv)), out]
         return _Parts(gemms, saved, h, h, cache=g * (dq + dv), ring=g * (dq + dv))
     rope, nope = attn.qk_rope_head_dim, attn.qk_nope_head_dim or dq - attn.qk_rope_head_dim
     gemms = [
@@ -133,7 +136,10 @@ def _mlp_parts(block: BlockSpec, h: int) -> _Parts:
     if mlp.kind in ("dense_gated", "dense_plain"):
         gated = mlp.kind == "dense_gated"
         f = mlp.intermediate_size
-        gemms = [GemmShape(h, (2 if gated else 1) * f), GemmShape(f, h, row_parallel=True)]
+        gemms = [
+            GemmShape(h, (2 if gated else 1) * f, parts=(f, f) if gated else ()),
+            GemmShape(f, h, row_parallel=True),
+        ]
         return _Parts(gemms, 2 * h + (3 if gated else 2) * f, h + f, h + f)
     e, k, f = mlp.num_experts, mlp.top_k, mlp.intermediate_size
     if e <= k:
@@ -145,7 +151,7 @@ def _mlp_parts(block: BlockSpec, h: int) -> _Parts:
     parts = _Parts(gemms, 2 * h + 2 * e, h, 0)  # norm in, router input, fp32 router logits
     if mlp.shared_intermediate_size:
         fs = mlp.shared_intermediate_size
-        parts.gemms += [GemmShape(h, 2 * fs), GemmShape(fs, h, row_parallel=True)]
+        parts.gemms += [GemmShape(h, 2 * fs, parts=(fs, fs)), GemmShape(fs, h, row_parallel=True)]
         parts.saved, parts.recomputable, parts.cacheable = parts.saved + 3 * fs, parts.recomputable + fs, fs
     # Per routed token: the dispatched input, the expert's up (and gate) output and down input, and its
     # output once more, which the gradient of the routing weight needs.

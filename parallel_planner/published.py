@@ -53,6 +53,10 @@ SOURCE_ARCHITECTURE = {
 }
 
 
+# blank: the framework's own selective recompute; alternate_mm: it also reruns every second matmul of a block
+RECOMPUTE_POLICIES = ("", "alternate_mm")
+
+
 @dataclass(frozen=True)
 class PublishedRun:
     source: str
@@ -80,6 +84,9 @@ class PublishedRun:
     reported_gpu_hours_per_trillion_tokens: float = 0.0  # a source that states its cost instead of its FLOP rate
     reported_tokens_per_s_per_gpu: float = 0.0  # a source that states its token rate per GPU (torchtitan's WPS)
     kernels: str = "fused"  # "eager": norms, GLUs and rotary as eager PyTorch ops (no torch.compile, no fused kernels)
+    recompute_policy: str = (
+        ""  # "alternate_mm": selective recompute reruns every second matmul too (torchtitan's op SAC)
+    )
     framework: str = "megatron"
     attention: str = "flash2"
     cp_comm: str = "ring"  # "allgather": K/V gathered before attention, exposed (Llama 3, arXiv 2407.21783 sec. 3.3.2)
@@ -107,6 +114,13 @@ class PublishedRun:
     moment_bits: int = 32  # 16: Adam's moments in bf16
     act_cache_bits: int = 16  # 8: the fp8 GEMMs' inputs cached in fp8
     citation: str = ""
+
+    def __post_init__(self) -> None:
+        if self.recompute_policy not in RECOMPUTE_POLICIES:
+            raise BadInput(
+                f"{self.model}: recompute_policy must be blank or one of {', '.join(RECOMPUTE_POLICIES[1:])}, "
+                f"not {self.recompute_policy!r}"
+            )
 
     @property
     def name(self) -> str:
@@ -174,6 +188,7 @@ class PublishedRun:
             ep_forwarded=self.ep_comm == "forwarded",
             ep_fp8_dispatch=self.ep_dispatch_bits == 8,
             moe_weighted_activation=bool(self.moe_weighted_act),
+            selective_alternate_matmuls=self.recompute_policy == "alternate_mm",
         )
 
     def workload(self) -> Workload:

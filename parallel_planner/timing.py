@@ -21,7 +21,7 @@ the GEMM ceiling and dispatch costs with measurements and scales compute to meas
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -123,6 +123,8 @@ class Efficiency:
     ep_forwarded: bool = False  # MoE all-to-all crosses the network once per target node, then NVLink (DeepEP)
     ep_fp8_dispatch: bool = False  # tokens quantised to fp8 before the dispatch (and gradients before its mirror)
     moe_weighted_activation: bool = False  # routing weight applied to the experts' activation (memory.MemoryModel)
+    # selective recompute also reruns every second matmul of a block (torchtitan's "selective op" policy)
+    selective_alternate_matmuls: bool = False
     gemm_scale: float = 1.0  # a calibration's measured / modelled GEMM rate on the target machine (1: none)
 
     def __post_init__(self) -> None:
@@ -253,6 +255,23 @@ def recomputed_gemm_seconds(block: BlockProfile, tokens, tp, ep, cluster: Cluste
     )
 
 
+def alternate_matmul_seconds(block: BlockProfile, tokens, tp, ep, cluster: Cluster, precision: str, eff, imbalance):
+    """Forward seconds of every second matmul of the block, counted in the order the block runs them (q, k, v, o,
+    gate, up, down for a dense GQA block: k, o and up).  torchtitan's op-level selective recompute keeps every
+    compute op's output except these (its checkpoint policy recomputes an ``aten.mm`` whose count in the block is
+    even), so its backward runs them again.  Routed experts run grouped GEMMs, which that count skips."""
+    peak = cluster.gpu.peak_flops(precision)
+    matmuls = [
+        replace(g, out_features=width, parts=())
+        for g in block.gemms
+        if not g.routed
+        for width in (g.parts or (g.out_features,))
+    ]
+    return block.flops_scale * sum(
+        _block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, imbalance) for g in matmuls[1::2]
+    )
+
+
 def _context_parallel(block: BlockProfile, tokens, tp, cp, attention, comm: Collectives, cluster: Cluster, eff):
     """Exposed ring communication (forward, backward) and the ring's own GPU work (forward, backward) of one
     block under context parallelism; ``attention`` is the block's forward attention seconds.
@@ -358,6 +377,10 @@ def step_time(
         rerun = elementwise + recomputed_gemm_seconds(
             block, tokens, tp, ep, cluster, workload.precision, eff, workload.moe_imbalance
         )
+        if eff.selective_alternate_matmuls:
+            rerun = rerun + alternate_matmul_seconds(
+                block, tokens, tp, ep, cluster, workload.precision, eff, workload.moe_imbalance
+            )
         recompute = np.where(full, f, np.where(c.recompute == SELECTIVE, scale[j] * rerun, 0.0))
         activation = ACT_BYTES * tokens * h
         tp_pairs = int(block.has_attention) + int(block.has_mlp)
