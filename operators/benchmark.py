@@ -126,7 +126,9 @@ def measure(
     for opt in options:
         began = time.perf_counter()
         mod = copy.deepcopy(module).to("cuda", dtype)
-        x = torch.randn(1, TOKENS, comp.variant.width, device="cuda", dtype=dtype, requires_grad=target.training)
+        rows = getattr(comp.variant, "rows_per_token", 1)  # a per-head norm sees heads rows per token
+        shape = (1, TOKENS, rows, comp.variant.width) if rows > 1 else (1, TOKENS, comp.variant.width)
+        x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=target.training)
         try:
             fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
             if compiled and inductor_rewrites(opt):

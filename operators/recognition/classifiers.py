@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 from torch import nn
@@ -122,8 +123,16 @@ def _norm(
         variant,
         "float64 output+grad match at three magnitudes" + suffix,
         width=pat.last_dim(rec.input_shapes),
+        rows_per_token=_rows_per_token(rec, inv),
         already_fused=any("layer_norm" in op or "rms_norm" in op for op in rec.own_ops),
     )
+
+
+def _rows_per_token(rec: ModuleRecord, inv: OpInventory) -> int:
+    """Rows of its last dimension the module's first input holds per token of the traced model input."""
+    tokens, width = math.prod(inv.input_shape or [1]), pat.last_dim(rec.input_shapes)
+    elements = math.prod(rec.input_shapes[0]) if rec.input_shapes else 0
+    return max(1, elements // (tokens * width)) if tokens and width else 1
 
 
 def _rotary(module, rec: ModuleRecord, inv: OpInventory, can_probe: bool) -> Component | None:

@@ -172,6 +172,26 @@ def test_a_candidate_that_cannot_run_is_left_out_and_the_rest_still_compete(monk
     assert (best.provider, list(timings)) == ("native", ["native:as traced"])
 
 
+def test_a_per_head_norm_is_timed_on_as_many_rows_per_token_as_the_model_gives_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "test device")
+    monkeypatch.setattr(benchmark, "time_ms", lambda fn, timer: (fn(), 1.0)[1])
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self)
+    shapes = []
+
+    def randn(*shape, **kwargs):
+        shapes.append(tuple(shape[0]) if len(shape) == 1 else shape)
+        return torch.ones(*shapes[-1], requires_grad=True)
+
+    monkeypatch.setattr(torch, "randn", randn)
+    heads = 1 + torch.randint(1, 16, ()).item()
+    options = [KernelOption("native", "as traced", "native", None)]
+    norm = Component("0", "rms_norm", RMSNormVariant(width=8, eps=1e-6, rows_per_token=heads), True)
+    benchmark.fastest(options, norm, CUDA, nn.Sequential(nn.LayerNorm(8)))
+    assert shapes == [(1, benchmark.TOKENS, heads, 8)]
+
+
 def test_a_new_candidate_is_timed_alone_beside_cached_ones(monkeypatch, tmp_path):
     figures = {"kernels:grouped": 2.0, "native:as traced": 3.0, "extra:fast": 1.0}
     timed = _fake_cuda(monkeypatch, tmp_path, figures)

@@ -102,8 +102,12 @@ def test_softmax_routed_moe(zoo, family):
 
 
 def test_qwen_families(zoo):
-    _, _, qwen3 = recognised(str(zoo("qwen3")))
+    model, _, qwen3 = recognised(str(zoo("qwen3")))
     assert all(a.variant.qk_norm for a in kinds(qwen3, "attention"))
+    # a per-head norm normalises one row per head for each token: its candidates are timed on that many rows
+    rows = {n.module.rsplit(".", 1)[-1]: n.variant.rows_per_token for n in kinds(qwen3, "rms_norm")}
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    assert rows == {"q_norm": heads, "k_norm": kv_heads, "input_layernorm": 1, "post_attention_layernorm": 1, "norm": 1}
     _, _, qwen2 = recognised(str(zoo("qwen2")))
     assert len(kinds(qwen2, "attention")) == 2 and len(kinds(qwen2, "gated_mlp")) == 2
 

@@ -17,6 +17,9 @@ class RMSNormVariant(Variant):
 
     width: int | None = None
     """Size of the normalised last dimension."""
+    rows_per_token: int = 1
+    """Rows it normalises per token of the model's input (a per-head q/k norm: the heads), so that a candidate is
+    timed on as many rows as the model gives it, not on one row per token."""
     eps: float | None = None
     """Added to the mean square inside the square root."""
     offset: float | None = None
@@ -38,6 +41,9 @@ class LayerNormVariant(Variant):
 
     width: int | None = None
     """Size of the normalised last dimension."""
+    rows_per_token: int = 1
+    """Rows it normalises per token of the model's input (a per-head q/k norm: the heads), so that a candidate is
+    timed on as many rows as the model gives it, not on one row per token."""
     eps: float | None = None
     """Added to the variance inside the square root."""
     weight: str | None = None
@@ -65,6 +71,8 @@ class ResidualAddNormVariant(Variant):
     """How many adds of the block precede this one after ``add_after`` returns."""
     width: int | None = None
     """Size of the normalised last dimension."""
+    rows_per_token: int = 1
+    """As ``RMSNormVariant.rows_per_token``."""
     eps: float | None = None
     """The norm's epsilon."""
     weight: str | None = None
