@@ -224,6 +224,8 @@ def _brief(result: dict[str, Any]) -> str:
 
 
 BF16_EPS = 2.0**-8  # bf16's relative rounding step: a loss this far apart is within one bf16 rounding of it
+# what a user would run instead of adapt: the adapted variants are compared with the fastest of these
+BASELINES = ("eager", "eager-again", "compile", "liger")
 # other orderings of the same bf16 sums, or the same program run again: their drift from eager is the noise
 TRUSTED_BASELINES = ("compile", "liger", "eager-again")
 
@@ -314,11 +316,7 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
     ]
     for model, entry in report["models"].items():
         variants = entry["variants"]
-        baselines = [
-            v["tokens_per_s"]
-            for k, v in variants.items()
-            if k in ("eager", "eager-again", "compile", "liger") and v.get("ok")
-        ]
+        baselines = [v["tokens_per_s"] for k, v in variants.items() if k in BASELINES and v.get("ok")]
         best = max(baselines) if baselines else None
         for name, v in variants.items():
             if not v.get("ok"):

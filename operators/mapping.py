@@ -344,7 +344,7 @@ def _verified_rank(
     rejected: list[str] = []
     while options:
         best, timings = _rank(options, comp, target, module, compiled)
-        failure = best.verify() if best.verify else None
+        failure = best.check_failure()
         if failure is None:
             return best, timings, rejected
         rejected.append(f"{best.provider}:{best.kernel} not used: its check failed ({failure})")

@@ -134,7 +134,7 @@ def _component(choice: KernelChoice) -> Component:
 def _factory(provs: dict[str, Any], choice: KernelChoice, target: Target):
     for opt in provs[choice.provider].options(_component(choice), target):
         if opt.kernel == choice.kernel and opt.make_forward is not None:
-            failure = opt.verify() if opt.verify else None
+            failure = opt.check_failure()
             if failure:
                 raise RuntimeError(f"{choice.provider}:{choice.kernel} failed its check on {target.device}: {failure}")
             return opt.make_forward

@@ -64,6 +64,10 @@ class KernelOption:
     # kernels that lose the timing.
     verify: Callable[[], str | None] | None = field(default=None, compare=False)
 
+    def check_failure(self) -> str | None:
+        """Why ``verify`` refused this option; None when it passed or there is nothing to check."""
+        return self.verify() if self.verify else None
+
 
 class Provider(Protocol):
     name: str

@@ -248,11 +248,8 @@ def _block_gemm_seconds(block: BlockProfile, g, tokens, tp, ep, cluster: Cluster
 
 def recomputed_gemm_seconds(block: BlockProfile, tokens, tp, ep, cluster: Cluster, precision: str, eff, imbalance):
     """Forward seconds of the GEMMs selective recompute runs again (MLA's up-projections)."""
-    peak = cluster.gpu.peak_flops(precision)
     again = [g for g in block.gemms if g.recomputed]
-    return block.flops_scale * sum(
-        _block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, imbalance) for g in again
-    )
+    return _forward_gemm_seconds(block, again, tokens, tp, ep, cluster, precision, eff, imbalance)
 
 
 def alternate_matmul_seconds(block: BlockProfile, tokens, tp, ep, cluster: Cluster, precision: str, eff, imbalance):
@@ -260,15 +257,20 @@ def alternate_matmul_seconds(block: BlockProfile, tokens, tp, ep, cluster: Clust
     gate, up, down for a dense GQA block: k, o and up).  torchtitan's op-level selective recompute keeps every
     compute op's output except these (its checkpoint policy recomputes an ``aten.mm`` whose count in the block is
     even), so its backward runs them again.  Routed experts run grouped GEMMs, which that count skips."""
-    peak = cluster.gpu.peak_flops(precision)
     matmuls = [
         replace(g, out_features=width, parts=())
         for g in block.gemms
         if not g.routed
         for width in (g.parts or (g.out_features,))
     ]
+    return _forward_gemm_seconds(block, matmuls[1::2], tokens, tp, ep, cluster, precision, eff, imbalance)
+
+
+def _forward_gemm_seconds(block: BlockProfile, gemms, tokens, tp, ep, cluster: Cluster, precision: str, eff, imbalance):
+    """Forward seconds of ``gemms`` (some of the block's), scaled as the block's own GEMMs are."""
+    peak = cluster.gpu.peak_flops(precision)
     return block.flops_scale * sum(
-        _block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, imbalance) for g in matmuls[1::2]
+        _block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, imbalance) for g in gemms
     )
 
 

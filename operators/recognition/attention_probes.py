@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from operators.recognition.probes import first_tensor, float64_copy, grads_match, with_fresh_hidden
+from operators.recognition.probes import first_tensor, grads_match, redrawn_copy, with_fresh_hidden
 
 
 def attention_visibility(module: nn.Module, args: tuple, kwargs: dict, generator) -> dict[str, Any]:
@@ -18,7 +18,7 @@ def attention_visibility(module: nn.Module, args: tuple, kwargs: dict, generator
     The mask semantics (causal, bidirectional, sliding window) come out of the module's own
     behaviour with the inputs the model really gave it, not from any attribute.
     """
-    m = float64_copy(module, generator, scale=0.2)
+    m = redrawn_copy(module, generator, scale=0.2)
     x, call_args, call_kwargs = with_fresh_hidden(args, kwargs, generator)
     out = first_tensor(m(*call_args, **call_kwargs))
     seq = x.shape[1]
@@ -50,7 +50,7 @@ def attention_core_matches(
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(_PROBE_CORE_NAME, functools.partial(_reference_core, variant=dict(variant)))
-    m = float64_copy(module, generator, scale=0.2).eval()
+    m = redrawn_copy(module, generator, scale=0.2).eval()
     config = m.config
     own = config._attn_implementation
     x, call_args, call_kwargs = with_fresh_hidden(args, kwargs, generator)

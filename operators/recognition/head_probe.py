@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapt.model.calls import without_cache
-from operators.recognition.probes import close, first_tensor, float64_copy, grads_match, with_fresh_hidden
+from operators.recognition.probes import close, first_tensor, grads_match, redrawn_copy, with_fresh_hidden
 
 _PROBE_LOGIT_SCALE = 60.0  # largest logit during the loss probe, about twice the usual final soft-caps
 
@@ -71,7 +71,7 @@ def probe_lm_head_loss(model: nn.Module, head_path: str, softcap: float | None, 
 def probe_vocab_projection(module: nn.Module, call: tuple[tuple, dict], generator) -> dict[str, Any] | None:
     """Is the head ``x @ W.T (+ b)`` of its ``[out, in]`` matrix and, if it adds one, its ``[out]`` shift?  Checked on
     a float64 copy with fresh parameters and input, outputs and gradients; the names that matched, or None."""
-    m = float64_copy(module, generator, scale=0.3).eval()
+    m = redrawn_copy(module, generator, scale=0.3).eval()
     x, args, kwargs = with_fresh_hidden(*call, generator)
     params = dict(m.named_parameters())
     matrices = [n for n, p in params.items() if p.dim() == 2]

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from adapt.model.activations import ACTIVATIONS
-from operators.recognition.probes import close, float64_copy, grads_match
+from operators.recognition.probes import close, grads_match, redrawn_copy
 
 
 def probe_mlp(module: nn.Module, path: str, width: int, projections: list, generator) -> dict[str, Any] | None:
     """Gated (act(gate) * up -> down, separate or packed gate/up) or plain (act(up) -> down) MLP."""
-    m = float64_copy(module, generator, scale=0.3)
+    m = redrawn_copy(module, generator, scale=0.3)
     local = {p.path[len(path) + 1 :]: p for p in projections}
     subs = {name: m.get_submodule(name) for name in local}
     ups = [n for n, p in local.items() if p.in_features == width]

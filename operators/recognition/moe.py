@@ -19,7 +19,7 @@ from torch import nn
 
 from adapt.model.activations import ACTIVATIONS
 from operators.recognition.component import dotted_attr
-from operators.recognition.probes import close, float32_sum_tolerance, float64_copy
+from operators.recognition.probes import close, float32_sum_tolerance, redrawn_copy
 
 
 @dataclass
@@ -78,7 +78,7 @@ def probe_moe(
     their weights are stacked into banks for the reference."""
     # Grouped-GEMM expert kernels have no float64 path: run the module in float32 and the reference in
     # float64 from the very same weights (widened expert by expert as the reference reaches them).
-    m = float64_copy(module, generator, scale=0.3, dtype=torch.float32)
+    m = redrawn_copy(module, generator, scale=0.3, dtype=torch.float32)
     rel = lambda p: p[len(path) + 1 :]  # noqa: E731
     router_mod = m.get_submodule(rel(router[0])) if router[0] != path else m
     router_w = dotted_attr(router_mod, router[1]).detach().double()

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from operators.recognition.probes import float64_copy, grads_match
+from operators.recognition.probes import grads_match, redrawn_copy
 
 
 def rms_reference(x, weight, eps, offset):
@@ -64,7 +64,7 @@ def norm_references(
 
 def probe_norm(module: nn.Module, width: int, scalars: list[float], generator) -> dict[str, Any] | None:
     """RMSNorm (offset 0 or 1, any eps seen in the trace) or LayerNorm; returns the variant or None."""
-    m = float64_copy(module, generator)
+    m = redrawn_copy(module, generator)
     params = dict(m.named_parameters(recurse=False))
     x = norm_inputs((3, 4, width), generator).requires_grad_(True)
     leaves = [x, *params.values()]

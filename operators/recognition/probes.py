@@ -29,10 +29,11 @@ RTOL = 2e-5
 ATOL = 2e-6
 
 
-def float64_copy(
+def redrawn_copy(
     module: nn.Module, generator: torch.Generator, scale: float = 0.5, dtype: torch.dtype = torch.float64
 ) -> nn.Module:
-    """Independent CPU float64 copy of ``module`` with every parameter redrawn from N(0, scale^2).
+    """Independent CPU copy of ``module`` in ``dtype`` (float64 unless asked) with every parameter redrawn from
+    N(0, scale^2).
 
     Probes always run on CPU: float64 everywhere, no TF32, and the model's device stays untouched.
     The module's own weights are never copied (they are redrawn anyway): the clone is built around

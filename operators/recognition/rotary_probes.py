@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from operators.recognition.probes import close, float64_copy, grads_match, to_float64, with_fresh_hidden
+from operators.recognition.probes import close, grads_match, redrawn_copy, to_float64, with_fresh_hidden
 
 
 def probe_rotary_tables(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
@@ -126,7 +126,7 @@ def _record_global_calls(module, scope: dict, names: list[str], args, kwargs, ge
 
         return record
 
-    clone = float64_copy(module, generator, scale=0.2)
+    clone = redrawn_copy(module, generator, scale=0.2)
     _, call_args, call_kwargs = with_fresh_hidden(args, kwargs, generator)
     try:
         scope.update({n: recorder(n, f) for n, f in originals.items()})

@@ -29,7 +29,7 @@ from operators.recognition import variants
 from operators.recognition.component import Component
 from operators.recognition.norm_probe import eps_candidates, norm_inputs, norm_references
 from operators.recognition.probe_cache import ProbeCache, structure_key
-from operators.recognition.probes import close, first_tensor, float64_copy, grads_match, to_float64, with_fresh_hidden
+from operators.recognition.probes import close, first_tensor, grads_match, redrawn_copy, to_float64, with_fresh_hidden
 
 _FAILURES = {
     "projection_activation": "no known activation of its projection's output, normalised last or not, matched",
@@ -123,7 +123,7 @@ class _Setting:
 def _activation_setting(
     module: nn.Module, projection: str, call: tuple[tuple, dict], generator, magnitudes: bool
 ) -> _Setting:
-    m = float64_copy(module, generator, scale=0.3).eval()
+    m = redrawn_copy(module, generator, scale=0.3).eval()
     proj = m.get_submodule(projection)
     x, args, kwargs = with_fresh_hidden(*call, generator)
     if magnitudes:
@@ -164,7 +164,7 @@ def probe_projection_residual_norm(
 
     The residual is drawn as ``z - proj(branch)`` so the norm sees ``z`` rows at tiny, unit and large magnitude,
     which tell LayerNorm from RMSNorm and one epsilon from another as the norm probe's inputs do."""
-    m = float64_copy(module, generator, scale=0.3).eval()
+    m = redrawn_copy(module, generator, scale=0.3).eval()
     proj = m.get_submodule(projection)
     owned = {name for name, _ in proj.named_parameters(prefix=projection)}
     norm_params = {n: p for n, p in m.named_parameters() if p.dim() == 1 and n not in owned}
