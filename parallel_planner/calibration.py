@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from adapt.core.errors import BadInput
+from adapt.core.inputs import read_input_text
 from parallel_planner.cluster import Cluster
 from parallel_planner.profile import ModelProfile
 from parallel_planner.workload import Workload
@@ -85,8 +86,8 @@ def measured_on(device: str, gpu) -> bool:
 def load_calibration(path: str | Path) -> Calibration:
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        data = json.loads(read_input_text(path, "calibration"))
+    except json.JSONDecodeError as err:
         raise BadInput(f"calibration {path}: cannot read JSON ({err})") from None
     return calibration_from_dict(data, str(path))
 

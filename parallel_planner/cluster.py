@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
+from adapt.core.inputs import read_input_text
 from parallel_planner.catalog import GIB, GPU_CATALOG, GpuType, gpu_type
 
 
@@ -115,9 +116,9 @@ def load_cluster_file(path: str | Path) -> Cluster:
     if not path.is_file():
         raise BadInput(f"cluster file {path} does not exist")
     try:
-        text = path.read_text()
+        text = read_input_text(path, "cluster file")
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as err:
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise BadInput(f"cluster file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None
     if not isinstance(data, dict) or "gpu" not in data or "gpus" not in data:

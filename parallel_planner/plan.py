@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from adapt.core.errors import BadInput
+from adapt.core.inputs import read_input_text
 
 Recompute = Literal["none", "selective", "full"]
 PipelineSchedule = Literal["1f1b", "interleaved_1f1b", "gpipe", "zero_bubble", "dualpipe"]
@@ -117,9 +118,8 @@ class ParallelPlan:
         """A plan file from the user: a bare plan, or a planner answer whose first ranked entry carries "plan".
         Unreadable JSON, a missing plan, a bad field or an inconsistent plan is ``BadInput``."""
         try:
-            with open(path) as fh:
-                data = json.load(fh)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            data = json.loads(read_input_text(path, "plan"))
+        except json.JSONDecodeError as err:
             raise BadInput(f"{path}: not a plan JSON ({err})") from None
         if isinstance(data, dict) and "plans" in data:
             ranked = data["plans"]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
+from adapt.core.inputs import read_input_text
 from adapt.core.spec import (
     SCHEMA_VERSION,
     AttentionSpec,
@@ -223,7 +224,7 @@ class PublishedRun:
 
 def load_published_runs(path: str | Path | None = None) -> list[PublishedRun]:
     text = (
-        Path(path).read_text()
+        read_input_text(path, "published runs")
         if path
         else resources.files("parallel_planner.data").joinpath("published_runs.csv").read_text()
     )

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import BadInput
+from adapt.core.inputs import read_input_text
 from adapt.core.stage_verdicts import (
     STAGE_CHECKS,
     THRESHOLD_KEYS,
@@ -65,7 +66,7 @@ def load_thresholds(path: str | Path | None) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise BadInput(f"{path}: no such thresholds file")
-    text = path.read_text()
+    text = read_input_text(path, "thresholds")
     try:
         if path.suffix == ".json":
             data = json.loads(text)

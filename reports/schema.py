@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInput
+from adapt.core.inputs import read_input_text
 
 REPORT_SCHEMA = "adapt.report"
 REPORT_SCHEMA_VERSION = 1
@@ -104,8 +105,8 @@ def load_report(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise BadInput(f"{path}: no such report file")
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        data = json.loads(read_input_text(path))
+    except json.JSONDecodeError as err:
         raise BadInput(f"{path}: not valid JSON ({err})") from err
     return validate_report(data, str(path))
 

@@ -1,4 +1,5 @@
-"""Checks of a model's ``config.json`` that every command shares, so bad values fail as bad input.
+"""Reading the files a user hands adapt, and checks of a model's ``config.json`` that every command shares, so
+bad content fails as bad input.
 
 Two layers: adapt's own checks of the sizes every decoder needs (cheap, no imports, run when the
 source is resolved), and transformers' own validation of the config class (``check_with_transformers``,
@@ -9,6 +10,7 @@ with one line naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from adapt.core.errors import BadInput
@@ -32,6 +34,19 @@ _SIZE_PREFIXES = ("num_", "n_")
 _SIZE_SUFFIXES = ("_size", "_dim", "_heads", "_experts", "_layers", "_rank")
 # Keys of configs that nest the decoder's own config (multimodal wrappers).
 _NESTED = ("text_config", "language_config", "llm_config")
+
+
+def read_input_text(path: str | os.PathLike, what: str = "") -> str:
+    """The text of a file the user named (config, cluster, plan, profile, thresholds, calibration, report): one
+    ``BadInput`` line when it cannot be read or is not UTF-8 text, whatever the reader does with it next."""
+    where = f"{what} {os.fspath(path)}" if what else os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except UnicodeDecodeError as err:
+        raise BadInput(f"{where}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start})") from None
+    except OSError as err:
+        raise BadInput(f"{where}: cannot read ({err.strerror or err})") from None
 
 
 def _is_whole(value: Any) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from adapt.core.errors import BadInput
-from adapt.core.inputs import check_config_values
+from adapt.core.inputs import check_config_values, read_input_text
 
 SourceKind = Literal["hub", "directory", "config"]
 
@@ -125,10 +125,7 @@ def resolve_source(
 
 
 def _read_config(config_path: Path) -> dict[str, Any]:
-    try:
-        text = config_path.read_text()
-    except OSError as err:
-        raise BadInput(f"{config_path}: cannot read ({err.strerror})") from None
+    text = read_input_text(config_path)
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
@@ -185,7 +182,7 @@ def _find_weights(root: Path, allow_pickle: bool) -> tuple[str, list[Path], Path
     index = root / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(read_input_text(index))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise BadInput(f"{index}: not a valid safetensors index ({err})") from None
         files = sorted({root / name for name in weight_map.values()})

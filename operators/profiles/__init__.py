@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from adapt.core.errors import BadInput
+from adapt.core.inputs import read_input_text
 
 PROFILE_DIR = Path(__file__).parent
 
@@ -78,7 +79,7 @@ def load_profile(name_or_path: str | None) -> BackendProfile:
             f"unknown profile {name_or_path!r}: use one of {', '.join(available_profiles())} or a .yaml file"
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_input_text(path, "profile"))
         return _parse(data)
     except (yaml.YAMLError, KeyError, TypeError, ValueError) as err:
         raise BadInput(f"profile {path}: {err}") from None

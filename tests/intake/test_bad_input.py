@@ -261,3 +261,36 @@ def test_a_key_written_twice_in_the_config_is_bad_input(zoo, tmp_path):
     (tmp_path / "twice" / "config.json").write_text(config.replace("{", '{"model_type": "gpt2",', 1))
     with pytest.raises(BadInput, match="key 'model_type' appears twice"):
         inspect(str(tmp_path / "twice"))
+
+
+NOT_UTF8 = b"\xff\xfe\x00 not text"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "{dir}/config.json"],
+        ["inspect", "{dir}"],
+        ["plan", "{llama}", "--cluster", "{dir}/cluster.yaml"],
+        ["plan", "{llama}", "--calibration", "{dir}/calibration.json"],
+        ["ops", "{llama}", "--profile", "{dir}/profile.yaml"],
+        ["gate", "{dir}/report.json"],
+        ["report", "render", "{dir}/report.json"],
+        ["train", "{llama}", "--plan", "{dir}/plan.json"],
+    ],
+    ids=["config", "config-in-dir", "cluster", "calibration", "profile", "report", "render", "plan"],
+)
+def test_a_file_that_is_not_text_is_bad_input(capsys, zoo, tmp_path, argv):
+    """Whatever file a user names, bytes that are not UTF-8 answer as one line naming it, exit 2."""
+    for name in ("config.json", "cluster.yaml", "calibration.json", "profile.yaml", "report.json", "plan.json"):
+        (tmp_path / name).write_bytes(NOT_UTF8)
+    filled = [a.format(dir=tmp_path, llama=zoo("llama")) for a in argv]
+    assert_bad(capsys, filled, "not UTF-8 text", "byte 0xff at offset 0")
+
+
+def test_the_thresholds_file_must_be_text(capsys, zoo, tmp_path):
+    (tmp_path / "t.yaml").write_bytes(NOT_UTF8)
+    from reports.judge import load_thresholds
+
+    with pytest.raises(BadInput, match=r"thresholds .*t\.yaml: not UTF-8 text"):
+        load_thresholds(tmp_path / "t.yaml")

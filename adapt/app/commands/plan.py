@@ -16,6 +16,7 @@ from adapt.app.commands.inspect import add_source_flags
 from adapt.app.options import add_options, build
 from adapt.app.pipeline.options import CPU_CLUSTER, PlanOptions
 from adapt.core.errors import BadInput
+from adapt.core.inputs import read_input_text
 from adapt.core.spec import ModelSpec
 
 
@@ -136,8 +137,8 @@ class SpecLoader:
         path = Path(args.source)
         if path.suffix == ".json" and path.is_file():
             try:
-                data = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as err:
+                data = json.loads(read_input_text(path))
+            except json.JSONDecodeError as err:
                 raise BadInput(f"{path}: not readable JSON ({err})") from None
             if isinstance(data, dict) and "schema_version" in data and "blocks" in data:
                 self._spec = ModelSpec.from_dict(data)
