@@ -315,34 +315,70 @@ def tiny_settings(
 
 
 def tiny_config(
-    model_type: str, keep: frozenset[str] = frozenset(), fill_unset: bool = False, every_kind: bool = True
+    model_type: str,
+    keep: frozenset[str] = frozenset(),
+    fill_unset: bool = False,
+    every_kind: bool = True,
+    scaled: frozenset[str] = frozenset(),
 ) -> Any:
     """The model type's default config with every size knob it has shrunk (but those in ``keep``), nested configs too.
 
     Token ids land inside the shrunk vocabulary; with ``fill_unset``, optional int sizes left None get a tiny value;
     ``every_kind``: the layers kept hold every layer kind (``kept_layers``), else they are the first ones and the
-    config recomputes its schedule (``layer_types``) for the tiny depth.
+    config recomputes its schedule (``layer_types``) for the tiny depth; ``scaled``: head counts outside the tiny
+    table shrunk with the query heads (``scaled_head_counts``).
     """
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
     settings = tiny_settings(default, keep, fill_unset, TINY["num_hidden_layers"], every_kind=every_kind)
+    settings.update(scaled_head_counts(default.to_dict(), scaled))
     return AutoConfig.for_model(model_type, **settings)
+
+
+def scaled_head_counts(settings: dict[str, Any], names: frozenset[str]) -> dict[str, int]:
+    """Head counts of other modules (an indexer's ``index_num_heads``) that a config bounds by its query heads:
+    scaled by the same factor as the query heads, at least 1."""
+    default_heads = settings.get("num_attention_heads")
+    if not _is_count(default_heads):
+        return {}
+    factor = TINY["num_attention_heads"] / default_heads
+    return {n: max(1, int(settings[n] * factor)) for n in names if _is_count(settings.get(n))}
+
+
+def _named_head_counts(err: Exception, settings: dict[str, Any], known: set[str]) -> set[str]:
+    """Head counts outside the tiny table that a build error names."""
+    text = str(err)
+    return {
+        k
+        for k, v in settings.items()
+        if k.endswith("_heads")
+        and k not in TINY
+        and k not in known
+        and _is_count(v)
+        and (f"`{k}`" in text or f"'{k}'" in text)
+    }
 
 
 def build(model_type: str, directory: Path) -> None:
     """Build and save one tiny checkpoint (runs in a child process)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     keep: set[str] = set()
+    scaled: set[str] = set()
     fill_unset, every_kind = False, True
     while True:  # a knob the model rejects at this size keeps its default; at most one retry per knob
         torch.manual_seed(0)
         try:
-            model = AutoModelForCausalLM.from_config(tiny_config(model_type, frozenset(keep), fill_unset, every_kind))
+            config = tiny_config(model_type, frozenset(keep), fill_unset, every_kind, frozenset(scaled))
+            model = AutoModelForCausalLM.from_config(config)
             break
         except Exception as err:  # the error names the knob, or a size is unset, or the model does not build tiny
+            heads = _named_head_counts(err, AutoConfig.for_model(model_type).to_dict(), scaled)
+            if heads:  # another module's head count, bounded by the shrunk query heads
+                scaled |= heads
+                continue
             named = {k for k in TINY if k not in keep and (f"'{k}'" in str(err) or f"`{k}`" in str(err))}
             if not named and not fill_unset and "NoneType" in str(err):
                 fill_unset = True

@@ -32,7 +32,7 @@ from adapt.core.spec import ModelSpec
 from adapt.core.verdicts import gradient_floor
 from adapt.model.calls import without_cache
 from operators.agreement import compare_with_spec
-from operators.generated import GeneratedKernel, generate
+from operators.generated import CANNOT_CAPTURE, GeneratedKernel, generate
 from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
 from operators.mapping import KernelPlan, for_compile_mode, plan_kernels
 from operators.meta_trace import trace_meta_model
@@ -155,7 +155,12 @@ def run_ops(
         with _phase(phases, "plan"):
             plan = plan_kernels(inventory, recognition, prof, tgt, model, compile_mode=compile_mode)
         with _phase(phases, "generated"):
-            generated = _capture_generated(model, inventory, plan, out)
+            generated, uncompilable = _capture_generated(model, inventory, plan, out)
+        if uncompilable:
+            with _phase(phases, "plan"):
+                plan = plan_kernels(
+                    inventory, recognition, prof, tgt, model, compile_mode=compile_mode, as_traced=uncompilable
+                )
         onnx_report, onnx_blocks = None, None
         if onnx:
             with _phase(phases, "onnx"):
@@ -274,10 +279,14 @@ def _uncompile(module: nn.Module) -> None:
     module._compiled_call_impl = None
 
 
-def _capture_generated(model: nn.Module, inv: OpInventory, plan: KernelPlan, out: Path | None) -> list[GeneratedKernel]:
+def _capture_generated(
+    model: nn.Module, inv: OpInventory, plan: KernelPlan, out: Path | None
+) -> tuple[list[GeneratedKernel], dict[str, str]]:
     """Compile each generated module once to capture Inductor's code; structurally identical modules
-    (same parameter shapes and traced ops) reuse Inductor's cached code, which the report says."""
+    (same parameter shapes and traced ops) reuse Inductor's cached code, which the report says.
+    Also returns the new components Dynamo could not capture as one graph, each with the reason's first line."""
     kernels: list[GeneratedKernel] = []
+    uncompilable: dict[str, str] = {}
     by_structure: dict[str, GeneratedKernel] = {}
     for choice in plan.components:
         if choice.status != "generated" or choice.module not in inv.captured:
@@ -285,14 +294,20 @@ def _capture_generated(model: nn.Module, inv: OpInventory, plan: KernelPlan, out
         rec = inv.modules[choice.module]
         key = json.dumps([rec.params, rec.own_ops, rec.input_shapes], sort_keys=True)
         args, kwargs = inv.captured[choice.module]
-        _, kernel = generate(model.get_submodule(choice.module), choice.module, args, kwargs, out)
+        try:
+            _, kernel = generate(model.get_submodule(choice.module), choice.module, args, kwargs, out)
+        except CANNOT_CAPTURE as err:
+            if choice.kind == "new":
+                uncompilable[choice.module] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
+                continue
+            raise
         if not kernel.files and key in by_structure:
             first = by_structure[key]
             kernel.language, kernel.kernels, kernel.files = first.language, first.kernels, first.files
             kernel.reused_from = first.module
         by_structure.setdefault(key, kernel)
         kernels.append(kernel)
-    return kernels
+    return kernels, uncompilable
 
 
 def _onnx(model: nn.Module, inventory: OpInventory, out: Path | None) -> tuple[OnnxReport, dict[str, int] | None]:

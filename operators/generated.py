@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
+
+# What a fullgraph compile raises on a forward it cannot capture as one graph: Dynamo's own errors (an unsupported
+# construct, a graph break, a backend failure) and a guard on a value known only at run time (a loop over
+# ``tensor.unique().tolist()``).
+CANNOT_CAPTURE = (torch._dynamo.exc.TorchDynamoException, GuardOnDataDependentSymNode)
 
 
 @dataclass

@@ -141,11 +141,13 @@ def plan_kernels(
     target: Target,
     model: nn.Module | None = None,
     compile_mode: str | None = None,
+    as_traced: dict[str, str] | None = None,
 ) -> KernelPlan:
     """Decide a kernel for every component and a status for every traced op.
 
     ``model`` (optional) lets the CUDA micro-benchmark time candidates on copies of the real modules.
     ``compile_mode`` ("blocks", "whole" or "none") overrides the device's default (``compile_plan``).
+    ``as_traced``: new components Inductor could not compile as one graph (module -> why), which run as traced.
     """
     comps = components.components if isinstance(components, Recognition) else components
     provs = providers()
@@ -154,7 +156,10 @@ def plan_kernels(
     choices, seconds = [], Counter()
     for comp in comps:
         start = time.perf_counter()
-        choices.append(_choose(comp, provs, profile, target, model, compiled))
+        if comp.module in (as_traced or {}) and comp.kind == "new":
+            choices.append(_uncompilable(comp, as_traced[comp.module]))
+        else:
+            choices.append(_choose(comp, provs, profile, target, model, compiled))
         seconds[comp.kind] += time.perf_counter() - start
     ops, to_generate = _op_decisions(inventory, choices, profile)
     if to_generate:  # whole components become generated kernels: their ops follow them
@@ -226,6 +231,13 @@ def compile_plan(target: Target, profile: BackendProfile, mode: str | None = Non
             "measured faster than whole-model compilation in benchmarks/e2e.py)"
         ),
     }
+
+
+def _uncompilable(comp: Component, why: str) -> KernelChoice:
+    """A new component whose forward Dynamo cannot capture whole (data-dependent loops, host syncs): its own
+    code runs, and the report says why no generated kernel stands in for it."""
+    note = f"Inductor cannot compile it as one graph ({why}); it runs as traced"
+    return KernelChoice(comp.module, comp.kind, comp.variant, None, "as traced", "native", False, note=note)
 
 
 def _choose(
@@ -378,6 +390,8 @@ def _rank(
 def _escalate_to_generated(need: set[str], choices: list[KernelChoice]) -> None:
     """Components holding an op that only a generated kernel can run are compiled as a whole."""
     for c in choices:
+        if c.kernel == "as traced" and c.kind == "new":
+            continue  # Inductor already failed on it: its ops the profile lacks stay unsupported
         if c.module in need and c.kind == "rotary_application" and c.patch:
             c.provider, c.kernel, c.status, c.patch = (
                 "inductor",

@@ -98,6 +98,9 @@ def _attention_parts(block: BlockSpec, h: int) -> _Parts:
         return _Parts()
     a, g, dq, dv = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.v_head_dim
     out = GemmShape(a * dv, h, row_parallel=True)
+    if attn.kind != "mla" and attn.kv_shared:  # K/V read from another layer: no K/V GEMM, nothing cached or kept
+        saved = 2 * h + a * dq + a * dv + 2 * a
+        return _Parts([GemmShape(h, a * dq), out], saved, h, h, cache=0, ring=g * (dq + dv))
     if attn.kind != "mla":
         saved = 2 * h + a * dq + g * (dq + dv) + a * dv + 2 * a  # norm in, qkv in, q/k/v, output, fp32 lse
         gemms = [GemmShape(h, a * dq), GemmShape(h, g * (dq + dv), parts=(g * dq, g * dv)), out]

@@ -39,6 +39,9 @@ class AttentionSpec:
     sinks: bool = False  # learned attention sinks
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Cross-layer KV sharing: the layer attends to K/V another layer computed, so it holds no K/V projections and
+    # caches nothing of its own (Gemma 3n/4, Kolibri).
+    kv_shared: bool = False
     # Multi-head latent attention (DeepSeek-V2/V3); zero when not MLA.
     q_lora_rank: int = 0
     kv_lora_rank: int = 0

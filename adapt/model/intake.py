@@ -461,7 +461,7 @@ def _cost(model, blocks: list[BlockSpec], counts: ParamCounts, seq, hidden, voca
     if is_causal:
         for b in blocks:
             a = b.attention
-            if a is None:
+            if a is None or a.kv_shared:  # a layer reading another's K/V caches nothing of its own
                 continue
             per_layer = (
                 a.kv_lora_rank + a.qk_rope_head_dim if a.kind == "mla" else a.num_kv_heads * (a.head_dim + a.v_head_dim)
@@ -502,6 +502,11 @@ def _features(blocks: list[BlockSpec], is_causal: bool, head: HeadSpec) -> list[
         notes.append("learned attention sinks")
     if any(a.qk_norm for a in attn):
         notes.append("QK normalisation")
+    shared = sum(a.kv_shared for a in attn)
+    if shared:
+        notes.append(
+            f"cross-layer KV sharing: {shared}/{n} blocks attend to another layer's K/V (no cache of their own)"
+        )
     moe = [b.mlp for b in blocks if b.mlp.kind == "moe"]
     if moe:
         m = moe[0]

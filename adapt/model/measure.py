@@ -200,6 +200,7 @@ def _one_of_each(blocks: BlockList) -> Iterator[dict[int, tuple]]:
     seen: set[tuple] = set()
     representative: dict[int, tuple] = {}
     saved: list[tuple[nn.Module, Any]] = []  # (block, its own instance-level forward, if it had one)
+    last_output: list[Any] = []  # what the latest block that ran returned: the shape a passed-through one answers in
     for index, (block, signature) in enumerate(zip(blocks.blocks, block_signatures(blocks))):
         original = block.forward
         skip = signature in seen
@@ -207,7 +208,7 @@ def _one_of_each(blocks: BlockList) -> Iterator[dict[int, tuple]]:
         if not skip:
             representative[index] = signature
         saved.append((block, block.__dict__.get("forward")))
-        block.forward = _guarded(original, skip)
+        block.forward = _guarded(original, skip, last_output)
     try:
         yield representative
     finally:
@@ -218,17 +219,27 @@ def _one_of_each(blocks: BlockList) -> Iterator[dict[int, tuple]]:
                 block.forward = own
 
 
-def _guarded(original, skip: bool):
+def _guarded(original, skip: bool, last_output: list[Any]):
     def forward(*args, **kwargs):
         hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-        if skip:
-            return hidden
-        try:
-            return original(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - keep what was recorded; the rest of the model still runs
-            return hidden
+        if not skip:
+            try:
+                out = original(*args, **kwargs)
+                last_output[:] = [out]
+                return out
+            except Exception:  # noqa: BLE001 - keep what was recorded; the rest of the model still runs
+                pass
+        return _passed_through(hidden, last_output[0] if last_output else None)
 
     return forward
+
+
+def _passed_through(hidden: torch.Tensor, like: Any) -> Any:
+    """``hidden`` in the form blocks return: bare, or first in a tuple beside what the last block that ran returned
+    with it (a layer handing its successor a state, as Kolibri's index pool; a model unpacks every block's tuple)."""
+    if isinstance(like, tuple) and like and isinstance(like[0], torch.Tensor):
+        return (hidden, *like[1:])
+    return hidden
 
 
 def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str, ChildFacts]]:
@@ -270,7 +281,34 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
     finally:
         for handle in handles:
             handle.remove()
+    _fill_unreached_children(blocks, by_block)
     return by_block
+
+
+def _fill_unreached_children(blocks: BlockList, by_block: dict[tuple, dict[str, ChildFacts]]) -> None:
+    """A child its block never reached (an earlier child raised here: data-dependent code on meta tensors) takes the
+    facts of the same child measured in another block: the same class, parameter shapes and plain attributes
+    compute the same thing."""
+    signatures = block_signatures(blocks)
+    seen: dict[tuple, ChildFacts] = {}
+    for block, signature in zip(blocks.blocks, signatures):
+        for name, facts in by_block.get(signature, {}).items():
+            seen.setdefault(_child_signature(block.get_submodule(name)), facts)
+    for block, signature in zip(blocks.blocks, signatures):
+        if signature not in by_block:
+            continue
+        for name, child in block.named_children():
+            found = seen.get(_child_signature(child))
+            if name not in by_block[signature] and found is not None:
+                by_block[signature][name] = found
+
+
+def _child_signature(child: nn.Module) -> tuple:
+    return (
+        type(child),
+        tuple((n, tuple(p.shape)) for n, p in child.named_parameters()),
+        tuple(sorted((k, repr(v)) for k, v in _plain_attributes(child).items())),
+    )
 
 
 def _harvest(recorder: _Recorder, by_block: dict[tuple, dict[str, ChildFacts]], signature: tuple) -> Any:

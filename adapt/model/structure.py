@@ -286,19 +286,40 @@ def interpret_attention(
         # both the query and the key widths (never zero heads, never a zero-byte KV cache)
         head_dim = math.gcd(q_out_total, outs[0])
     num_heads = measured_heads or max(1, q_out_total // head_dim)
-    if len(inputs) == 1:  # fused qkv: out = (h + 2*kv) * d
-        fused = inputs[0].other_dim(hidden) or hidden
+    fused = (inputs[0].other_dim(hidden) or hidden) if len(inputs) == 1 else 0
+    kv_shared = _reads_shared_kv(attn_modules) or (len(inputs) == 1 and fused // head_dim <= num_heads)
+    if kv_shared:  # only a query projection: the K/V come from another layer, with that layer's head count
+        kv_heads = _shared_kv_heads(attn_modules, config, num_heads)
+    elif len(inputs) == 1:  # fused qkv: out = (h + 2*kv) * d
         kv_heads = max(1, (fused // head_dim - num_heads) // 2)
     else:
         kv_heads = max(1, outs[0] // head_dim) if outs else num_heads
     kind = "mha" if kv_heads == num_heads else ("mqa" if kv_heads == 1 else "gqa")
     return AttentionSpec(
         kind=kind, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-        qkv_bias=any(p.bias for p in inputs),
+        qkv_bias=any(p.bias for p in inputs), kv_shared=kv_shared,
     )  # fmt: skip
 
 
+def _reads_shared_kv(attn_modules: list[nn.Module]) -> bool:
+    """transformers marks a layer that attends to another layer's K/V (``is_kv_shared_layer``); such a layer may
+    still hold K/V projections it does not use, so the projections alone cannot say."""
+    return any(getattr(m, "is_kv_shared_layer", False) is True for m in attn_modules)
+
+
+def _shared_kv_heads(attn_modules: list[nn.Module], config, num_heads: int) -> int:
+    """KV heads of the K/V a sharing layer reads: its query heads over the heads each KV head serves, else the
+    module's or the config's KV head count."""
+    groups = _int_attr(attn_modules, ("num_key_value_groups",))
+    if groups and num_heads % groups == 0:
+        return num_heads // groups
+    heads = _int_attr(attn_modules, ("num_key_value_heads", "num_kv_heads")) or _cfg(config, "num_key_value_heads")
+    return int(heads) if isinstance(heads, int) and 0 < heads <= num_heads else num_heads
+
+
 def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int | None:
+    if any(getattr(m, "is_sliding", None) is False for m in attn_modules):  # a window kept on a full layer
+        return None
     for module in attn_modules:
         if hasattr(module, "sliding_window"):
             value = module.sliding_window

@@ -96,7 +96,9 @@ def print_summary(spec: ModelSpec) -> None:
         attn = (
             "-"
             if a is None
-            else f"{a.kind} {a.num_heads}h/{a.num_kv_heads}kv d{a.head_dim}" + (f" win{a.window}" if a.window else "")
+            else f"{a.kind} {a.num_heads}h/{a.num_kv_heads}kv d{a.head_dim}"
+            + (f" win{a.window}" if a.window else "")
+            + (" kv-shared" if a.kv_shared else "")
         )
         mlp = f"{m.kind} {m.intermediate_size} {m.activation}" + (
             f" E{m.num_experts} top{m.top_k}" if m.kind == "moe" else ""

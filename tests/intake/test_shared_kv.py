@@ -1,0 +1,139 @@
+"""A Day-0 model with parts intake and the operators stage had not met: layers that attend to another layer's K/V
+(cross-layer KV sharing), layers that hand their successor a state (a tuple, not a bare hidden state), windows
+kept on full-attention layers, and a new component whose data-dependent loops Dynamo cannot capture whole.
+
+transformers' Kolibri 1.1 has all of them, Gemma 4 the shared-KV tail; each test is skipped on a transformers
+without the model type.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+
+from adapt.model.intake import build_spec, resolve_source
+from operators.api import run_ops
+from parallel_planner.profile import profile_model
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def _save(tmp_path, model_type: str, **settings):
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=256,
+        hidden_size=64,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=256,
+        sliding_window=16,
+        **settings,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # a router left at zero ties every choice: no trained checkpoint does
+        for param in model.parameters():
+            if param.dim() >= 2 and not param.any():
+                param.normal_(0.0, 0.02)
+    model.save_pretrained(tmp_path / model_type)
+    return tmp_path / model_type
+
+
+def _kolibri(tmp_path):
+    """Sliding layers 0 and 3; indexed layers 1 (an indexer), 2 and 4 (reading layer 1's K/V, 4 an indexer too)."""
+    return _save(
+        tmp_path,
+        "kolibri1_1",
+        num_hidden_layers=5,
+        layer_types=["sliding_attention", "indexed_attention", "indexed_attention"]
+        + ["sliding_attention"]
+        + ["indexed_attention"],
+        index_layers=[1, 4],
+        kv_source_layers=[0, 1, 1, 3, 1],
+        index_topk=8,
+        index_pool_size=32,
+        index_compression=4,
+        index_num_heads=2,
+        index_num_local_tokens=4,
+        index_num_sink_tokens=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        mlp_only_intermediate_size=96,
+    )
+
+
+def _kv_bytes(layers: int, dtype_bytes: int = 4) -> int:
+    return layers * KV_HEADS * 2 * HEAD_DIM * dtype_bytes
+
+
+def test_layers_that_read_another_layers_kv_hold_no_cache_and_keep_their_kv_heads(tmp_path):
+    spec = build_spec(resolve_source(str(_kolibri(tmp_path))))
+    attention = [b.attention for b in spec.blocks]
+    assert [a.kv_shared for a in attention] == [False, False, True, False, True]
+    # only a query projection: read before as fused q/k/v with one KV head (MQA)
+    assert {(a.kind, a.num_heads, a.num_kv_heads) for a in attention} == {("gqa", HEADS, KV_HEADS)}
+    assert spec.cost.kv_cache_bytes_per_token == _kv_bytes(3)
+    assert any("cross-layer KV sharing: 2/5 blocks" in f for f in spec.features)
+    profile = profile_model(spec)
+    # the planner's serving and memory terms: the distinct blocks' cached widths, by how many blocks each stands for
+    assert sum(b.kv_cache_width * b.count for b in profile.blocks) == 3 * KV_HEADS * 2 * HEAD_DIM
+    assert min(b.kv_cache_width for b in profile.blocks) == 0
+
+
+def test_a_window_kept_on_a_full_layer_is_no_window(tmp_path):
+    """Kolibri's attention stores ``sliding_window`` on every layer and says which slide with ``is_sliding``."""
+    spec = build_spec(resolve_source(str(_kolibri(tmp_path))))
+    assert [b.attention.window for b in spec.blocks] == [16, None, None, 16, None]
+    assert [b.mixer for b in spec.blocks] == ["sliding_attention", "full_attention", "full_attention"] + [
+        "sliding_attention",
+        "full_attention",
+    ]
+
+
+def test_the_router_is_measured_in_blocks_whose_attention_cannot_run_on_meta_tensors(tmp_path):
+    """The indexer's data-dependent loops fail on the meta skeleton, and every layer returns a (hidden, pool) tuple:
+    the blocks after it must still run, and the MoE child measured in one block describes the same child in others.
+    Kolibri's router scores with a sigmoid after its top-k; the config does not say so."""
+    spec = build_spec(resolve_source(str(_kolibri(tmp_path))))
+    moe = [b.mlp for b in spec.blocks if b.mlp.kind == "moe"]
+    assert len(moe) == 4
+    assert {(m.router_scoring, m.top_k) for m in moe} == {("sigmoid", 2)}
+
+
+def test_a_new_component_dynamo_cannot_capture_whole_runs_as_traced(tmp_path):
+    report = run_ops(str(_kolibri(tmp_path)), onnx=False)
+    indexers = [c for c in report.plan.components if c.module.endswith("self_attn.indexer")]
+    assert [c.module for c in indexers] == [f"model.layers.{i}.self_attn.indexer" for i in (1, 2, 4)]
+    for choice in indexers:
+        assert (choice.status, choice.kernel, choice.patch) == ("native", "as traced", False)
+        assert "Inductor cannot compile it as one graph" in choice.note
+    assert not [g for g in report.generated if g.module.endswith("indexer")]
+    assert report.patch_check.ran and report.patch_check.passed
+
+
+def test_a_shared_kv_tail_caches_only_the_layers_that_produce_it(tmp_path):
+    """Gemma 4's last ``num_kv_shared_layers`` reuse the K/V of the last earlier layer of their type."""
+    kinds = ["sliding_attention"] * 3 + ["full_attention"]
+    ckpt = _save(
+        tmp_path,
+        "gemma4_text",
+        num_hidden_layers=8,
+        layer_types=kinds * 2,
+        num_kv_shared_layers=4,
+        intermediate_size=96,
+        global_head_dim=HEAD_DIM,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=256,
+    )
+    spec = build_spec(resolve_source(str(ckpt)))
+    assert [b.attention.kv_shared for b in spec.blocks] == [False] * 4 + [True] * 4
+    assert {b.attention.num_kv_heads for b in spec.blocks} == {KV_HEADS}
+    assert spec.cost.kv_cache_bytes_per_token == _kv_bytes(4)
