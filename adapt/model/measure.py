@@ -29,6 +29,9 @@ _ACTIVATIONS = {"aten.silu.default": "silu", "aten.relu.default": "relu", "aten.
                 "aten.sigmoid.default": "sigmoid", "aten.gelu.default": "gelu"}  # fmt: skip
 _RECURRENT_OPS = {"aten.exp.default", "aten.cumsum.default", "aten.softplus.default", "aten.logcumsumexp.default"}
 _SOFTMAX = ("aten._softmax.default", "aten._safe_softmax.default")
+# The batched products an attention core may compute its scores with ([N, s, d] x [N, d, s]); baddbmm also adds its
+# first operand (GPT-NeoX-Japanese starts from zeros, BLOOM from its ALiBi bias).
+_SCORES_PRODUCTS = ("aten.bmm.default", "aten.baddbmm.default")
 _SCORING = {"aten._softmax.default": "softmax", "aten.sigmoid.default": "sigmoid"}
 
 
@@ -125,8 +128,8 @@ class _Recorder(TorchDispatchMode):
             )
             facts.causal = self._fused_causal(func, args, kwargs, q.shape[-2], k.shape[-2])
             facts.sinks = False  # a fused core has no column beside the keys
-        elif name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is None:
-            a, b = tensors
+        elif name in _SCORES_PRODUCTS and len(tensors) >= 2 and facts.head_dim is None:
+            a, b = tensors[-2:]  # baddbmm's first tensor is what it adds: a bias, or zeros scaled away
             if a.dim() == 3 and a.shape[1] == SEQ and b.shape[-1] == SEQ and a.shape[-1] == b.shape[1]:
                 facts.head_dim, facts.query_heads = int(a.shape[-1]), int(a.shape[0])
                 # Zeros beside the scores: what reaches the softmax beside them is the mask alone.

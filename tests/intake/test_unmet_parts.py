@@ -1,9 +1,10 @@
-"""A Day-0 model with parts intake and the operators stage had not met: layers that attend to another layer's K/V
+"""Parts intake and the operators stage had not met: layers that attend to another layer's K/V
 (cross-layer KV sharing), layers that hand their successor a state (a tuple, not a bare hidden state), windows
-kept on full-attention layers, and a new component whose data-dependent loops Dynamo cannot capture whole.
+kept on full-attention layers, a new component whose data-dependent loops Dynamo cannot capture whole, and
+attention scores computed with ``baddbmm``.
 
-transformers' Kolibri 1.1 has all of them, Gemma 4 the shared-KV tail; each test is skipped on a transformers
-without the model type.
+transformers' Kolibri 1.1 has the first four, Gemma 4 the shared-KV tail, GPT-NeoX-Japanese the last; each test is
+skipped on a transformers without the model type.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ def _save(tmp_path, model_type: str, **settings):
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         max_position_embeddings=256,
-        sliding_window=16,
         **settings,
     )
     model = AutoModelForCausalLM.from_config(config)
@@ -50,6 +50,7 @@ def _kolibri(tmp_path):
         tmp_path,
         "kolibri1_1",
         num_hidden_layers=5,
+        sliding_window=16,
         layer_types=["sliding_attention", "indexed_attention", "indexed_attention"]
         + ["sliding_attention"]
         + ["indexed_attention"],
@@ -126,6 +127,7 @@ def test_a_shared_kv_tail_caches_only_the_layers_that_produce_it(tmp_path):
         tmp_path,
         "gemma4_text",
         num_hidden_layers=8,
+        sliding_window=16,
         layer_types=kinds * 2,
         num_kv_shared_layers=4,
         intermediate_size=96,
@@ -137,3 +139,15 @@ def test_a_shared_kv_tail_caches_only_the_layers_that_produce_it(tmp_path):
     assert [b.attention.kv_shared for b in spec.blocks] == [False] * 4 + [True] * 4
     assert {b.attention.num_kv_heads for b in spec.blocks} == {KV_HEADS}
     assert spec.cost.kv_cache_bytes_per_token == _kv_bytes(4)
+
+
+def test_scores_computed_with_baddbmm_are_an_attention_core_not_a_recurrence(tmp_path):
+    """GPT-NeoX-Japanese scores with ``baddbmm`` (zeros plus q k^T) and slices q/k/v and their rotary halves nine
+    times: with the core unseen, the slices read as a loop over the positions, and every block as recurrent."""
+    ckpt = _save(tmp_path, "gpt_neox_japanese", num_hidden_layers=2, intermediate_size=128)
+    spec = build_spec(resolve_source(str(ckpt)))
+    assert [b.mixer for b in spec.blocks] == ["full_attention"] * 2
+    assert {(b.attention.kind, b.attention.num_heads, b.attention.head_dim) for b in spec.blocks} == {
+        ("mha", HEADS, HEAD_DIM)
+    }
+    assert spec.cost.kv_cache_bytes_per_token == 2 * HEADS * 2 * HEAD_DIM * 4
