@@ -201,7 +201,7 @@ def _describe_block(
                   and is_mlp_group(parts.projections[o], hidden)]  # fmt: skip
     # A child seen convolving or carrying a decaying state, and never running an attention core, mixes tokens
     # by convolution or recurrence, whatever its projections look like.
-    mixer_owners = [o for o, f in facts.items() if not f.head_dim and (f.convolution or f.recurrence or o in parts.convolutions)
+    mixer_owners = [o for o, f in facts.items() if (not f.head_dim or f.kv_state) and (f.convolution or f.recurrence or o in parts.convolutions)
                     and o not in mlp_owners and o not in moe_owners]  # fmt: skip
     mixer_owners += [o for o in parts.convolutions if o not in facts and o not in mixer_owners]
     # An attention reads or writes the residual width; a child whose projections never touch it (hyper-connection
@@ -325,11 +325,17 @@ def _describe_block(
         "other": total - counted,
     }
     active_bank = bank_params * mlp.top_k / mlp.num_experts if mlp.kind == "moe" and mlp.num_experts else 0
-    linear_flops = 2 * (
-        sum(p.shape[0] * p.shape[1] for o in attn_owners for p in parts.projections[o])
-        + sum(p.shape[0] * p.shape[1] for p in mlp_projs)
-        + int(active_bank)
-        + int(active_attn_bank)
+    # a mixer's bare matrices (Mamba's A_log) scale its state elementwise; its linear maps are per-token GEMMs
+    mixer_maps = [p for o in mixer_owners for p in parts.projections.get(o, []) if p.out_features is not None]
+    linear_flops = (
+        2
+        * (  # every per-token projection: attention's, a state-space or linear-attention mixer's, the MLP's
+            sum(p.shape[0] * p.shape[1] for o in attn_owners for p in parts.projections[o])
+            + sum(p.shape[0] * p.shape[1] for p in mixer_maps)
+            + sum(p.shape[0] * p.shape[1] for p in mlp_projs)
+            + int(active_bank)
+            + int(active_attn_bank)
+        )
     )
     attn_coeff = 0
     if attention is not None:

@@ -56,6 +56,9 @@ class ChildFacts:
     # learned per-head logits in the softmax's denominator: a column beside the keys' scores, or the output rescaled
     # by the scores' logsumexp after it; None: the core was not seen
     sinks: bool | None = None
+    # keys times values contracted over the positions into a head-size square: the state of a linear attention
+    # (MiniMax's lightning attention), which computes q k^T too but keeps no keys
+    kv_state: bool = False
     last_op: str = ""
 
 
@@ -138,6 +141,8 @@ class _Recorder(TorchDispatchMode):
             mask = self.shadows.stand_in_of(tensors[0])
             if mask is not None:
                 facts.causal = blocks_future(mask, *mask.shape[-2:])
+        elif name == "aten.bmm.default" and len(tensors) == 2 and _contracts_positions_only(*tensors):
+            facts.kv_state = facts.recurrence = True
         elif (
             name == "aten.bmm.default" and len(tensors) == 2 and facts.head_dim is not None and facts.value_dim is None
         ):
@@ -178,6 +183,11 @@ class _Recorder(TorchDispatchMode):
             return False
         value = self.shadows.value_of(mask)
         return None if value is None else blocks_future(value, queries, keys)
+
+
+def _contracts_positions_only(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``[N, d, s] x [N, s, e]``: a product over the positions whose result holds none (``k^T v``)."""
+    return a.dim() == 3 and b.dim() == 3 and a.shape[-1] == SEQ == b.shape[1] and SEQ not in (a.shape[1], b.shape[-1])
 
 
 def _rotates(name: str, args: tuple) -> bool:

@@ -218,8 +218,8 @@ def _cfg(config, *names, default=None):
 def is_mlp_group(projs: list[Projection], hidden: int) -> bool:
     """Projections that go width -> I (once, twice, or fused 2I) -> width, with one inner size I."""
     others = [p.other_dim(hidden) for p in projs]
-    if not projs or any(o is None for o in others):
-        return False
+    if not projs or any(o is None for o in others) or any(hidden not in p.shape for p in projs):
+        return False  # a matrix off the width (Mamba's A_log beside its mixer) is no MLP
     inner = min(others)  # type: ignore[type-var]
     return all(o in (inner, 2 * inner) for o in others) and sum(o == inner for o in others) >= 1
 

@@ -151,3 +151,43 @@ def test_scores_computed_with_baddbmm_are_an_attention_core_not_a_recurrence(tmp
         ("mha", HEADS, HEAD_DIM)
     }
     assert spec.cost.kv_cache_bytes_per_token == 2 * HEADS * 2 * HEAD_DIM * 4
+
+
+def _projection_flops(module: torch.nn.Module) -> int:
+    return 2 * sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_a_linear_attention_keeps_a_state_not_keys(tmp_path):
+    """MiniMax's lightning attention computes q k^T too, but contracts k^T v over the positions into a state: its
+    layers are recurrent, cache no keys, and their projections still count as per-token FLOPs."""
+    ckpt = _save(
+        tmp_path,
+        "minimax",
+        num_hidden_layers=4,
+        layer_types=["full_attention", "linear_attention"] * 2,
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    spec = build_spec(resolve_source(str(ckpt)))
+    assert [b.mixer for b in spec.blocks] == ["full_attention", "recurrent"] * 2
+    assert [b.attention is None for b in spec.blocks] == [False, True] * 2
+    assert spec.cost.kv_cache_bytes_per_token == _kv_bytes(2)
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    full, lightning = model.model.layers[0], model.model.layers[1]
+    # the two layer kinds differ only in their token mixer: so do their FLOPs
+    assert spec.blocks[1].linear_flops_per_token - spec.blocks[0].linear_flops_per_token == _projection_flops(
+        lightning.self_attn
+    ) - _projection_flops(full.self_attn)
+
+
+def test_a_state_space_mixers_projections_count_as_flops(tmp_path):
+    """Mamba's in, x, dt and out projections run on every token: before, its blocks counted only what no mixer
+    owned, a sixteenth of their FLOPs."""
+    ckpt = _save(tmp_path, "mamba", num_hidden_layers=2, state_size=8, intermediate_size=128)
+    spec = build_spec(resolve_source(str(ckpt)))
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert [b.mixer for b in spec.blocks] == ["recurrent"] * 2
+    assert [b.linear_flops_per_token for b in spec.blocks] == [
+        _projection_flops(layer) for layer in model.backbone.layers
+    ]
