@@ -71,7 +71,7 @@ NONE = "none"  # no MLP, no norm, no rotary embedding: the same word on both sid
 COVERS: dict[tuple[str, str], frozenset[str]] = {
     ("mixer", ATTENTION): frozenset(ATTENTION_MIXERS),
     ("mlp.kind", DENSE): frozenset({"dense_gated", "dense_plain"}),
-    ("mixer", NO_ATTENTION): frozenset({"linear_attention", "ssm", "convolution", "recurrent", "unknown"}),
+    ("mixer", NO_ATTENTION): frozenset({"linear_attention", "ssm", "convolution", "recurrent", "none", "unknown"}),
     ("rope", NONE): frozenset({"none", "absolute", "alibi"}),
 }
 FLOAT_RTOL = 1e-4  # eps and soft-caps: one side may hold the float32 rounding of the other's value

@@ -17,7 +17,7 @@ from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, human
 SCHEMA_VERSION = 1
 
 MixerKind = Literal[
-    "full_attention", "sliding_attention", "linear_attention", "ssm", "convolution", "recurrent", "unknown"
+    "full_attention", "sliding_attention", "linear_attention", "ssm", "convolution", "recurrent", "none", "unknown"
 ]
 AttentionKind = Literal["mha", "gqa", "mqa", "mla", "none"]
 MLPKind = Literal["dense_gated", "dense_plain", "moe", "none"]

@@ -149,6 +149,9 @@ def describe_model(
         blocks.append(spec_block)
         for key, value in block_counts.items():
             setattr(counts, key, getattr(counts, key) + value)
+    if all(b.mixer == "none" for b in blocks):  # tokens mix somewhere: these blocks are not the whole layer (XLM's
+        for b in blocks:  # attentions sit in a list beside its feed-forward list)
+            b.mixer = "unknown"
     # What the attention masks do decides, not which head the class carries: a generating class whose every
     # attention sees later tokens (a BERT LM head built without is_decoder) computes an encoder, and a class that
     # cannot generate (a sequence classifier over a decoder) is causal when its attention masks the future.
@@ -349,6 +352,8 @@ def _describe_block(
         mixer = "sliding_attention" if attention.window else "full_attention"
     elif mixer_owners:
         mixer = "recurrent" if any(facts[o].recurrence for o in mixer_owners if o in facts) else "convolution"
+    elif (mlp_owners or moe_owners) and set(owners) <= set(mlp_owners) | set(moe_owners):
+        mixer = "none"  # a feed-forward-only layer of a hybrid stack (Nemotron-H's "-" and "E" layers) mixes no tokens
     return (
         BlockSpec(
             index=index,

@@ -191,3 +191,22 @@ def test_a_state_space_mixers_projections_count_as_flops(tmp_path):
     assert [b.linear_flops_per_token for b in spec.blocks] == [
         _projection_flops(layer) for layer in model.backbone.layers
     ]
+
+
+def test_a_feed_forward_only_layer_mixes_no_tokens(tmp_path):
+    """Nemotron-H interleaves layers that hold only an MLP (or only experts) with its mixers: such a layer has no
+    token mixer to identify, and is no novelty."""
+    try:
+        ckpt = _save(
+            tmp_path,
+            "nemotron_h",
+            num_hidden_layers=2,
+            layers_block_type=["full_attention", "mlp"],
+            intermediate_size=128,
+        )
+    except (TypeError, ValueError) as err:  # a transformers that names the layer schedule otherwise
+        pytest.skip(f"nemotron_h takes no layers_block_type here: {err}")
+    spec = build_spec(resolve_source(str(ckpt)))
+    assert [b.mixer for b in spec.blocks] == ["full_attention", "none"]
+    assert [b.mlp.kind for b in spec.blocks] == ["none", "dense_plain"]
+    assert not [n for n in spec.novelties if "token mixer" in n]
