@@ -78,6 +78,15 @@ def split_block(block: nn.Module) -> BlockLeaves:
             if path and not list(module.children()):
                 parts.param_free.append((path, module))
             continue
+        # a 3-D parameter is a bank of matrices when both trailing sizes are; one shaped (1, 1, h) is a vector kept
+        # ready to broadcast over (batch, positions): RWKV's token-shift mixing weights
+        vectors = [(n, p) for n, p in own if p.dim() == 3 and min(p.shape[1:]) == 1]
+        if vectors:
+            parts.other_1d += [(path, n, p.numel()) for n, p in vectors]
+            broadcast = {n for n, _ in vectors}
+            own = [(n, p) for n, p in own if n not in broadcast]
+            if not own:
+                continue
         dims = {p.dim() for _, p in own}
         if 3 in dims:
             for pname, p in own:
@@ -216,12 +225,26 @@ def _cfg(config, *names, default=None):
 
 
 def is_mlp_group(projs: list[Projection], hidden: int) -> bool:
-    """Projections that go width -> I (once, twice, or fused 2I) -> width, with one inner size I."""
-    others = [p.other_dim(hidden) for p in projs]
-    if not projs or any(o is None for o in others) or any(hidden not in p.shape for p in projs):
+    """Projections that go width -> I (once, twice, or fused 2I) -> width, with one inner size I; beside them a
+    square gate on the width (RWKV's receptance) when an up- and a down-projection are both there."""
+    if not projs or any(hidden not in p.shape for p in projs):
         return False  # a matrix off the width (Mamba's A_log beside its mixer) is no MLP
+    sized = [p for p in projs if p.other_dim(hidden) is not None]
+    if len(sized) < len(projs) and not (_reads_width(sized, hidden) and _writes_width(sized, hidden)):
+        return False  # squares beside narrow projections that only read the width: an attention's q and o
+    others = [p.other_dim(hidden) for p in sized]
+    if not others:
+        return False
     inner = min(others)  # type: ignore[type-var]
     return all(o in (inner, 2 * inner) for o in others) and sum(o == inner for o in others) >= 1
+
+
+def _reads_width(projs: list[Projection], hidden: int) -> bool:
+    return any(p.out_features is not None and p.out_features != hidden for p in projs)
+
+
+def _writes_width(projs: list[Projection], hidden: int) -> bool:
+    return any(p.out_features == hidden for p in projs)
 
 
 def interpret_attention(

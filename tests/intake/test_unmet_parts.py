@@ -210,3 +210,14 @@ def test_a_feed_forward_only_layer_mixes_no_tokens(tmp_path):
     assert [b.mixer for b in spec.blocks] == ["full_attention", "none"]
     assert [b.mlp.kind for b in spec.blocks] == ["none", "dense_plain"]
     assert not [n for n in spec.novelties if "token mixer" in n]
+
+
+def test_an_rnn_with_token_shift_vectors_is_recurrent_without_experts(tmp_path):
+    """RWKV keeps its token-shift mixing weights as (1, 1, width) parameters, and its feed-forward gates with a square
+    projection: read before as one-expert banks and an MQA attention with a KV cache."""
+    ckpt = _save(tmp_path, "rwkv", num_hidden_layers=2, attention_hidden_size=64, intermediate_size=128)
+    spec = build_spec(resolve_source(str(ckpt)))
+    assert [b.mixer for b in spec.blocks] == ["recurrent"] * 2
+    assert [b.attention for b in spec.blocks] == [None, None]
+    assert {b.mlp.kind for b in spec.blocks} == {"dense_gated"}
+    assert spec.cost.kv_cache_bytes_per_token == 0
