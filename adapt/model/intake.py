@@ -39,6 +39,7 @@ from adapt.model.structure import (
     interpret_expert_attention,
     interpret_mlp,
     is_mlp_group,
+    is_whole_feed_forward,
     probe_activation,
     probe_norm,
     same_tensor,
@@ -202,6 +203,14 @@ def _describe_block(
     moe_owners = [o for o in parts.banks if any(parts.banks[o])]
     mlp_owners = [o for o in owners if o not in moe_owners and len(parts.projections[o]) <= 3
                   and is_mlp_group(parts.projections[o], hidden)]  # fmt: skip
+    # Beside a named child that is a whole feed-forward (its own up and down projections), projections sitting on the
+    # block itself or halves in other children are a side path (Gemma 3n/4's per-layer input gate and projection), not
+    # part of it; without one, halves in separate children are the feed-forward (BERT's intermediate and output).
+    # Several whole ones: the largest is the feed-forward, the others side paths (Gemma 3n's low-rank LAUReL block).
+    whole = [o for o in mlp_owners if o and is_whole_feed_forward(parts.projections[o], hidden)]
+    main = max(whole, key=lambda o: sum(p.params for p in parts.projections[o]), default=None)
+    side_owners = [o for o in mlp_owners if o != main and (o in whole or o == "")] if main else []
+    mlp_owners = [o for o in mlp_owners if o not in side_owners]
     # A child seen convolving or carrying a decaying state, and never running an attention core, mixes tokens
     # by convolution or recurrence, whatever its projections look like.
     mixer_owners = [o for o, f in facts.items() if (not f.head_dim or f.kv_state) and (f.convolution or f.recurrence or o in parts.convolutions)
@@ -210,7 +219,13 @@ def _describe_block(
     # An attention reads or writes the residual width; a child whose projections never touch it (hyper-connection
     # mixing over several residual streams) is no attention and its parameters count as "other".
     attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners and o not in mixer_owners
-                   and any(hidden in p.shape for p in parts.projections[o])]  # fmt: skip
+                   and o not in side_owners and any(hidden in p.shape for p in parts.projections[o])]  # fmt: skip
+    # Where the attention core was seen running, the children it did not run in are no part of the attention (Gemma
+    # 3n's AltUp predictor and router beside it), whatever widths their matrices touch.
+    cores = [o for o in attn_owners if o in facts and facts[o].head_dim]
+    if cores:
+        side_owners += [o for o in attn_owners if o not in cores]
+        attn_owners = cores
     # No attention among the plain children: a child holding expert banks may keep its query heads as the experts.
     expert_attention = [] if attn_owners else [
         o for o in moe_owners if heads_kept_as_experts(parts.projections.get(o, []), parts.banks[o], hidden)][:1]  # fmt: skip
@@ -335,6 +350,7 @@ def _describe_block(
         * (  # every per-token projection: attention's, a state-space or linear-attention mixer's, the MLP's
             sum(p.shape[0] * p.shape[1] for o in attn_owners for p in parts.projections[o])
             + sum(p.shape[0] * p.shape[1] for p in mixer_maps)
+            + sum(p.shape[0] * p.shape[1] for o in side_owners for p in parts.projections[o])
             + sum(p.shape[0] * p.shape[1] for p in mlp_projs)
             + int(active_bank)
             + int(active_attn_bank)

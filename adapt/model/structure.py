@@ -239,6 +239,12 @@ def is_mlp_group(projs: list[Projection], hidden: int) -> bool:
     return all(o in (inner, 2 * inner) for o in others) and sum(o == inner for o in others) >= 1
 
 
+def is_whole_feed_forward(projs: list[Projection], hidden: int) -> bool:
+    """An MLP group holding both its way in from the width and its way back to it."""
+    sized = [p for p in projs if p.other_dim(hidden) is not None]
+    return _reads_width(sized, hidden) and _writes_width(sized, hidden)
+
+
 def _reads_width(projs: list[Projection], hidden: int) -> bool:
     return any(p.out_features is not None and p.out_features != hidden for p in projs)
 

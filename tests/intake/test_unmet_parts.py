@@ -221,3 +221,27 @@ def test_an_rnn_with_token_shift_vectors_is_recurrent_without_experts(tmp_path):
     assert [b.attention for b in spec.blocks] == [None, None]
     assert {b.mlp.kind for b in spec.blocks} == {"dense_gated"}
     assert spec.cost.kv_cache_bytes_per_token == 0
+
+
+def test_side_paths_beside_the_attention_and_the_feed_forward_are_neither(tmp_path):
+    """Gemma 3n's layer holds, beside its attention and gated MLP, a low-rank residual block (LAUReL: width -> rank ->
+    width, an MLP by shape), an AltUp predictor and router (small matrices off the width) and a per-layer input gate
+    and projection on the layer itself. Merged into the MLP and the attention they read as a rank-wide plain MLP and
+    a multi-head latent attention."""
+    ckpt = _save(
+        tmp_path,
+        "gemma3n_text",
+        num_hidden_layers=2,
+        intermediate_size=128,
+        laurel_rank=8,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=256,
+        num_kv_shared_layers=0,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        activation_sparsity_pattern=[0.0, 0.0],
+    )
+    spec = build_spec(resolve_source(str(ckpt)))
+    assert {(b.attention.kind, b.attention.num_kv_heads) for b in spec.blocks} == {("gqa", KV_HEADS)}
+    assert {(b.mlp.kind, b.mlp.intermediate_size) for b in spec.blocks} == {("dense_gated", 128)}
+    assert spec.cost.kv_cache_bytes_per_token == _kv_bytes(2)
