@@ -415,10 +415,11 @@ def interpret_mlp(
         )  # fmt: skip
         del has_bias_correction
         return spec, bank_params, sum(p.params for p in router)
-    others = [p.other_dim(hidden) or hidden for p in projs]
+    # a square projection beside narrow ones is a gate on the width (RWKV's receptance), not the inner size
+    others = [p.other_dim(hidden) for p in projs if p.other_dim(hidden) is not None] or [hidden] * len(projs)
     inner = min(others)
     ups = [o for o in others if o in (inner, 2 * inner)]
-    gated = len(ups) >= 3 or any(o == 2 * inner for o in others)
+    gated = len(ups) >= 3 or any(o == 2 * inner for o in others) or len(others) < len(projs)
     spec = MLPSpec(
         kind="dense_gated" if gated else "dense_plain", intermediate_size=inner, activation=activation,
         bias=any(p.bias for p in projs),

@@ -219,7 +219,7 @@ def test_an_rnn_with_token_shift_vectors_is_recurrent_without_experts(tmp_path):
     spec = build_spec(resolve_source(str(ckpt)))
     assert [b.mixer for b in spec.blocks] == ["recurrent"] * 2
     assert [b.attention for b in spec.blocks] == [None, None]
-    assert {b.mlp.kind for b in spec.blocks} == {"dense_gated"}
+    assert {(b.mlp.kind, b.mlp.intermediate_size) for b in spec.blocks} == {("dense_gated", 128)}
     assert spec.cost.kv_cache_bytes_per_token == 0
 
 
