@@ -30,16 +30,14 @@ from adapt.core.spec import (
 from adapt.model.activations import canonical_activation
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.model.measure import ChildFacts, block_signatures, measure_blocks
+from adapt.model.roles import child_roles
 from adapt.model.skeleton import build_meta_model, load_config, load_model, quiet_transformers
 from adapt.model.structure import (
     attention_causal,
     attention_window,
-    heads_kept_as_experts,
     interpret_attention,
     interpret_expert_attention,
     interpret_mlp,
-    is_mlp_group,
-    is_whole_feed_forward,
     probe_activation,
     probe_norm,
     same_tensor,
@@ -199,38 +197,9 @@ def _describe_block(
     facts: dict[str, ChildFacts], generates: bool, rotation_seen: bool,
 ) -> tuple[BlockSpec, dict[str, int]]:  # fmt: skip
     parts = split_block(block)
-    owners = list(parts.projections)
-    moe_owners = [o for o in parts.banks if any(parts.banks[o])]
-    mlp_owners = [o for o in owners if o not in moe_owners and len(parts.projections[o]) <= 3
-                  and is_mlp_group(parts.projections[o], hidden)]  # fmt: skip
-    # Beside a named child that is a whole feed-forward (its own up and down projections), projections sitting on the
-    # block itself or halves in other children are a side path (Gemma 3n/4's per-layer input gate and projection), not
-    # part of it; without one, halves in separate children are the feed-forward (BERT's intermediate and output).
-    # Several whole ones: the largest is the feed-forward, the others side paths (Gemma 3n's low-rank LAUReL block).
-    whole = [o for o in mlp_owners if o and is_whole_feed_forward(parts.projections[o], hidden)]
-    main = max(whole, key=lambda o: sum(p.params for p in parts.projections[o]), default=None)
-    side_owners = [o for o in mlp_owners if o != main and (o in whole or o == "")] if main else []
-    mlp_owners = [o for o in mlp_owners if o not in side_owners]
-    # A child seen convolving or carrying a decaying state, and never running an attention core, mixes tokens
-    # by convolution or recurrence, whatever its projections look like.
-    mixer_owners = [o for o, f in facts.items() if (not f.head_dim or f.kv_state) and (f.convolution or f.recurrence or o in parts.convolutions)
-                    and o not in mlp_owners and o not in moe_owners]  # fmt: skip
-    mixer_owners += [o for o in parts.convolutions if o not in facts and o not in mixer_owners]
-    # An attention reads or writes the residual width; a child whose projections never touch it (hyper-connection
-    # mixing over several residual streams) is no attention and its parameters count as "other".
-    attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners and o not in mixer_owners
-                   and o not in side_owners and any(hidden in p.shape for p in parts.projections[o])]  # fmt: skip
-    # Where the attention core was seen running, the children it did not run in are no part of the attention (Gemma
-    # 3n's AltUp predictor and router beside it), whatever widths their matrices touch.
-    cores = [o for o in attn_owners if o in facts and facts[o].head_dim]
-    if cores:
-        side_owners += [o for o in attn_owners if o not in cores]
-        attn_owners = cores
-    # No attention among the plain children: a child holding expert banks may keep its query heads as the experts.
-    expert_attention = [] if attn_owners else [
-        o for o in moe_owners if heads_kept_as_experts(parts.projections.get(o, []), parts.banks[o], hidden)][:1]  # fmt: skip
-    moe_owners = [o for o in moe_owners if o not in expert_attention]
-    attn_owners += expert_attention
+    roles = child_roles(parts, facts, hidden)
+    attn_owners, mlp_owners, moe_owners = roles.attention, roles.mlp, roles.moe
+    mixer_owners, side_owners, expert_attention = roles.mixer, roles.side, roles.expert_attention
     module_of = dict(block.named_modules())
 
     # Norms: probe each distinct (class, size) once. Narrow norms inside the attention owner are
@@ -368,7 +337,7 @@ def _describe_block(
         mixer = "sliding_attention" if attention.window else "full_attention"
     elif mixer_owners:
         mixer = "recurrent" if any(facts[o].recurrence for o in mixer_owners if o in facts) else "convolution"
-    elif (mlp_owners or moe_owners) and set(owners) <= set(mlp_owners) | set(moe_owners):
+    elif roles.feed_forward_only:
         mixer = "none"  # a feed-forward-only layer of a hybrid stack (Nemotron-H's "-" and "E" layers) mixes no tokens
     return (
         BlockSpec(

@@ -1,0 +1,65 @@
+"""Which child of a block does what: the attention, the feed-forward, the experts, another token mixer, or a side path.
+
+A block's parameter-holding children (the owners ``structure.split_block`` groups its matrices by) are sorted by the
+shapes of their matrices and by what the measurement saw each compute (``measure.ChildFacts``); intake then describes
+each role from its children.  This is the one place that answers the question.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adapt.model.measure import ChildFacts
+from adapt.model.structure import BlockLeaves, heads_kept_as_experts, is_mlp_group, is_whole_feed_forward
+
+
+@dataclass
+class ChildRoles:
+    owners: list[str]  # every child holding a matrix ("" for matrices on the block itself)
+    attention: list[str]
+    mlp: list[str]
+    moe: list[str]  # children holding expert banks
+    mixer: list[str]  # a recurrent or convolution token mixer
+    side: list[str]  # per-token projections that are none of the above (counted as FLOPs, their parameters as other)
+    expert_attention: list[str]  # an attention that keeps its query heads as experts (in ``attention`` too)
+
+    @property
+    def feed_forward_only(self) -> bool:
+        """A layer holding a feed-forward and nothing else that mixes tokens (Nemotron-H's MLP and expert layers)."""
+        return bool(self.mlp or self.moe) and set(self.owners) <= set(self.mlp) | set(self.moe)
+
+
+def child_roles(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) -> ChildRoles:
+    owners = list(parts.projections)
+    moe_owners = [o for o in parts.banks if any(parts.banks[o])]
+    mlp_owners = [o for o in owners if o not in moe_owners and len(parts.projections[o]) <= 3
+                  and is_mlp_group(parts.projections[o], hidden)]  # fmt: skip
+    # Beside a named child that is a whole feed-forward (its own up and down projections), projections sitting on the
+    # block itself or halves in other children are a side path (Gemma 3n/4's per-layer input gate and projection), not
+    # part of it; without one, halves in separate children are the feed-forward (BERT's intermediate and output).
+    # Several whole ones: the largest is the feed-forward, the others side paths (Gemma 3n's low-rank LAUReL block).
+    whole = [o for o in mlp_owners if o and is_whole_feed_forward(parts.projections[o], hidden)]
+    main = max(whole, key=lambda o: sum(p.params for p in parts.projections[o]), default=None)
+    side_owners = [o for o in mlp_owners if o != main and (o in whole or o == "")] if main else []
+    mlp_owners = [o for o in mlp_owners if o not in side_owners]
+    # A child seen convolving or carrying a decaying state, and never running an attention core, mixes tokens
+    # by convolution or recurrence, whatever its projections look like.
+    mixer_owners = [o for o, f in facts.items() if (not f.head_dim or f.kv_state) and (f.convolution or f.recurrence or o in parts.convolutions)
+                    and o not in mlp_owners and o not in moe_owners]  # fmt: skip
+    mixer_owners += [o for o in parts.convolutions if o not in facts and o not in mixer_owners]
+    # An attention reads or writes the residual width; a child whose projections never touch it (hyper-connection
+    # mixing over several residual streams) is no attention and its parameters count as "other".
+    attn_owners = [o for o in owners if o not in moe_owners and o not in mlp_owners and o not in mixer_owners
+                   and o not in side_owners and any(hidden in p.shape for p in parts.projections[o])]  # fmt: skip
+    # Where the attention core was seen running, the children it did not run in are no part of the attention (Gemma
+    # 3n's AltUp predictor and router beside it), whatever widths their matrices touch.
+    cores = [o for o in attn_owners if o in facts and facts[o].head_dim]
+    if cores:
+        side_owners += [o for o in attn_owners if o not in cores]
+        attn_owners = cores
+    # No attention among the plain children: a child holding expert banks may keep its query heads as the experts.
+    expert_attention = [] if attn_owners else [
+        o for o in moe_owners if heads_kept_as_experts(parts.projections.get(o, []), parts.banks[o], hidden)][:1]  # fmt: skip
+    moe_owners = [o for o in moe_owners if o not in expert_attention]
+    attn_owners += expert_attention
+    return ChildRoles(owners, attn_owners, mlp_owners, moe_owners, mixer_owners, side_owners, expert_attention)
