@@ -7,8 +7,10 @@ and the run's re-plan read it (``parallel_planner.calibration`` documents the fo
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -43,14 +45,31 @@ def timed(fn, device: str, reps: int) -> float:
     return statistics.median(times)
 
 
+def fresh_input(value: Any) -> Any:
+    """A captured block input as a new call should receive it: tensors detached from any graph, and containers
+    copied, so that a block writing into one (a layer storing its K/V for a later layer to share) neither changes
+    the capture nor hands the next call a tensor from this call's freed graph."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, MutableMapping):
+        copied = copy.copy(value)  # the same mapping type (transformers' KV-sharing UserDict)
+        for key in value:
+            copied[key] = fresh_input(value[key])
+        return copied
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(fresh_input(v) for v in value)
+    return value
+
+
 def time_block(block: nn.Module, args: tuple, kwargs: dict, device: str) -> tuple[float, float]:
     """Median forward and backward seconds of one block on its captured inputs."""
     hidden = (args[0] if args else kwargs["hidden_states"]).detach().requires_grad_(True)
-    call_args = (hidden, *args[1:]) if args else ()
-    call_kwargs = kwargs if args else {**kwargs, "hidden_states": hidden}
 
     def forward():
-        return first_tensor(block(*call_args, **call_kwargs))
+        rest = fresh_input(kwargs)
+        if args:
+            return first_tensor(block(hidden, *fresh_input(args[1:]), **rest))
+        return first_tensor(block(**{**rest, "hidden_states": hidden}))
 
     forward_s = timed(forward, device, 5)
     grad = torch.randn_like(forward())
@@ -103,10 +122,12 @@ def block_calibration(model: nn.Module, options: Any, device: str, spec) -> dict
     model = model.to(device).train()
     blocks = find_blocks(model)
     inputs: dict[int, tuple] = {}
+
+    def capture(i: int, args: tuple, kwargs: dict) -> None:  # returns None: the block runs on its own inputs
+        inputs.setdefault(i, fresh_input((args, kwargs)))
+
     handles = [
-        block.register_forward_pre_hook(
-            lambda _m, args, kwargs, i=i: inputs.setdefault(i, (args, kwargs)), with_kwargs=True
-        )
+        block.register_forward_pre_hook(lambda _m, args, kwargs, i=i: capture(i, args, kwargs), with_kwargs=True)
         for i, block in enumerate(blocks.blocks)
     ]
     ids = batch_for_step(options.seed, 20_000, options.batch, options.seq_len, vocab_size(model), device)

@@ -245,3 +245,24 @@ def test_side_paths_beside_the_attention_and_the_feed_forward_are_neither(tmp_pa
     assert {(b.attention.kind, b.attention.num_kv_heads) for b in spec.blocks} == {("gqa", KV_HEADS)}
     assert {(b.mlp.kind, b.mlp.intermediate_size) for b in spec.blocks} == {("dense_gated", 128)}
     assert spec.cost.kv_cache_bytes_per_token == _kv_bytes(2)
+
+
+def test_blocks_that_share_kv_are_timed_each_on_its_own_inputs(tmp_path):
+    """The throughput stage times every block on its captured inputs. Kolibri's layers hand each other K/V through a
+    mapping the storing layer writes into: timing the storing layer must not leave the sharing layer a tensor from a
+    freed graph (it failed with "backward through the graph a second time"), and capturing must not take the mapping
+    away from the model (the sharing layer then missed its source)."""
+    from collections import UserDict
+    from types import SimpleNamespace
+
+    from validators.bench_calibration import block_calibration, fresh_input
+
+    shared = UserDict({"1": (torch.ones(2, requires_grad=True) * 2,)})
+    copied = fresh_input({"shared_kv_states": shared})["shared_kv_states"]
+    assert type(copied) is UserDict and copied is not shared and not copied["1"][0].requires_grad
+    model = AutoModelForCausalLM.from_pretrained(_kolibri(tmp_path), dtype=torch.float32)
+    options = SimpleNamespace(seed=0, batch=1, seq_len=24, dtype="fp32")
+    spec = build_spec(resolve_source(str(tmp_path / "kolibri1_1")))
+    timings = block_calibration(model, options, "cpu", spec)["blocks"]
+    assert [b["index"] for b in timings] == list(range(5))
+    assert all(b["forward_s"] > 0 and b["backward_s"] > 0 for b in timings)
