@@ -116,7 +116,7 @@ def measure(
     """Median ms of each option's forward (+ backward when training) on a CUDA copy of ``module``.
 
     ``compiled``: the options will run inside compiled blocks, so each path Inductor rewrites is timed as
-    Inductor compiles it; a hand kernel is timed as it is (``inductor_rewrites``), which is what runs there
+    Inductor compiles it; a hand kernel is timed as it is (``KernelOption.inductor_rewrites``), which is what runs there
     too, without the seconds a compile per option would add to the operators stage.
 
     Candidates are timed before any check of their numerics (``KernelOption.verify`` runs on the winner), so
@@ -131,7 +131,7 @@ def measure(
         x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=target.training)
         try:
             fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
-            if compiled and inductor_rewrites(opt):
+            if compiled and opt.inductor_rewrites:
                 fwd = torch.compile(fwd, fullgraph=False, dynamic=False)
             timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), DeviceTimer())
         except Exception as err:  # a kernel that cannot run here is not a candidate; the others still are
@@ -139,14 +139,6 @@ def measure(
         del mod
         log.debug("timed %s for %s: %.2f s (compile included)", _name(opt), comp.kind, time.perf_counter() - began)
     return timings
-
-
-def inductor_rewrites(option: KernelOption) -> bool:
-    """Whether compiling ``option``'s forward changes the kernels it runs.  A hand kernel (one that ships
-    its own Triton code: our ``torch.library`` operators, Liger's autograd functions) stays an opaque call
-    under Inductor, and the GEMMs beside it stay library calls; ATen's paths (fused norms, decompositions,
-    the module's own forward) are what Inductor rewrites into its own kernels."""
-    return option.needs_codegen != "triton"
 
 
 def _step(fwd, x, training: bool) -> None:

@@ -369,7 +369,7 @@ def _rank(
 ) -> tuple[KernelOption, dict[str, float]]:
     """The preferred provider's kernel; else, on CUDA, the fastest measured - the module's own traced
     path competing where it maps hidden states to hidden states (under compile: what Inductor makes of
-    it); else the first fused option."""
+    it, which an ATen replacement forward adds nothing to); else the first candidate."""
     fused = [o for o in options if o.status == "fused"] or options
     preferred = [o for o in fused if o.provider in target.prefer]
     if preferred:
@@ -377,14 +377,17 @@ def _rank(
     traced = (
         [o for o in options if o.status == "native" and o.make_forward is None] if comp.kind in _TIMED_KINDS else []
     )
-    if compiled and comp.kind in _TIMED_KINDS and not traced:
-        traced = [INDUCTOR_OWN_FORWARD]
+    if compiled and comp.kind in _TIMED_KINDS:
+        # Inside a compiled block an ATen replacement is the own forward by another route: one candidate, one
+        # compile to time it, and no patch.
+        traced = traced or [INDUCTOR_OWN_FORWARD]
+        fused = [o for o in fused if not o.lowered_like_own_forward]
     candidates = fused + [o for o in traced if o not in fused]
     if len(candidates) > 1 and target.device == "cuda":
         from operators.benchmark import fastest
 
         return fastest(candidates, comp, target, module, compiled=compiled)
-    return fused[0], {}
+    return candidates[0], {}
 
 
 def _escalate_to_generated(need: set[str], choices: list[KernelChoice]) -> None:

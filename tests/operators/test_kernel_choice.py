@@ -86,7 +86,9 @@ def _fake_cuda(monkeypatch, tmp_path, figures: dict[str, float]) -> list[tuple[l
 
 
 def norm_providers():
-    kernel = KernelOption("adapt", "rms_norm", "fused", lambda module, component: module.forward)
+    kernel = KernelOption(
+        "adapt", "rms_norm", "fused", lambda module, component: module.forward, needs_codegen="triton"
+    )
     return [Provider("adapt", [kernel])]
 
 
@@ -99,6 +101,24 @@ def test_under_compile_a_hand_kernel_must_beat_inductor_on_its_own_forward(monke
     assert (choice.provider, choice.status, choice.patch) == ("inductor", "native", False)
     assert choice.timings == {"adapt:rms_norm": 0.30, "inductor:own forward, compiled": 0.20}
     assert choice.margin == 1.5
+
+
+def test_under_compile_an_aten_replacement_is_not_timed_beside_the_own_forward(monkeypatch, tmp_path):
+    """Inductor lowers an ATen replacement (``F.rms_norm``) and the module's own forward alike: only the own forward
+    and the hand kernels are compiled and timed, and a replacement alone leaves the own forward, untimed."""
+    figures = {"adapt:rms_norm": 0.30, "inductor:own forward, compiled": 0.20, "torch:F.rms_norm": 0.10}
+    timed = _fake_cuda(monkeypatch, tmp_path, figures)
+    aten = Provider("torch", [KernelOption("torch", "F.rms_norm", "fused", lambda module, component: module.forward)])
+    model = nn.Sequential(nn.LayerNorm(8))
+    norm = Component("0", "rms_norm", RMSNormVariant(width=8, eps=1e-6), True)
+    choice = _choose(norm, [aten, *norm_providers()], Profile(), CUDA, model, compiled=True)
+    assert timed == [(["adapt:rms_norm", "inductor:own forward, compiled"], True)]
+    assert (choice.provider, choice.patch) == ("inductor", False)
+    alone = _choose(norm, [aten], Profile(), CUDA, model, compiled=True)
+    assert (alone.provider, alone.patch, alone.timings) == ("inductor", False, {}) and len(timed) == 1
+    # eager, the replacement is what it is: it competes with the hand kernel
+    eager = _choose(norm, [aten, *norm_providers()], Profile(), CUDA, model, compiled=False)
+    assert timed[-1] == (["torch:F.rms_norm", "adapt:rms_norm"], False) and eager.provider == "torch"
 
 
 def test_a_hand_kernel_that_beats_inductor_stays_and_eager_timings_are_kept_apart(monkeypatch, tmp_path):
@@ -353,7 +373,7 @@ def test_under_compile_only_the_paths_inductor_rewrites_are_compiled_to_be_timed
     norm = Component("0", "rms_norm", RMSNormVariant(width=64, eps=1e-6, weight=True, cast="round_then_scale"), True)
     options = {f"{o.provider}:{o.kernel}": o for p in providers() for o in p.options(norm, CUDA)}
     options["inductor"] = INDUCTOR_OWN_FORWARD
-    assert {name: benchmark.inductor_rewrites(o) for name, o in options.items()} == {
+    assert {name: o.inductor_rewrites for name, o in options.items()} == {
         "adapt-triton:rms_norm": False,
         "liger:LigerRMSNormFunction": False,
         "torch-native:F.rms_norm": True,
