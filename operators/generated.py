@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils._pytree import tree_map
+
+from adapt.model.captured import fresh_input
 
 # What a fullgraph compile raises on a forward it cannot capture as one graph: Dynamo's own errors (an unsupported
 # construct, a graph break, a backend failure) and a guard on a value known only at run time (a loop over
@@ -45,10 +46,6 @@ def compile_module(module: nn.Module) -> Callable[..., Any]:
     """
     original = type(module).forward.__get__(module)
     return torch.compile(original, backend="inductor", fullgraph=True, dynamic=None)
-
-
-def _detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 @contextlib.contextmanager
@@ -82,12 +79,13 @@ def generate(
     fresh = [
         torch.randn_like(a).requires_grad_(a.is_floating_point())
         if isinstance(a, torch.Tensor) and a.is_floating_point()
-        else tree_map(_detached, a)
+        else fresh_input(a)
         for a in args
     ]
-    # Captured tensors anywhere else (keywords, nested in tuples) belong to the traced model's graph, freed by its
-    # backward: detached, so this backward cannot reach it again.
-    kwargs = tree_map(_detached, kwargs)
+    # Captured tensors anywhere else (keywords, nested in tuples and mappings) belong to the traced model's graph,
+    # freed by its backward: detached, and their containers copied, so this call neither reaches that graph nor
+    # changes the capture.
+    kwargs = fresh_input(kwargs)
     with _state_detached(module):
         out = fn(*fresh, **kwargs)
         if isinstance(out, torch.Tensor) and out.requires_grad:

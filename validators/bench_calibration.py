@@ -7,15 +7,14 @@ and the run's re-plan read it (``parallel_planner.calibration`` documents the fo
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
-from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from adapt.model.captured import fresh_input
 from parallel_planner.calibration import calibration_from_measurements
 from validators.compare import parse_dtype
 from validators.environment import measure_matmul_flops
@@ -43,22 +42,6 @@ def timed(fn, device: str, reps: int) -> float:
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def fresh_input(value: Any) -> Any:
-    """A captured block input as a new call should receive it: tensors detached from any graph, and containers
-    copied, so that a block writing into one (a layer storing its K/V for a later layer to share) neither changes
-    the capture nor hands the next call a tensor from this call's freed graph."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, MutableMapping):
-        copied = copy.copy(value)  # the same mapping type (transformers' KV-sharing UserDict)
-        for key in value:
-            copied[key] = fresh_input(value[key])
-        return copied
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(fresh_input(v) for v in value)
-    return value
 
 
 def time_block(block: nn.Module, args: tuple, kwargs: dict, device: str) -> tuple[float, float]:

@@ -131,7 +131,7 @@ def describe_model(
     # to full attention on a short input), and the measured facts are filed under the signatures they had.
     signatures = block_signatures(found)
     try:
-        measured = measure_blocks(model, found)
+        measured = measure_blocks(model, found, signatures)
     except Exception:  # noqa: BLE001 - measurement is a refinement; shapes and config still describe the model
         measured = {}
     norm_cache: dict[tuple[type, int], NormSpec | None] = {}

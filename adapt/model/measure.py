@@ -78,14 +78,20 @@ def block_signatures(blocks: BlockList) -> list[tuple]:
         name for name in names
         if len(blocks.blocks) > 1 and len({found.get(name) for found in attributes}) == len(blocks.blocks)
     }  # fmt: skip
-    return [
-        (
-            type(block),
-            tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
-            tuple(sorted((k, repr(v)) for k, v in found.items() if k not in indices)),
-        )
-        for block, found in zip(blocks.blocks, attributes)
-    ]
+    return [module_signature(block, found, indices) for block, found in zip(blocks.blocks, attributes)]
+
+
+def module_signature(
+    module: nn.Module, attributes: dict[str, Any] | None = None, ignored: set[str] = frozenset()
+) -> tuple:
+    """Class, parameter names and shapes, and plain attributes (``ignored`` left out): modules that share it compute
+    the same thing."""
+    found = _plain_attributes(module) if attributes is None else attributes
+    return (
+        type(module),
+        tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),
+        tuple(sorted((k, repr(v)) for k, v in found.items() if k not in ignored)),
+    )
 
 
 def _plain_attributes(block: nn.Module) -> dict[str, Any]:
@@ -208,13 +214,13 @@ def _rotates(name: str, args: tuple) -> bool:
 
 
 @contextmanager
-def _one_of_each(blocks: BlockList) -> Iterator[dict[int, tuple]]:
+def _one_of_each(blocks: BlockList, signatures: list[tuple]) -> Iterator[dict[int, tuple]]:
     """Pass through every block whose structure an earlier block already has; a block that fails passes through too."""
     seen: set[tuple] = set()
     representative: dict[int, tuple] = {}
     saved: list[tuple[nn.Module, Any]] = []  # (block, its own instance-level forward, if it had one)
     last_output: list[Any] = []  # what the latest block that ran returned: the shape a passed-through one answers in
-    for index, (block, signature) in enumerate(zip(blocks.blocks, block_signatures(blocks))):
+    for index, (block, signature) in enumerate(zip(blocks.blocks, signatures)):
         original = block.forward
         skip = signature in seen
         seen.add(signature)
@@ -255,8 +261,9 @@ def _passed_through(hidden: torch.Tensor, like: Any) -> Any:
     return hidden
 
 
-def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str, ChildFacts]]:
-    """Per block signature, the facts of each of its direct children (by child name)."""
+def measure_blocks(model: nn.Module, blocks: BlockList, signatures: list[tuple]) -> dict[tuple, dict[str, ChildFacts]]:
+    """Per block signature (``block_signatures``, taken before any forward: a model may reconfigure its blocks while
+    running), the facts of each of its direct children (by child name)."""
     recorder = _Recorder()
     handles = []
     for block in blocks.blocks:
@@ -265,7 +272,7 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
             handles.append(child.register_forward_hook(lambda m, a, o: recorder.leave()))
     by_block: dict[tuple, dict[str, ChildFacts]] = {}
     try:
-        with _one_of_each(blocks) as representative:
+        with _one_of_each(blocks, signatures) as representative:
             device = next(model.parameters()).device
             vocab = model.get_input_embeddings().num_embeddings
             chosen = torch.randint(0, vocab, (1, SEQ))
@@ -294,34 +301,27 @@ def measure_blocks(model: nn.Module, blocks: BlockList) -> dict[tuple, dict[str,
     finally:
         for handle in handles:
             handle.remove()
-    _fill_unreached_children(blocks, by_block)
+    _fill_unreached_children(blocks, signatures, by_block)
     return by_block
 
 
-def _fill_unreached_children(blocks: BlockList, by_block: dict[tuple, dict[str, ChildFacts]]) -> None:
+def _fill_unreached_children(
+    blocks: BlockList, signatures: list[tuple], by_block: dict[tuple, dict[str, ChildFacts]]
+) -> None:
     """A child its block never reached (an earlier child raised here: data-dependent code on meta tensors) takes the
     facts of the same child measured in another block: the same class, parameter shapes and plain attributes
     compute the same thing."""
-    signatures = block_signatures(blocks)
     seen: dict[tuple, ChildFacts] = {}
     for block, signature in zip(blocks.blocks, signatures):
         for name, facts in by_block.get(signature, {}).items():
-            seen.setdefault(_child_signature(block.get_submodule(name)), facts)
+            seen.setdefault(module_signature(block.get_submodule(name)), facts)
     for block, signature in zip(blocks.blocks, signatures):
         if signature not in by_block:
             continue
         for name, child in block.named_children():
-            found = seen.get(_child_signature(child))
+            found = seen.get(module_signature(child))
             if name not in by_block[signature] and found is not None:
                 by_block[signature][name] = found
-
-
-def _child_signature(child: nn.Module) -> tuple:
-    return (
-        type(child),
-        tuple((n, tuple(p.shape)) for n, p in child.named_parameters()),
-        tuple(sorted((k, repr(v)) for k, v in _plain_attributes(child).items())),
-    )
 
 
 def _harvest(recorder: _Recorder, by_block: dict[tuple, dict[str, ChildFacts]], signature: tuple) -> Any:

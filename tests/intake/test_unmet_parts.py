@@ -255,7 +255,8 @@ def test_blocks_that_share_kv_are_timed_each_on_its_own_inputs(tmp_path):
     from collections import UserDict
     from types import SimpleNamespace
 
-    from validators.bench_calibration import block_calibration, fresh_input
+    from adapt.model.captured import fresh_input
+    from validators.bench_calibration import block_calibration
 
     shared = UserDict({"1": (torch.ones(2, requires_grad=True) * 2,)})
     copied = fresh_input({"shared_kv_states": shared})["shared_kv_states"]
