@@ -15,7 +15,6 @@ rebuilds it with the result type's ``from_dict``), add a ``Stage`` to ``STAGES``
 from __future__ import annotations
 
 import contextlib
-import functools
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -180,13 +179,17 @@ class AdaptedTransform:
         self.handles.append(self.apply_kernel_plan(model, self.kernel_plan))
         if self.block_progress is not None:
             paths, callback = self.block_progress
+            positions: dict[int, tuple[int, int, str]] = {}
+            blocks = []
             for index, path in enumerate(paths):
                 try:
                     block = model.get_submodule(path)
                 except AttributeError:  # display only: a path the loaded class lays out differently shows no bar
                     continue
-                hook = functools.partial(_block_done, callback, index + 1, len(paths), f"candidate {path}")
-                self.hooks.append(block.register_forward_hook(hook))
+                positions[id(block)] = (index + 1, len(paths), f"candidate {path}")
+                blocks.append(block)
+            hook = _progress_hook(callback, positions)
+            self.hooks += [block.register_forward_hook(hook) for block in blocks]
         return model
 
     def revert(self) -> None:
@@ -210,8 +213,17 @@ def candidate(
         transform.revert()
 
 
-def _block_done(callback: ProgressCallback, done: int, total: int, label: str, *hook_args: Any) -> None:
-    callback(done, total, label)
+def _progress_hook(callback: ProgressCallback, positions: dict[int, tuple[int, int, str]]) -> Callable[..., None]:
+    """One forward hook for every block, kept out of compiled graphs.  A block compiles with its hooks: a hook Dynamo
+    traced would guard on each block's own label, recompiling per block until the recompile limit, after which the
+    remaining blocks would run eager inside the very stage that validates them compiled."""
+    import torch
+
+    @torch.compiler.disable
+    def block_done(module: Any, *hook_args: Any) -> None:
+        callback(*positions[id(module)])
+
+    return block_done
 
 
 # ---- plan -----------------------------------------------------------------------------------
