@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/run_device.py --out DIR                 # on the H200: both shapes
     PYTHONPATH=$PWD python benchmarks/run_device.py --out DIR --tiny --device cpu   # rehearsal on the CPU
+    PYTHONPATH=$PWD python benchmarks/run_device.py --out DIR --models llama-1b --fp8  # weights stored as fp8 blocks
 
 Each model is a random-init checkpoint built from its transformers config (bf16, saved with ``save_pretrained``), so
 every stage loads it through HF's own loader.  The run itself is the user's command line, in its own process: its exit
@@ -20,6 +21,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from benchmarks.quantise import quantise_checkpoint_fp8
 from benchmarks.shapes import build_checkpoint
 
 MODELS = ("llama-1b", "qwen2-0.5b")  # reference shapes from benchmarks/shapes.py
@@ -65,6 +67,11 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="rehearsal widths (CPU)")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds per adapt run")
     parser.add_argument("--stages", help="a subset of stages (default: all, as a user runs it)")
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="store the blocks' linear weights as fp8 blocks first (benchmarks/quantise.py)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt_root = Path(os.environ.get("TMPDIR", "/tmp")) / "adapt-run-device"
@@ -72,8 +79,12 @@ def main() -> int:
     for name in args.models.split(","):
         device = "cuda" if args.device == "cuda" else "cpu"
         checkpoint = build_checkpoint(name, ckpt_root / name, args.tiny, device)
+        if args.fp8:
+            quantise_checkpoint_fp8(checkpoint)
+            name += "-fp8"
         results.append(run_one(name, checkpoint, args.out, args.device, args.budget, args.stages))
     tag = "h200" if args.device == "cuda" else args.device
+    tag += "-fp8" if args.fp8 else ""
     (args.out / f"run-{tag}-summary.json").write_text(json.dumps(results, indent=2) + "\n")
     for result in results:
         print(f"{result['model']}: exit {result['exit_code']} in {result['wall_s']} s", flush=True)

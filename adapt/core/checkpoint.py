@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -131,9 +132,17 @@ def on_disk_tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
 
 
 def cross_check(
-    model: torch.nn.Module, tensors: dict[str, TensorInfo], files: list[str], fmt: str = "safetensors"
+    model: torch.nn.Module,
+    tensors: dict[str, TensorInfo],
+    files: list[str],
+    fmt: str = "safetensors",
+    quantization: dict[str, Any] | None = None,
 ) -> CheckpointReport:
-    """Compare checkpoint headers with the skeleton: missing, unexpected and mismatched keys, ties."""
+    """Compare checkpoint headers with the skeleton: missing, unexpected and mismatched keys, ties.
+
+    ``quantization`` (the config's ``quantization_config``): the weights are stored in the quantisation's own form,
+    so a tensor beside a module's weights (its scales, zero points), a weight of another shape (packed integers)
+    and a weight replaced by such tensors are the quantisation's, not unused, mismatched or missing."""
     state = _on_disk_state(model)  # transformers' name reversion, once
     expected = _shapes(state)
     ties = tied_groups(model)
@@ -161,6 +170,14 @@ def cross_check(
         for n in sorted(aligned)
         if n in state and aligned[n].dtype in INTEGER_DTYPES and state[n].dtype.is_floating_point
     ]
+    stored: list[str] = []
+    if quantization:
+        owners = {name.rsplit(".", 1)[0] for name in expected}
+        stored = sorted({n for n in unexpected if n.rsplit(".", 1)[0] in owners} | {m["name"] for m in mismatches})
+        quantised_modules = {name.rsplit(".", 1)[0] for name in stored}
+        unexpected = [n for n in unexpected if n not in stored]
+        mismatches = [m for m in mismatches if m["name"] not in stored]
+        missing = [n for n in missing if n.rsplit(".", 1)[0] not in quantised_modules]
     return CheckpointReport(
         format=fmt,  # type: ignore[arg-type]
         files=[os.path.basename(f) for f in files],
@@ -173,6 +190,8 @@ def cross_check(
         shape_mismatches=mismatches,
         tied=[sorted(g) for g in ties],
         integer_for_float=integer_for_float,
+        quantization=dict(quantization or {}),
+        quantization_tensors=stored,
     )
 
 

@@ -157,6 +157,21 @@ class CheckpointReport:
     tied: list[list[str]] = field(default_factory=list)  # groups of names sharing storage
     # integers on disk where the model holds floating point (a quantised file read without its quantisation)
     integer_for_float: list[dict[str, Any]] = field(default_factory=list)
+    # the checkpoint's quantization_config (weights stored quantised: fp8 blocks, packed integers), and the tensors it
+    # stores in its own form beside or instead of the model's (scales, zero points, packed weights)
+    quantization: dict[str, Any] = field(default_factory=dict)
+    quantization_tensors: list[str] = field(default_factory=list)
+
+    def quantization_line(self) -> str:
+        """How the weights are stored, when quantised: method and format as the config states them."""
+        q = self.quantization
+        if not q:
+            return ""
+        details = [str(q[key]) for key in ("fmt", "bits", "weight_dtype") if q.get(key) is not None]
+        if q.get("weight_block_size"):
+            details.append("x".join(str(n) for n in q["weight_block_size"]) + " blocks")
+        method = str(q.get("quant_method", "unknown method"))
+        return f"weights stored quantised ({method}{': ' + ', '.join(details) if details else ''})"
 
 
 @dataclass
@@ -239,6 +254,8 @@ class ModelSpec:
             line += f"; checkpoint: {problems[0]}" + (f" (+{len(problems) - 1})" if len(problems) > 1 else "")
         if unexpected:
             line += f"; {plural(len(unexpected), 'unused checkpoint tensor', 'unused checkpoint tensors')}"
+        if self.checkpoint is not None and self.checkpoint.quantization:
+            line += f"; {self.checkpoint.quantization_line()}"
         return StageSummary(line, data, checks)
 
     def verdict(self, thresholds: dict[str, Any] | None = None) -> list[Check]:

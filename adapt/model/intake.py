@@ -79,7 +79,7 @@ def check_checkpoint(src: ModelSource, model: nn.Module) -> CheckpointReport | N
     if src.weight_format != "safetensors":
         return CheckpointReport(format="pytorch_bin", files=[f.rsplit("/", 1)[-1] for f in src.weight_files])
     tensors = read_checkpoint(src.weight_files)
-    report = cross_check(model, tensors, src.weight_files)
+    report = cross_check(model, tensors, src.weight_files, quantization=src.config_dict.get("quantization_config"))
     if report.shape_mismatches:
         first = "; ".join(
             f"{m['name']}: checkpoint {m['checkpoint']} vs config {m['model']}" for m in report.shape_mismatches[:3]

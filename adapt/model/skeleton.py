@@ -8,6 +8,7 @@ Auto mappings.  Decoders get their causal-LM class; encoders get their base mode
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import warnings
@@ -307,6 +308,31 @@ def staging_dtype(src: ModelSource, dtype: torch.dtype, device: str) -> torch.dt
     return own if own.itemsize < dtype.itemsize and dtype.is_floating_point else None
 
 
+def dequantize_on_load(src: ModelSource, config: Any, dtype: torch.dtype) -> str | None:
+    """Have transformers' own quantizer turn stored quantised weights (fp8 blocks, MXFP4, ...) back into ``dtype``
+    as it loads them, and say so; None when the weights are stored as floating point.
+
+    Left quantised, transformers keeps inference-only modules (fp8 linears whose weights take no gradient), and the
+    alignment and the training step would silently measure them or train around them.  A method transformers cannot
+    dequantize on load (packed integers: GPTQ, AWQ, bitsandbytes) is refused as bad input."""
+    stored = getattr(config, "quantization_config", None)
+    if not stored:
+        return None
+    settings = stored if isinstance(stored, dict) else stored.to_dict()
+    method = settings.get("quant_method", "unknown")
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    quantizer_config = AUTO_QUANTIZATION_CONFIG_MAPPING.get(str(method))
+    if quantizer_config is None or "dequantize" not in inspect.signature(quantizer_config.__init__).parameters:
+        raise BadInput(
+            f"{src.text}: its weights are stored quantised ({method}), which transformers cannot turn back into "
+            "floating point as it loads them; adapt aligns and trains floating-point weights: give it the "
+            "unquantised checkpoint"
+        )
+    config.quantization_config = {**settings, "dequantize": True}
+    return f"weights stored quantised ({method}): dequantized to {str(dtype).removeprefix('torch.')} on load by transformers"
+
+
 def load_model(
     src: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu", notes: list[str] | None = None
 ) -> torch.nn.Module:
@@ -329,6 +355,9 @@ def load_model(
     )
     placement = direct_placement(device)
     staged = None if placement else staging_dtype(src, dtype, device)
+    dequantized = dequantize_on_load(src, config, dtype) if src.has_weights else None
+    if dequantized and notes is not None and dequantized not in notes:
+        notes.append(dequantized)
     try:
         with quiet_transformers():
             if src.has_weights:

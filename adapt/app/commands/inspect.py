@@ -116,6 +116,11 @@ def print_summary(spec: ModelSpec) -> None:
             f"checkpoint: {len(ck.files)} file(s), {ck.num_tensors} tensors, {ck.total_bytes / 2**20:.1f} MiB, dtypes {ck.dtypes}; "
             f"missing {len(ck.missing)}, unexpected {len(ck.unexpected)}, tied groups {len(ck.tied)}"
         )
+        if ck.quantization:
+            console.print(
+                f"{ck.quantization_line()}: {len(ck.quantization_tensors)} tensors in the quantisation's own form; "
+                "loaded dequantized where transformers can do so"
+            )
     if spec.features:
         console.print("known traits: " + "; ".join(spec.features))
     if spec.novelties:

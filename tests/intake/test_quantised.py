@@ -1,0 +1,99 @@
+"""Checkpoints whose weights are stored quantised, as Day-0 releases often ship them (fp8 blocks with scales).
+
+Intake names the quantisation and does not call its scales unused; loading has transformers' own quantizer turn the
+weights back into floating point, checked against a float64 dequantisation of the file; a method transformers
+cannot dequantize on load is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from adapt.core.errors import BadInput
+from adapt.model.intake import build_spec, load_model, resolve_source
+from benchmarks.quantise import BLOCK, SCALE_SUFFIX, quantisable, quantise_checkpoint_fp8, scale_name
+
+
+def _dequantised64(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = codes.shape
+    wide = scale.double().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
+    return codes.double() * wide
+
+
+@pytest.fixture
+def fp8_checkpoint(zoo, tmp_path):
+    ckpt = tmp_path / "llama_fp8"
+    shutil.copytree(zoo("llama"), ckpt)
+    return ckpt, quantise_checkpoint_fp8(ckpt)
+
+
+def test_intake_names_the_quantisation_and_counts_its_scales_as_its_own(fp8_checkpoint):
+    ckpt, stored = fp8_checkpoint
+    spec = build_spec(resolve_source(str(ckpt)))
+    report = spec.checkpoint
+    scales = sorted(n for n in stored if n.endswith(SCALE_SUFFIX))
+    assert scales and report.quantization_tensors == scales
+    assert report.unexpected == [] and report.missing == [] and report.shape_mismatches == []
+    assert report.quantization["quant_method"] == "fp8"
+    verdict = spec.summary().verdict
+    assert "weights stored quantised (fp8: e4m3, 128x128 blocks)" in verdict and "unused" not in verdict
+
+
+@pytest.mark.parametrize("gpu_visible", [False, True], ids=["cpu-host", "fp8-capable-gpu-visible"])
+def test_loading_dequantises_through_transformers_to_the_files_values(fp8_checkpoint, monkeypatch, gpu_visible):
+    """With an fp8-capable GPU in sight transformers would keep its inference-only fp8 linears (weights that take no
+    gradient); the weights must come back as trainable floating point wherever the model is loaded."""
+    ckpt, stored = fp8_checkpoint
+    if gpu_visible:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    notes: list[str] = []
+    model = load_model(resolve_source(str(ckpt)), dtype=torch.float32, notes=notes)
+    assert any("dequantized to float32" in n for n in notes), notes
+    params = dict(model.named_parameters())
+    checked = 0
+    for name, codes in stored.items():
+        if codes.dtype != torch.float8_e4m3fn:
+            continue
+        weight = params[name]
+        assert weight.dtype == torch.float32 and weight.requires_grad, name  # trainable floating point, not fp8
+        expected = _dequantised64(codes, stored[scale_name(name)])
+        torch.testing.assert_close(weight.double(), expected, rtol=2e-7, atol=0.0)
+        checked += 1
+    assert checked == sum(1 for n, t in stored.items() if t.dtype == torch.float8_e4m3fn) > 0
+
+
+def test_a_method_transformers_cannot_dequantise_is_refused_in_one_line(zoo, tmp_path):
+    """GPTQ stores packed integers in place of each linear weight: intake reads that as the quantisation's form,
+    and loading for alignment and training is refused, naming the method."""
+    ckpt = tmp_path / "llama_gptq"
+    shutil.copytree(zoo("llama"), ckpt)
+    state = load_file(ckpt / "model.safetensors")
+    stored = {}
+    for name, tensor in state.items():
+        if quantisable(name, tensor):
+            rows, cols = tensor.shape
+            module = name.removesuffix(".weight")
+            stored[module + ".qweight"] = torch.randint(0, 2**31 - 1, (cols // 8, rows), dtype=torch.int32)
+            stored[module + ".scales"] = torch.rand(1, rows, dtype=torch.float16)
+        else:
+            stored[name] = tensor
+    save_file(stored, ckpt / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": -1}
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+    src = resolve_source(str(ckpt))
+    report = build_spec(src).checkpoint
+    assert (
+        report.missing == []
+        and report.unexpected == []
+        and len(report.quantization_tensors) == len(stored) - sum(1 for n, t in state.items() if not quantisable(n, t))
+    )
+    with pytest.raises(BadInput, match=r"stored quantised \(gptq\).*unquantised checkpoint"):
+        load_model(src)
