@@ -159,7 +159,14 @@ def run_ops(
         if uncompilable:
             with _phase(phases, "plan"):
                 plan = plan_kernels(
-                    inventory, recognition, prof, tgt, model, compile_mode=compile_mode, as_traced=uncompilable
+                    inventory,
+                    recognition,
+                    prof,
+                    tgt,
+                    model,
+                    compile_mode=compile_mode,
+                    as_traced=uncompilable,
+                    earlier=plan,
                 )
         onnx_report, onnx_blocks = None, None
         if onnx:

@@ -142,22 +142,28 @@ def plan_kernels(
     model: nn.Module | None = None,
     compile_mode: str | None = None,
     as_traced: dict[str, str] | None = None,
+    earlier: KernelPlan | None = None,
 ) -> KernelPlan:
     """Decide a kernel for every component and a status for every traced op.
 
     ``model`` (optional) lets the CUDA micro-benchmark time candidates on copies of the real modules.
     ``compile_mode`` ("blocks", "whole" or "none") overrides the device's default (``compile_plan``).
-    ``as_traced``: new components Inductor could not compile as one graph (module -> why), which run as traced.
+    ``as_traced``: new components Inductor could not compile as one graph (module -> why), which run as traced;
+    with the ``earlier`` plan that found them, every other component keeps the choice made there.
     """
     comps = components.components if isinstance(components, Recognition) else components
     provs = providers()
     compile_choice = compile_plan(target, profile, compile_mode)
     compiled = compile_choice["mode"] != "none"
-    choices, seconds = [], Counter()
+    kept = {(c.module, c.kind): c for c in earlier.components} if earlier is not None else {}
+    choices, seconds = [], Counter(earlier.seconds_by_kind if earlier is not None else {})
     for comp in comps:
         start = time.perf_counter()
         if comp.module in (as_traced or {}) and comp.kind == "new":
             choices.append(_uncompilable(comp, as_traced[comp.module]))
+        elif (comp.module, comp.kind) in kept:
+            choices.append(kept[(comp.module, comp.kind)])
+            continue
         else:
             choices.append(_choose(comp, provs, profile, target, model, compiled))
         seconds[comp.kind] += time.perf_counter() - start

@@ -359,3 +359,21 @@ def test_a_new_module_that_takes_python_counts_runs_as_traced_not_through_induct
     assert bank.variant.python_sizes and not scramble.variant.python_sizes
     assert (bank.provider, bank.status, bank.patch) == (None, "native", False)
     assert (scramble.provider, scramble.status, scramble.patch) == ("inductor", "generated", True)
+
+
+def test_a_new_module_inductor_cannot_capture_is_replanned_alone():
+    """Once capture finds a new component Dynamo cannot compile whole, only its choice is remade: every other
+    component keeps what the first plan chose (timed once), and the uncompilable one runs as traced."""
+    model = _Counted()
+    inventory = trace_model(model, seq_len=6)
+    recognition = recognise(model, inventory)
+    profile, target = load_profile("cuda-hopper"), Target("cpu", "float32", True, None)
+    first = plan_kernels(inventory, recognition, profile, target)
+    first.component("bank", "new").note = "chosen by the first plan"  # a mark a fresh choice would not carry
+    again = plan_kernels(
+        inventory, recognition, profile, target, as_traced={"scramble": "data-dependent"}, earlier=first
+    )
+    assert again.component("bank", "new").note == "chosen by the first plan"
+    scramble = again.component("scramble", "new")
+    assert (scramble.kernel, scramble.status, scramble.patch) == ("as traced", "native", False)
+    assert "data-dependent" in scramble.note
