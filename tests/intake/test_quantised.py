@@ -97,3 +97,28 @@ def test_a_method_transformers_cannot_dequantise_is_refused_in_one_line(zoo, tmp
     )
     with pytest.raises(BadInput, match=r"stored quantised \(gptq\).*unquantised checkpoint"):
         load_model(src)
+
+
+def test_experts_stored_one_by_one_with_their_scales_load_as_the_float_checkpoint_would(zoo, tmp_path):
+    """DeepSeek-V3's own layout: each expert's projections on disk with their own scales, which transformers fuses
+    into expert banks as it loads.  The quantised file must load to the parameters a float32 file holding the float64
+    dequantisation loads to."""
+    quantised, reference = tmp_path / "ds_fp8", tmp_path / "ds_float"
+    shutil.copytree(zoo("deepseek_v3"), quantised)
+    shutil.copytree(zoo("deepseek_v3"), reference)
+    stored = quantise_checkpoint_fp8(quantised)
+    scales = [n for n in stored if n.endswith(SCALE_SUFFIX)]
+    assert any(".experts.0." in n for n in scales)  # experts one by one, each with its scales
+    report = build_spec(resolve_source(str(quantised))).checkpoint
+    assert report.unexpected == [] and report.missing == [] and sorted(scales) == report.quantization_tensors
+    dequantised = {
+        name: (_dequantised64(tensor, stored[scale_name(name)]) if tensor.dtype == torch.float8_e4m3fn else tensor)
+        for name, tensor in stored.items()
+        if not name.endswith(SCALE_SUFFIX)
+    }
+    save_file({n: t.float().contiguous() for n, t in dequantised.items()}, reference / "model.safetensors")
+    got = dict(load_model(resolve_source(str(quantised)), dtype=torch.float32).named_parameters())
+    want = dict(load_model(resolve_source(str(reference)), dtype=torch.float32).named_parameters())
+    assert got.keys() == want.keys() and any(p.dim() == 3 for p in got.values())  # fused expert banks
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=2e-7, atol=0.0, msg=name)
