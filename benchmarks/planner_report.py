@@ -69,6 +69,7 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
             "attention": run.attention,
             "flop_convention": run.flop_convention,
             "attention_dropout": bool(run.dropout),
+            "hidden_dropout": bool(run.dropout),
             "grad_bits": run.grad_bits,
             "grad_accum_fused": bool(run.grad_accum_fused),
             "launch_blocking": bool(run.launch_blocking),

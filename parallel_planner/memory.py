@@ -50,11 +50,16 @@ class MemoryModel:
     # The routing weight scales the experts' activation before their down-projection (a fused SwiGLU-with-weight),
     # so no expert output is kept for the weight's gradient.
     moe_weighted_activation: bool = False
+    hidden_dropout: bool = False  # each residual branch keeps its 1-byte dropout mask for backward
 
     @classmethod
     def of(cls, eff) -> MemoryModel:
         """The memory model of the software a ``timing.Efficiency`` describes."""
-        return cls(fused_kernels=eff.fused_kernels, moe_weighted_activation=eff.moe_weighted_activation)
+        return cls(
+            fused_kernels=eff.fused_kernels,
+            moe_weighted_activation=eff.moe_weighted_activation,
+            hidden_dropout=eff.hidden_dropout,
+        )
 
     def usable_bytes(self, cluster: Cluster) -> float:
         return cluster.gpu.memory_bytes * (1 - self.fragmentation)
@@ -119,7 +124,12 @@ def model_state_floor(profile: ModelProfile, workload: Workload, c: Candidates, 
 
 
 def activation_bytes_per_block(
-    profile: ModelProfile, workload: Workload, c: Candidates, fused_kernels: bool = True, weighted: bool = False
+    profile: ModelProfile,
+    workload: Workload,
+    c: Candidates,
+    fused_kernels: bool = True,
+    weighted: bool = False,
+    hidden_dropout: bool = False,
 ) -> np.ndarray:
     """Saved activations of one block of each type for one micro-batch, (C, T).
 
@@ -136,6 +146,9 @@ def activation_bytes_per_block(
         return np.array([getattr(b, name) for b in profile.blocks], dtype=np.float64)[None, :]
 
     kept = ACT_BYTES * (widths("saved_width") - widths("recomputable_width") + unfused * widths("unfused_width"))
+    # hidden dropout's masks, one byte per element of each residual branch (Korthikanti et al.'s 2sbh of masks)
+    masks = hidden_dropout * widths("residual_branches") * profile.hidden
+    kept = kept + masks
     recomputable = ACT_BYTES * (widths("recomputable_width") - widths("cacheable_width")) + cached * widths(
         "cacheable_width"
     )
@@ -157,11 +170,14 @@ def activation_bytes_per_block(
     )
     per_token = np.where(c.recompute[:, None] == FULL, ACT_BYTES * profile.hidden, per_token)  # block input only
     # Without sequence parallelism each TP rank keeps the whole norm inputs and the GEMM inputs the norms
-    # feed (Korthikanti et al.'s 10sbh term, here 4h without dropout masks), or the whole block input.
+    # feed (Korthikanti et al.'s 10sbh term: 4h elements and the dropout masks), or the whole block input.
+    full = c.recompute[:, None] == FULL
     replicated = (
-        np.where(c.recompute[:, None] == FULL, profile.hidden, 4 * profile.hidden) * (c.sp[:, None] == 0) * (tp > 1)
+        np.where(full, ACT_BYTES * profile.hidden, ACT_BYTES * 4 * profile.hidden + masks)
+        * (c.sp[:, None] == 0)
+        * (tp > 1)
     )
-    return tokens * (per_token + ACT_BYTES * replicated * (tp - 1)) / tp
+    return tokens * (per_token + replicated * (tp - 1)) / tp
 
 
 def memory_breakdown(
@@ -179,8 +195,10 @@ def memory_breakdown(
     expert_gpu = mirrored(experts, dual, mean=False) / (tp * c.ep[:, None])
     tokens = (c.mbs * workload.seq_len / c.cp)[:, None].astype(np.float64)
     weighted = mm.moe_weighted_activation
-    per_block = activation_bytes_per_block(profile, workload, c, mm.fused_kernels, weighted)
-    full_width = activation_bytes_per_block(profile, workload, _no_recompute(c), mm.fused_kernels, weighted)
+    per_block = activation_bytes_per_block(profile, workload, c, mm.fused_kernels, weighted, mm.hidden_dropout)
+    full_width = activation_bytes_per_block(
+        profile, workload, _no_recompute(c), mm.fused_kernels, weighted, mm.hidden_dropout
+    )
     largest_block = max(b.dense_params + b.expert_params for b in profile.blocks)
     out: dict[str, np.ndarray] = {}
 

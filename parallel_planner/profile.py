@@ -72,6 +72,11 @@ class BlockProfile:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def residual_branches(self) -> int:
+        """Branches that add into the residual stream (attention, MLP): each a bias-dropout-add in Megatron."""
+        return int(self.has_attention) + int(self.has_mlp)
+
 
 @dataclass
 class _Parts:

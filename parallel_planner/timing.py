@@ -73,6 +73,17 @@ ATTENTION_FRACTION = {
 }
 ATTENTION_KERNELS = ("flash2", "flash3", "unfused")
 DROPOUT_BYTES = 5  # per attention score and pass: fp16 read and write, 1-byte mask written (read in backward)
+# Flash kernels drop in-kernel, drawing a random number per score in the forward and again in the backward: the
+# rate with dropout 0.1 over the rate without it, (forward, backward), measured at Megatron-Core's attention shapes
+# (head dim 128, seq 4096, batch 1-4, 12-16 heads; benchmarks/results/attention-dropout-h200.md, torch 2.11 on the
+# H200).  flash3: cuDNN's fused attention, the kernel of that class that drops (FlashAttention-3 has no dropout, so
+# Transformer Engine runs cuDNN's when dropout is on): 0.47 forward, 0.83 backward.  flash2: FlashAttention-2 (torch's
+# flash backend): 0.82 and 0.90.  Read for every GPU: the cost is the kernel's Philox draws, not the die.
+FLASH_DROPOUT_RATE = {"flash2": (0.82, 0.90), "flash3": (0.47, 0.83)}
+# Hidden dropout (Megatron's bias-dropout-add after attention and after the MLP): the forward writes a 1-byte mask
+# beside the sum, the backward reads the gradient and the mask and writes the branch's gradient (2 + 1 + 2), where
+# without dropout the gradient passes through untouched.  Bytes per element of one residual branch, (fwd, bwd).
+HIDDEN_DROPOUT_BYTES = (1, 5)
 # An additive score bias (ALiBi) handed to the unfused scores GEMM as its input (baddbmm, beta != 0): broadcast into
 # the output first (2 bytes written per score), then read by the GEMM (2), in every forward pass.
 SCORE_BIAS_BYTES = 4
@@ -117,6 +128,7 @@ class Efficiency:
     host: DispatchCosts = field(default_factory=DispatchCosts)
     cp_allgather: bool = False  # CP gathers K/V before attention (Llama 3) instead of passing them round a ring
     attention_dropout: bool = False  # the run drops attention probabilities (Megatron-LM's default 0.1)
+    hidden_dropout: bool = False  # the run drops each residual branch's output (Megatron-LM's default 0.1)
     grad_accum_fused: bool = False  # weight-gradient GEMMs accumulate into the fp32 buffer (Megatron 2022+)
     grads16: bool = False  # gradients stay 16-bit: autograd accumulates them, DP reduces 16 bits (Megatron-LM 2021)
     launch_blocking: bool = False  # CUDA_LAUNCH_BLOCKING=1: the host waits for every kernel (BLOOM's launch script)
@@ -173,15 +185,32 @@ def attention_seconds(block: BlockProfile, tokens, tp, context: float, seq_len: 
     )
 
 
-def attention_dropout_seconds(block: BlockProfile, tokens, tp, seq_len: int, cluster: Cluster, eff: Efficiency):
-    """Seconds of attention dropout in one pass (forward, or backward) when the unfused kernels run it:
-    a kernel of its own that reads the fp16 probabilities and writes them with a 1-byte mask (5 bytes
-    per score), and in backward reads the gradient and the mask and writes (5).  Flash kernels drop
-    in-kernel, on scores that never reach HBM."""
-    if eff.attention != "unfused" or not eff.attention_dropout or not block.has_attention:
-        return 0.0
+def attention_dropout_seconds(
+    block: BlockProfile, tokens, tp, seq_len: int, cluster: Cluster, eff: Efficiency, attention=0.0
+) -> tuple:
+    """(forward, backward) seconds attention dropout adds to one pass.  Unfused kernels run it as a kernel of its
+    own that reads the fp16 probabilities and writes them with a 1-byte mask (5 bytes per score), and in backward
+    reads the gradient and the mask and writes (5).  Flash kernels drop in-kernel, on scores that never reach HBM,
+    at the rate ``FLASH_DROPOUT_RATE`` measured: ``attention`` is the kernel's forward seconds without dropout."""
+    if not eff.attention_dropout or not block.has_attention:
+        return 0.0, 0.0
+    if eff.attention != "unfused":
+        forward_rate, backward_rate = FLASH_DROPOUT_RATE[eff.attention]
+        return attention * (1 / forward_rate - 1), 2.5 * attention * (1 / backward_rate - 1)
     scores = tokens * seq_len * block.num_heads / tp
-    return DROPOUT_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    seconds = DROPOUT_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    return seconds, seconds
+
+
+def hidden_dropout_seconds(block: BlockProfile, tokens, tp, sp, cluster: Cluster, eff: Efficiency) -> tuple:
+    """(forward, backward) seconds hidden dropout adds to one pass: ``HIDDEN_DROPOUT_BYTES`` per element of each
+    residual branch (attention, MLP), on the whole activation of every TP rank unless sequence parallel splits it."""
+    if not eff.hidden_dropout:
+        return 0.0, 0.0
+    split = np.where(np.asarray(sp) > 0, tp, 1) if sp is not None else 1
+    elements = block.residual_branches * tokens * block.hidden / split
+    per_byte = elements / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    return HIDDEN_DROPOUT_BYTES[0] * per_byte, HIDDEN_DROPOUT_BYTES[1] * per_byte
 
 
 def score_bias_seconds(block: BlockProfile, tokens, tp, seq_len: int, cluster: Cluster, eff: Efficiency):
@@ -372,10 +401,11 @@ def step_time(
             c.sp,
             workload.seq_len,
         )
-        dropout = attention_dropout_seconds(block, tokens, tp, workload.seq_len, cluster, eff)
+        drop_f, drop_b = attention_dropout_seconds(block, tokens, tp, workload.seq_len, cluster, eff, attention)
+        hidden_f, hidden_b = hidden_dropout_seconds(block, tokens, tp, c.sp, cluster, eff)
         bias = score_bias_seconds(block, tokens, tp, workload.seq_len, cluster, eff)
-        f = scale[j] * (gemm + attention + elementwise + dropout + bias)
-        b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise + dropout)
+        f = scale[j] * (gemm + attention + elementwise + drop_f + hidden_f + bias)
+        b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise + drop_b + hidden_b)
         rerun = elementwise + recomputed_gemm_seconds(
             block, tokens, tp, ep, cluster, workload.precision, eff, workload.moe_imbalance
         )

@@ -1,5 +1,5 @@
 """Terms real runs pay at scale: NIC count per node, gradient accumulation, row-parallel GEMM shapes,
-attention dropout, all-gather context parallelism, and pipeline P2P across nodes."""
+attention and hidden dropout, all-gather context parallelism, and pipeline P2P across nodes."""
 
 from __future__ import annotations
 
@@ -11,15 +11,20 @@ import pytest
 
 from parallel_planner.cluster import make_cluster
 from parallel_planner.comms import Collectives
+from parallel_planner.layout import FIELDS, Candidates
+from parallel_planner.memory import activation_bytes_per_block
 from parallel_planner.profile import profile_model
 from parallel_planner.runtimes import MAIN_GRAD_ACCUM_BYTES
 from parallel_planner.search import plan_parallel
 from parallel_planner.timing import (
     DROPOUT_BYTES,
+    FLASH_DROPOUT_RATE,
+    HIDDEN_DROPOUT_BYTES,
     Efficiency,
     attention_dropout_seconds,
     block_forward_seconds,
     gemm_seconds,
+    hidden_dropout_seconds,
 )
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
@@ -105,16 +110,46 @@ def test_row_parallel_gemms_split_their_inner_dimension_over_tp():
     assert gemm == pytest.approx(expected * block.flops_scale)
 
 
-def test_attention_dropout_costs_only_unfused_kernels_that_drop():
+def test_attention_dropout_costs_unfused_kernels_their_bytes_and_flash_kernels_their_measured_rate():
     block = profile_model(random_spec(gated=False)).blocks[0]
     cluster, tp, tokens, seq = make_cluster("a100", 8), np.array([2]), np.array([4096.0]), 2048
     unfused = dataclasses.replace(MEGATRON, attention="unfused", attention_dropout=True)
     scores = 4096 * seq * block.num_heads / 2
     expected = DROPOUT_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * unfused.memory_bw)
-    assert attention_dropout_seconds(block, tokens, tp, seq, cluster, unfused) == pytest.approx(expected)
-    assert attention_dropout_seconds(block, tokens, tp, seq, cluster, MEGATRON) == 0.0
-    plain = dataclasses.replace(unfused, attention_dropout=False)
-    assert attention_dropout_seconds(block, tokens, tp, seq, cluster, plain) == 0.0
+    forward, backward = attention_dropout_seconds(block, tokens, tp, seq, cluster, unfused)
+    assert forward == pytest.approx(expected) and backward == pytest.approx(expected)
+    attention = random.uniform(1e-4, 1e-2)  # the flash kernel's forward seconds without dropout
+    for kernel, (forward_rate, backward_rate) in FLASH_DROPOUT_RATE.items():
+        flash = dataclasses.replace(MEGATRON, attention=kernel, attention_dropout=True)
+        forward, backward = attention_dropout_seconds(block, tokens, tp, seq, cluster, flash, attention)
+        assert (attention + forward) * forward_rate == pytest.approx(attention)  # the forward at the measured rate
+        assert (2.5 * attention + backward) * backward_rate == pytest.approx(2.5 * attention)
+        assert 0 < forward_rate < 1 and 0 < backward_rate < 1
+    for quiet in (MEGATRON, dataclasses.replace(unfused, attention_dropout=False)):
+        assert attention_dropout_seconds(block, tokens, tp, seq, cluster, quiet, attention) == (0.0, 0.0)
+
+
+def test_hidden_dropout_writes_a_mask_per_residual_branch_and_reads_it_in_backward():
+    profile = profile_model(random_spec())
+    block = profile.blocks[0]
+    assert block.residual_branches == 2
+    cluster, tokens = make_cluster("h100", 8), np.array([8192.0, 8192.0])
+    tp, sp = np.array([4, 4]), np.array([1, 0])
+    eff = dataclasses.replace(MEGATRON, hidden_dropout=True)
+    forward, backward = hidden_dropout_seconds(block, tokens, tp, sp, cluster, eff)
+    per_byte = 2 * 8192 * block.hidden / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    # sequence parallel splits the residual stream over TP; without it every rank drops the whole activation
+    assert forward == pytest.approx(HIDDEN_DROPOUT_BYTES[0] * per_byte * np.array([1 / 4, 1]))
+    assert backward == pytest.approx(HIDDEN_DROPOUT_BYTES[1] * per_byte * np.array([1 / 4, 1]))
+    assert hidden_dropout_seconds(block, tokens, tp, sp, cluster, MEGATRON) == (0.0, 0.0)
+    # the masks stay for backward: one byte per element and branch, on every TP rank without SP
+    row = dict(pp=1, dp=2, cp=1, ep=1, zero=1, recompute=0, mbs=1, vpp=1, schedule=0, offload=0, split=0)
+    row.update(replicate=1, tp_overlap=0, grad_overlap=1, ep_overlap=0)
+    c = Candidates.from_rows([tuple({**row, "tp": 4, "sp": s}[f] for f in FIELDS) for s in (1, 0)])
+    workload = Workload(8192, 64)
+    kept = activation_bytes_per_block(profile, workload, c, hidden_dropout=True)
+    plain = activation_bytes_per_block(profile, workload, c)
+    assert (kept - plain)[:, 0] == pytest.approx(2 * 8192 * block.hidden * np.array([1 / 4, 1]))
 
 
 def test_all_gather_context_parallelism_exposes_its_gather():
