@@ -17,12 +17,16 @@ Each figure is the mean of ``REPS`` back-to-back calls after three warm-up calls
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root
+from benchmarks.cuda_events import mean_seconds  # noqa: E402
+from benchmarks.results_files import write_results  # noqa: E402
 
 REPS = 20
 DROPOUT = 0.1
@@ -32,19 +36,6 @@ BACKENDS = (
     ("flash", SDPBackend.FLASH_ATTENTION),
     ("efficient", SDPBackend.EFFICIENT_ATTENTION),
 )
-
-
-def timed(once, reps: int = REPS) -> float:
-    """Seconds per call of ``once``."""
-    for _ in range(3):
-        once()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        once()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 def attention_rate(backend: SDPBackend, shape: tuple, dropout: float, backward: bool) -> float | None:
@@ -61,7 +52,7 @@ def attention_rate(backend: SDPBackend, shape: tuple, dropout: float, backward: 
 
     try:
         with sdpa_kernel(backend):
-            seconds = timed(once)
+            seconds = mean_seconds(once, REPS)
     except RuntimeError as exc:  # the backend has no kernel for this case (e.g. dropout)
         print(f"{backend.name} dropout={dropout} backward={backward}: {str(exc).splitlines()[0][:160]}", flush=True)
         return None
@@ -86,7 +77,7 @@ def residual_dropout(tokens: int, hidden: int) -> dict:
         def once(p=p, x=x, bias=bias, residual=residual, grad=grad) -> None:
             compiled(x, bias, residual, p).backward(grad)
 
-        result[f"p{p}"] = timed(once) / (tokens * hidden) * 1e9
+        result[f"p{p}"] = mean_seconds(once, REPS) / (tokens * hidden) * 1e9
     return result
 
 
@@ -147,9 +138,7 @@ def main(out: Path) -> None:
         {"tokens": tokens, "hidden": hidden, **residual_dropout(tokens, hidden)}
         for tokens, hidden in ((16384, 2048), (16384, 4096), (8192, 8192))
     ]
-    (out / "attention-dropout-h200.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "attention-dropout-h200.md").write_text(render(data))
-    print(render(data))
+    print(write_results(out / "attention-dropout-h200.json", data, render))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root
+from benchmarks.cuda_events import mean_seconds  # noqa: E402
 from benchmarks.results_files import rerender_if_asked, write_results  # noqa: E402
 
 REPS = 20
@@ -31,15 +32,7 @@ def rate(m: int, k: int, n: int) -> float:
     """TFLOP/s of ``(m x k) @ (k x n)`` in bf16 (weights stored ``n x k``, as nn.Linear keeps them)."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b.t()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPS):
-        a @ b.t()
-    end.record()
-    end.synchronize()
-    return 2 * m * k * n * REPS / (start.elapsed_time(end) / 1e3) / 1e12
+    return 2 * m * k * n / mean_seconds(lambda: a @ b.t(), REPS) / 1e12
 
 
 def attention(backend: SDPBackend, backward: bool) -> float:
@@ -54,15 +47,7 @@ def attention(backend: SDPBackend, backward: bool) -> float:
             out.backward(torch.ones_like(out))
 
     with sdpa_kernel(backend):
-        for _ in range(3):
-            once()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPS):
-            once()
-        end.record()
-        end.synchronize()
-    return flops * REPS / (start.elapsed_time(end) / 1e3) / 1e12
+        return flops / mean_seconds(once, REPS) / 1e12
 
 
 def render(data: dict) -> str:

@@ -76,6 +76,7 @@ def published_report(cold_runs: int, skip_speed: bool) -> dict[str, Any]:
             "precision": run.precision,
             "ep_comm": run.ep_comm,
             "ep_dispatch_bits": run.ep_dispatch_bits,
+            "fp8_scaling": run.fp8_scaling,
             "moe_weighted_activation": bool(run.moe_weighted_act),
             "moment_bits": run.moment_bits,
             "act_cache_bits": run.act_cache_bits,
@@ -242,6 +243,7 @@ def link_sensitivity(spec, measured: dict, eff: Efficiency) -> dict[str, Any]:
 def _software(sw: dict[str, Any]) -> str:
     """The framework and attention kernel, and the precision knobs that differ from bf16 defaults."""
     extra = [sw["precision"]] if sw["precision"] != "bf16" else []
+    extra += [f"{sw['fp8_scaling']} scales"] if sw["precision"] == "fp8" else []
     extra += [f"{sw['ep_comm']} all-to-all"] if sw["ep_comm"] != "flat" else []
     extra += ["fp8 dispatch"] if sw["ep_dispatch_bits"] == 8 else []
     extra += ["weighted activation"] if sw["moe_weighted_activation"] else []

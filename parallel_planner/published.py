@@ -38,7 +38,7 @@ from adapt.core.spec import (
     ParamCounts,
 )
 from parallel_planner.profile import profile_model
-from parallel_planner.timing import Efficiency
+from parallel_planner.timing import FP8_SCALINGS, Efficiency
 from parallel_planner.workload import Workload
 
 # What each source trained, as its paper describes it (the CSV gives the dimensions).
@@ -113,6 +113,7 @@ class PublishedRun:
     ep_overlap: int = 0  # EP all-to-all beside another micro-batch's compute (DualPipe, combined 1F1B)
     ep_comm: str = "flat"  # "forwarded": once per target node over the network, then NVLink (DeepEP)
     ep_dispatch_bits: int = 16  # 8: tokens quantised to fp8 before the dispatch
+    fp8_scaling: str = "tensorwise"  # with precision fp8: one scale per tensor, per row, or per block (DeepSeek-V3)
     moe_weighted_act: int = 0  # 1: the routing weight scales the experts' activation (no expert output kept)
     moment_bits: int = 32  # 16: Adam's moments in bf16
     act_cache_bits: int = 16  # 8: the fp8 GEMMs' inputs cached in fp8
@@ -124,6 +125,8 @@ class PublishedRun:
                 f"{self.model}: recompute_policy must be blank or one of {', '.join(RECOMPUTE_POLICIES[1:])}, "
                 f"not {self.recompute_policy!r}"
             )
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise BadInput(f"{self.model}: fp8_scaling must be blank or one of {', '.join(FP8_SCALINGS)}")
 
     @property
     def name(self) -> str:
@@ -191,6 +194,7 @@ class PublishedRun:
             launch_blocking=bool(self.launch_blocking),
             ep_forwarded=self.ep_comm == "forwarded",
             ep_fp8_dispatch=self.ep_dispatch_bits == 8,
+            fp8_scaling=self.fp8_scaling,
             moe_weighted_activation=bool(self.moe_weighted_act),
             selective_alternate_matmuls=self.recompute_policy == "alternate_mm",
         )

@@ -80,6 +80,20 @@ DROPOUT_BYTES = 5  # per attention score and pass: fp16 read and write, 1-byte m
 # Transformer Engine runs cuDNN's when dropout is on): 0.47 forward, 0.83 backward.  flash2: FlashAttention-2 (torch's
 # flash backend): 0.82 and 0.90.  Read for every GPU: the cost is the kernel's Philox draws, not the die.
 FLASH_DROPOUT_RATE = {"flash2": (0.82, 0.90), "flash3": (0.47, 0.83)}
+# An fp8 GEMM's rate over the bf16 GEMM's at the same shape, as a share of the 2x their peaks promise, by scaling
+# recipe: one scale per tensor (Transformer Engine's delayed scaling), per row, or DeepSeek-V3's blocks (1x128
+# activation tiles x 128x128 weight blocks).  Medians over 8 shapes (8192^3 and DeepSeek-V3's expert and attention
+# GEMMs in forward, input- and weight-gradient orientation) of torch's scaled_mm on the H200, torch 2.11:
+# benchmarks/results/fp8-gemm-h200.md (blockwise 998-1323 TFLOP/s, 0.50-0.67 of the fp8 peak).
+FP8_SCALING_RATE = {"tensorwise": 0.90, "rowwise": 0.88, "blockwise": 0.81}
+FP8_SCALINGS = tuple(FP8_SCALING_RATE)
+# An fp8 recipe casts each GEMM's operands: forward, the input row-wise (read 2 bytes, write 1); backward, the output
+# gradient row-wise for the input-gradient GEMM and column-wise for the weight-gradient GEMM, and the input
+# column-wise (from its cached copy).  Row-wise casts run at the elementwise rate (the compiled 1x128-tile cast
+# reached 0.91 of a device copy on the H200); a column-wise cast transposes as it goes and ran at 0.34 of a copy at
+# best (8192 x 7168; 0.18 at widths 2048 and 4096): 0.37 of the elementwise rate (fp8-gemm-h200.md).
+FP8_CAST_BYTES = 3  # per element cast: 2 read, 1 written (the 4-byte scale per 128 elements is 3 % more)
+FP8_TRANSPOSED_CAST_RATE = 0.37
 # Hidden dropout (Megatron's bias-dropout-add after attention and after the MLP): the forward writes a 1-byte mask
 # beside the sum, the backward reads the gradient and the mask and writes the branch's gradient (2 + 1 + 2), where
 # without dropout the gradient passes through untouched.  Bytes per element of one residual branch, (fwd, bwd).
@@ -129,6 +143,7 @@ class Efficiency:
     cp_allgather: bool = False  # CP gathers K/V before attention (Llama 3) instead of passing them round a ring
     attention_dropout: bool = False  # the run drops attention probabilities (Megatron-LM's default 0.1)
     hidden_dropout: bool = False  # the run drops each residual branch's output (Megatron-LM's default 0.1)
+    fp8_scaling: str = "tensorwise"  # fp8 recipe's scale granularity (FP8_SCALINGS; DeepSeek-V3: blockwise)
     grad_accum_fused: bool = False  # weight-gradient GEMMs accumulate into the fp32 buffer (Megatron 2022+)
     grads16: bool = False  # gradients stay 16-bit: autograd accumulates them, DP reduces 16 bits (Megatron-LM 2021)
     launch_blocking: bool = False  # CUDA_LAUNCH_BLOCKING=1: the host waits for every kernel (BLOOM's launch script)
@@ -141,12 +156,20 @@ class Efficiency:
 
     def __post_init__(self) -> None:
         check_runtime(self.runtime)
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ValueError(f"unknown fp8 scaling {self.fp8_scaling!r}: one of {', '.join(FP8_SCALINGS)}")
 
     def link_model(self) -> LinkModel:
         return LinkModel(self.alpha_intra_s, self.alpha_inter_s, self.network)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def gemm_peak(cluster: Cluster, precision: str, eff: Efficiency) -> float:
+    """The dense peak a block's GEMMs run against: fp8 at its recipe's measured share (``FP8_SCALING_RATE``)."""
+    peak = cluster.gpu.peak_flops(precision)
+    return peak * FP8_SCALING_RATE[eff.fp8_scaling] if precision == "fp8" else peak
 
 
 def wave_efficiency(m, n, gpu: str):
@@ -248,7 +271,7 @@ def block_forward_seconds(
     run at the pace of the busiest EP rank (``moe_imbalance`` times the mean routed tokens; one rank holding
     every expert has no imbalance to suffer).  Without sequence parallelism every TP rank runs the norms
     and residuals on the whole activation."""
-    peak = cluster.gpu.peak_flops(precision)
+    peak = gemm_peak(cluster, precision, eff)
     gemm = sum(_block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, moe_imbalance) for g in block.gemms)
     gemm = gemm * block.flops_scale
     attention = attention_seconds(block, tokens, tp, context, seq_len or 2 * context, cluster, eff)
@@ -275,6 +298,29 @@ def _block_gemm_seconds(block: BlockProfile, g, tokens, tp, ep, cluster: Cluster
     return gemm_seconds(per_expert, k, n, cluster, peak, eff, block.num_experts / ep)
 
 
+def fp8_cast_seconds(block: BlockProfile, tokens, tp, ep, cluster: Cluster, workload: Workload, eff: Efficiency):
+    """(forward, backward) seconds of an fp8 recipe's casts around the block's GEMMs (``FP8_CAST_BYTES`` per element):
+    forward the input row-wise, backward the output gradient row-wise and column-wise and the input column-wise
+    from its cached copy (1 byte read when activations are cached in fp8, else 2).  Routed experts cast at the
+    busiest EP rank's tokens; with fp8 dispatch their first input was cast once per token before it left."""
+    if workload.precision != "fp8":
+        return 0.0, 0.0
+    hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+    cached = 1 if workload.act_cache_bits == 8 else 2
+    forward = backward = 0.0
+    for g in block.gemms:
+        shard = tp if g.tp_sharded else 1
+        k, n = (g.in_features / shard, g.out_features) if g.row_parallel else (g.in_features, g.out_features / shard)
+        rows = tokens
+        if g.routed:
+            rows = tokens * block.top_k * np.where(ep > 1, workload.moe_imbalance, 1.0)
+        cast_in = tokens if g.routed and eff.ep_fp8_dispatch and g.in_features == block.hidden else rows
+        forward = forward + FP8_CAST_BYTES * cast_in * k / hbm
+        transposed = rows * (FP8_CAST_BYTES * n + (cached + 1) * k) / (hbm * FP8_TRANSPOSED_CAST_RATE)
+        backward = backward + FP8_CAST_BYTES * rows * n / hbm + transposed
+    return forward, backward
+
+
 def recomputed_gemm_seconds(block: BlockProfile, tokens, tp, ep, cluster: Cluster, precision: str, eff, imbalance):
     """Forward seconds of the GEMMs selective recompute runs again (MLA's up-projections)."""
     again = [g for g in block.gemms if g.recomputed]
@@ -297,7 +343,7 @@ def alternate_matmul_seconds(block: BlockProfile, tokens, tp, ep, cluster: Clust
 
 def _forward_gemm_seconds(block: BlockProfile, gemms, tokens, tp, ep, cluster: Cluster, precision: str, eff, imbalance):
     """Forward seconds of ``gemms`` (some of the block's), scaled as the block's own GEMMs are."""
-    peak = cluster.gpu.peak_flops(precision)
+    peak = gemm_peak(cluster, precision, eff)
     return block.flops_scale * sum(
         _block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, imbalance) for g in gemms
     )
@@ -404,8 +450,9 @@ def step_time(
         drop_f, drop_b = attention_dropout_seconds(block, tokens, tp, workload.seq_len, cluster, eff, attention)
         hidden_f, hidden_b = hidden_dropout_seconds(block, tokens, tp, c.sp, cluster, eff)
         bias = score_bias_seconds(block, tokens, tp, workload.seq_len, cluster, eff)
-        f = scale[j] * (gemm + attention + elementwise + drop_f + hidden_f + bias)
-        b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise + drop_b + hidden_b)
+        cast_f, cast_b = fp8_cast_seconds(block, tokens, tp, ep, cluster, workload, eff)
+        f = scale[j] * (gemm + attention + elementwise + drop_f + hidden_f + bias + cast_f)
+        b = scale[j] * (2 * gemm + 2.5 * attention + 2 * elementwise + drop_b + hidden_b + cast_b)
         rerun = elementwise + recomputed_gemm_seconds(
             block, tokens, tp, ep, cluster, workload.precision, eff, workload.moe_imbalance
         )

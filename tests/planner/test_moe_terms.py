@@ -22,7 +22,7 @@ from parallel_planner.memory import ACT_BYTES, FP8_BYTES, MemoryModel, activatio
 from parallel_planner.profile import profile_model
 from parallel_planner.published import load_published_runs
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import Efficiency, gemm_seconds, recomputed_gemm_seconds, step_time
+from parallel_planner.timing import FP8_SCALING_RATE, Efficiency, gemm_seconds, recomputed_gemm_seconds, step_time
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 
@@ -172,7 +172,8 @@ def test_selective_recompute_reruns_mla_up_projections(deepseek_v3_spec):
             (cfg.q_lora_rank, cfg.num_heads * cfg.head_dim),
         }
         tokens = np.array([float(random.choice((1024, 4096)))])
-        expected = sum(gemm_seconds(tokens, g.in_features, g.out_features, cluster, 1979e12, MEGATRON) for g in again)
+        fp8_peak = 1979e12 * FP8_SCALING_RATE[MEGATRON.fp8_scaling]  # the recipe's measured share of the fp8 peak
+        expected = sum(gemm_seconds(tokens, g.in_features, g.out_features, cluster, fp8_peak, MEGATRON) for g in again)
         got = recomputed_gemm_seconds(block, tokens, np.ones(1), np.ones(1), cluster, "fp8", MEGATRON, 1.0)
         assert got[0] == pytest.approx(block.flops_scale * expected[0], rel=1e-12)
         up_projected = cfg.num_heads * (2 * cfg.head_dim + cfg.v_head_dim)

@@ -18,12 +18,12 @@ def test_predicted_throughput_tracks_published_runs(rows):
     summary = error_summary(rows)
     assert summary["rows"] == len(load_published_runs())
     # Nothing is fitted to these rows, so this is out-of-sample error (target: mean 6 %, worst 12 %; not met).
-    assert summary["mean_abs_error"] < 0.15, summary
+    assert summary["mean_abs_error"] < 0.09, summary
     configured = {run.name for run in load_published_runs() if run.hf_config}
     dense = error_summary([r for r in rows if r["run"] not in configured])
-    assert dense["max_abs_error"] < 0.25, dense
-    # DeepSeek-V3 (MoE, MLA, fp8): optimistic by ~45 %; its own profile trace shows where (docs/planner-model.md).
-    assert all(abs(r["error"]) < 0.5 for r in rows if r["run"] in configured)
+    assert dense["max_abs_error"] < 0.18, dense
+    # DeepSeek-V3 (MoE, MLA, fp8): optimistic by ~19 %; its own profile trace shows where (docs/planner-model.md).
+    assert all(abs(r["error"]) < 0.25 for r in rows if r["run"] in configured)
 
 
 def test_every_row_states_its_knobs_and_source():

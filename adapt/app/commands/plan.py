@@ -89,6 +89,13 @@ def register(sub) -> None:
     )
     soft.add_argument("--ep-fp8-dispatch", action="store_true", help="tokens quantised to fp8 before the dispatch")
     soft.add_argument(
+        "--fp8-scaling",
+        choices=("tensorwise", "rowwise", "blockwise"),
+        default="tensorwise",
+        help="with --precision fp8, the recipe's scales: one per tensor (Transformer Engine), per row, or per block "
+        "(1x128 activation tiles, 128x128 weight blocks: DeepSeek-V3)",
+    )
+    soft.add_argument(
         "--moe-weighted-activation",
         action="store_true",
         help="the routing weight scales the experts' activation, so no expert output is kept for backward",
@@ -220,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         ep_forwarded=args.ep_comm == "forwarded",
         ep_fp8_dispatch=args.ep_fp8_dispatch,
         moe_weighted_activation=args.moe_weighted_activation,
+        fp8_scaling=args.fp8_scaling,
     )
     result = plan_parallel(
         spec, cluster, workload, fixed=args.fixed, top_k=args.top, calibration=calibration, efficiency=software
