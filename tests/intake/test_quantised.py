@@ -1,4 +1,5 @@
-"""Checkpoints whose weights are stored quantised, as Day-0 releases often ship them (fp8 blocks with scales).
+"""Checkpoints whose weights are stored quantised, as Day-0 releases often ship them (fp8 blocks with scales,
+MXFP4 expert banks).
 
 Intake names the quantisation and does not call its scales unused; loading has transformers' own quantizer turn the
 weights back into floating point, checked against a float64 dequantisation of the file; a method transformers
@@ -16,7 +17,16 @@ from safetensors.torch import load_file, save_file
 
 from adapt.core.errors import BadInput
 from adapt.model.intake import build_spec, load_model, resolve_source
-from benchmarks.quantise import BLOCK, SCALE_SUFFIX, quantisable, quantise_checkpoint_fp8, scale_name
+from benchmarks.quantise import (
+    BLOCK,
+    E2M1,
+    E8M0_BIAS,
+    SCALE_SUFFIX,
+    quantisable,
+    quantise_checkpoint_fp8,
+    quantise_checkpoint_mxfp4,
+    scale_name,
+)
 
 
 def _dequantised64(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -122,3 +132,42 @@ def test_experts_stored_one_by_one_with_their_scales_load_as_the_float_checkpoin
     assert got.keys() == want.keys() and any(p.dim() == 3 for p in got.values())  # fused expert banks
     for name in got:
         torch.testing.assert_close(got[name], want[name], rtol=2e-7, atol=0.0, msg=name)
+
+
+def _mxfp4_dequantised64(blocks: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """A bank ``[E, in, out]`` from its packed e2m1 codes (low nibble first) and e8m0 exponents, in float64."""
+    values = torch.tensor(E2M1, dtype=torch.float64)
+    pairs = torch.stack([values[(blocks & 0x0F).long()], values[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    scaled = pairs * torch.exp2(exponents.double() - E8M0_BIAS)[..., None]
+    return scaled.flatten(-2).transpose(1, 2)
+
+
+def test_mxfp4_expert_banks_load_exactly_to_their_dequantised_values(tmp_path):
+    """gpt-oss ships its experts in MXFP4 (4-bit codes, a power-of-two scale per 32 values).  Intake names it and
+    counts the blocks and scales as the quantisation's own tensors; loading dequantises every bank to trainable
+    float32 equal to the float64 decoding of the file (e2m1 times a power of two is exact in float32)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+        max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    ckpt = tmp_path / "gpt_oss_mxfp4"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(ckpt)
+    stored = quantise_checkpoint_mxfp4(ckpt)
+    packed = sorted(n for n in stored if n.endswith(("_blocks", "_scales")))
+    assert len(packed) == 4 * config.num_hidden_layers  # gate_up and down, blocks and scales, per layer
+    spec = build_spec(resolve_source(str(ckpt)))
+    report = spec.checkpoint
+    assert report.quantization["quant_method"] == "mxfp4" and report.quantization_tensors == packed
+    assert report.unexpected == [] and report.missing == [] and "stored quantised (mxfp4)" in spec.summary().verdict
+    notes: list[str] = []
+    params = dict(load_model(resolve_source(str(ckpt)), dtype=torch.float32, notes=notes).named_parameters())
+    assert any("mxfp4" in n and "dequantized to float32" in n for n in notes), notes
+    for name in (n.removesuffix("_blocks") for n in packed if n.endswith("_blocks")):
+        bank = params[name]
+        assert bank.dtype == torch.float32 and bank.requires_grad, name
+        expected = _mxfp4_dequantised64(stored[f"{name}_blocks"], stored[f"{name}_scales"])
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(bank.double(), expected, rtol=0.0, atol=0.0, msg=name)
