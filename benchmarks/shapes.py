@@ -6,6 +6,8 @@ loads it through transformers' own loader, as a user's checkpoint would be.
 * ``gemma2-2b``: Gemma-2-2B (hidden 2304, ffn 9216, 26 layers, 8/4 heads of 256, vocab 256000, tied, soft-capping).
 * ``qwen3-moe``: Qwen3-30B-A3B's width at 3 layers (128 experts of 768, top-8, 32/4 heads of 128, vocab 151936).
 * ``qwen2-0.5b``: Qwen2-0.5B (hidden 896, ffn 4864, 24 layers, 14/2 heads, vocab 151936, tied).
+* ``gpt-oss``: gpt-oss-20b's width at 4 layers (sliding 128 and full attention alternating, 64/8 heads of 64 with
+  learned sinks, 32 experts of 2880, top-4, vocab 201088).
 """
 
 from __future__ import annotations
@@ -139,6 +141,38 @@ SHAPES: dict[str, dict[str, Any]] = {
             "vocab_size": 512,
             "max_position_embeddings": 256,
             "tie_word_embeddings": True,
+        },
+    },
+    "gpt-oss": {
+        "model_type": "gpt_oss",
+        "full": {
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "num_local_experts": 32,
+            "num_experts_per_tok": 4,
+            "vocab_size": 201088,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": False,
+        },
+        "tiny": {
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "vocab_size": 256,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "max_position_embeddings": 256,
         },
     },
 }

@@ -196,7 +196,10 @@ def adapt_attention(
         mask = _band(q_len, kv_len, v, query.device)
     gqa = query.shape[1] != key.shape[1]
     if v.softcap or v.sinks:
-        out = _flex(query, key, value, mask, v, scale, gqa)
+        sinks = kwargs.get("s_aux") if v.sinks else None  # transformers' name for learned per-head sink logits
+        if v.sinks and sinks is None:
+            raise RuntimeError("attention recognised with sinks, but the model's call passed no s_aux")
+        out = _flex(query, key, value, mask, v, scale, gqa, sinks)
     else:
         is_causal = bool(v.causal) and mask is None and q_len == kv_len
         out = F.scaled_dot_product_attention(
@@ -223,7 +226,30 @@ def _band(q_len: int, kv_len: int, v: AttentionVariant, device) -> torch.Tensor:
     return allowed.view(1, 1, q_len, kv_len)
 
 
-def _flex(query, key, value, mask, v, scale, gqa):
+def _visible_blocks(q_len: int, kv_len: int, v: AttentionVariant, device):
+    """FlexAttention's block mask of the recognised causal window, so blocks no query sees are skipped (a sliding
+    window of 128 over 2048 tokens computes a sixteenth of the square); None when every key is visible.  The score
+    mod still applies the model's own mask, which may hide more (padding)."""
+    if not v.causal and not v.window:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset, window = kv_len - q_len, int(v.window or 0)
+
+    def visible(b, h, q_idx, kv_idx):
+        position = q_idx + offset
+        allowed = kv_idx <= position if v.causal else kv_idx >= 0
+        if window:
+            allowed = allowed & (position - kv_idx < window)
+        return allowed
+
+    return create_block_mask(visible, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+
+
+def _flex(query, key, value, mask, v, scale, gqa, sinks=None):
+    """FlexAttention with the recognised soft-cap and mask.  Learned sinks (one logit per head that joins every
+    row's softmax and is dropped after it) scale the output by the mass left on the keys: with ``lse`` the keys'
+    log-sum-exp, ``sigmoid(lse - sink)``; gradients reach the sinks and the scores through ``lse``."""
     from torch.nn.attention.flex_attention import flex_attention
 
     cap = float(v.softcap) if v.softcap else None
@@ -239,4 +265,11 @@ def _flex(query, key, value, mask, v, scale, gqa):
             return torch.where(bool_mask[b if bool_mask.shape[0] > 1 else 0, 0, q_idx, kv_idx], score, -float("inf"))
         return score
 
-    return flex_attention(query, key, value, score_mod=score_mod, scale=scale, enable_gqa=gqa)
+    blocks = _visible_blocks(query.shape[-2], key.shape[-2], v, query.device)
+    if sinks is None:
+        return flex_attention(query, key, value, score_mod=score_mod, block_mask=blocks, scale=scale, enable_gqa=gqa)
+    out, lse = flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=blocks, scale=scale, enable_gqa=gqa, return_lse=True
+    )
+    on_keys = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
+    return (out.to(lse.dtype) * on_keys.unsqueeze(-1)).to(out.dtype)

@@ -41,9 +41,9 @@ def attention_core_matches(
 ) -> tuple[bool, str]:
     """Does the module still compute the same function when its attention core is the plain kernel?
 
-    The kernel that replaces a hooked attention core sees (q, k, v, mask, scaling) and the recognised
-    causal/window/softcap/GQA values, nothing else: learned sinks, relative-position terms or any other
-    keyword the module hands its core are dropped.  So the float64 module is run twice on one fresh
+    The kernel that replaces a hooked attention core sees (q, k, v, mask, scaling), the recognised
+    causal/window/softcap/GQA values and, where recognition found sinks, the per-head sink logits the module
+    hands its core as ``s_aux``; nothing else: relative-position terms or any other keyword are dropped.  So the float64 module is run twice on one fresh
     input, with its own core and with a float64 reference of that kernel, and must agree in output and
     in every gradient (a parameter only the model's own core reads gets no gradient through the kernel).
     """
@@ -80,9 +80,10 @@ def _reference_core(
     scaling: float | None = None,
     *,
     variant: dict[str, Any],
-    **_ignored,
+    **extra,
 ):
-    """Float64 scaled dot-product attention as the replacing kernel computes it; extra keywords are ignored as it ignores them."""
+    """Float64 scaled dot-product attention as the replacing kernel computes it: with recognised sinks, the module's
+    ``s_aux`` logits join each row's softmax and are dropped after it; other keywords are ignored as it ignores them."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if key.shape[1] != query.shape[1]:
         repeat = query.shape[1] // key.shape[1]
@@ -107,4 +108,9 @@ def _reference_core(
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask.to(scores.dtype)
-    return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2).contiguous(), None
+    sinks = extra.get("s_aux") if variant.get("sinks") else None
+    if sinks is None:
+        return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2).contiguous(), None
+    column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return (probs @ value).transpose(1, 2).contiguous(), None

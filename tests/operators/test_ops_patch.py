@@ -105,6 +105,51 @@ def test_gemma2_inference_plan_serves_softcapped_attention_with_flex(zoo):
     assert check.passed and check.attention_kernel_calls == 2, check
 
 
+def test_gpt_oss_attention_with_sinks_is_served_by_flex_with_its_sinks(tmp_path, fresh_seed):
+    """gpt-oss hands its attention core learned per-head sink logits (``s_aux``).  The core probe accepts a kernel
+    only if it reproduces them, and FlexAttention then serves the attention with the sinks applied through the
+    keys' log-sum-exp: patched logits match the model's own, with sinks drawn large enough to matter."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from operators.registry import Target
+
+    config = GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # fresh draws: sinks that take a real share of each row
+    model.save_pretrained(tmp_path / "gpt_oss")
+    model, plan = planned(
+        str(tmp_path / "gpt_oss"),
+        target=Target("cpu", "float32", training=False, compute_capability=None),
+        attn="eager",
+    )
+    attn = [c for c in plan.components if c.kind == "attention"]
+    assert {(c.kernel, c.status, c.patch) for c in attn} == {("FlexAttention", "fused", True)}
+    assert all(c.variant.sinks for c in attn)
+    check = check_kernel_plan(model, plan)
+    assert check.passed and check.attention_kernel_calls == 2, check
+    ids = torch.randint(0, 128, (2, 24))
+    long_ids = torch.randint(0, 128, (1, 300))  # three of FlexAttention's 128-token blocks: the window skips some
+    with torch.no_grad():
+        own = model(input_ids=long_ids).logits
+    with apply_kernel_plan(model, plan), torch.no_grad():
+        torch.testing.assert_close(model(input_ids=long_ids).logits, own, rtol=1e-4, atol=1e-4)
+        served = model(input_ids=ids).logits
+        sinks = [layer.self_attn.sinks for layer in model.model.layers]
+        kept = [s.clone() for s in sinks]
+        for s in sinks:
+            s.fill_(-1e4)  # no mass on the sinks: what a kernel that dropped them would compute
+        without = model(input_ids=ids).logits
+        for s, k in zip(sinks, kept):
+            s.copy_(k)
+    assert not torch.allclose(served, without, atol=1e-3)  # the sinks matter here, so the check above means something
+
+
 def test_restricted_profile_decomposes_or_generates_every_missing_op(zoo):
     model, plan = planned(str(zoo("gemma2")), profile="npu-restricted")
     statuses = {o.overload: o for o in plan.ops}
