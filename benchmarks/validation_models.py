@@ -47,7 +47,7 @@ class ValidationModel:
     def moe_blocks(self, tiny: bool) -> int:
         """Routed blocks the built model holds: this benchmark makes every layer routed or none."""
         fields = self.config_fields(tiny)
-        return fields["num_hidden_layers"] if fields.get("num_experts") else 0
+        return fields["num_hidden_layers"] if fields.get("num_experts") or fields.get("num_local_experts") else 0
 
 
 # The CPU rehearsal checks that every stage runs (the Triton interpreter is slow), not soak statistics.
@@ -86,6 +86,16 @@ MODELS = {
         # bf16 alignment judges few tokens past a 128-expert router (ALIGN_SEED_NOTE, validation.py); the float32 check
         # of the patched model against the unpatched one compares every token on identical routing
         check_patch=True,
+    ),
+    "gpt-oss": ValidationModel(
+        **SHAPES["gpt-oss"],
+        title="gpt-oss-20b's width at {num_hidden_layers} layers (attention sinks, {num_local_experts} experts "
+        "top-{num_experts_per_tok})",
+        file_stem="validation-gpt-oss-h200",
+        sizes=_h200_sizes(soak_steps=100),
+        tiny_sizes=_TINY_SIZES,
+        ops_limit_s=300,
+        check_patch=True,  # routed: as for qwen3-moe, the float32 patch check compares every token on identical routing
     ),
 }
 STAGES = ("env", "ops", "align", "bench", "soak")

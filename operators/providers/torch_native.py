@@ -226,11 +226,16 @@ def _band(q_len: int, kv_len: int, v: AttentionVariant, device) -> torch.Tensor:
     return allowed.view(1, 1, q_len, kv_len)
 
 
+FLEX_BLOCK = 128  # FlexAttention's default block: its block masks are built and skipped in tiles of this many tokens
+
+
 def _visible_blocks(q_len: int, kv_len: int, v: AttentionVariant, device):
     """FlexAttention's block mask of the recognised causal window, so blocks no query sees are skipped (a sliding
-    window of 128 over 2048 tokens computes a sixteenth of the square); None when every key is visible.  The score
-    mod still applies the model's own mask, which may hide more (padding)."""
-    if not v.causal and not v.window:
+    window of 128 over 2048 tokens computes a sixteenth of the square); None when every key is visible, and for
+    lengths that are not whole blocks: there a block mask has little to skip, and torch 2.11's Inductor found no
+    kernel for one over 64 tokens on the H200 (the call then runs without it, on the same mask).  The score mod
+    still applies the model's own mask, which may hide more (padding)."""
+    if (not v.causal and not v.window) or q_len % FLEX_BLOCK or kv_len % FLEX_BLOCK:
         return None
     from torch.nn.attention.flex_attention import create_block_mask
 

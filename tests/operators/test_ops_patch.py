@@ -134,7 +134,7 @@ def test_gpt_oss_attention_with_sinks_is_served_by_flex_with_its_sinks(tmp_path,
     check = check_kernel_plan(model, plan)
     assert check.passed and check.attention_kernel_calls == 2, check
     ids = torch.randint(0, 128, (2, 24))
-    long_ids = torch.randint(0, 128, (1, 300))  # three of FlexAttention's 128-token blocks: the window skips some
+    long_ids = torch.randint(0, 128, (1, 384))  # three of FlexAttention's 128-token blocks: the window skips some
     with torch.no_grad():
         own = model(input_ids=long_ids).logits
     with apply_kernel_plan(model, plan), torch.no_grad():
@@ -148,6 +148,19 @@ def test_gpt_oss_attention_with_sinks_is_served_by_flex_with_its_sinks(tmp_path,
         for s, k in zip(sinks, kept):
             s.copy_(k)
     assert not torch.allclose(served, without, atol=1e-3)  # the sinks matter here, so the check above means something
+
+
+def test_flex_skips_the_blocks_a_causal_window_hides_only_over_whole_blocks():
+    from operators.providers.torch_native import FLEX_BLOCK, _visible_blocks
+    from operators.recognition.variants import AttentionVariant
+
+    window = AttentionVariant(causal=True, window=8)
+    blocks = _visible_blocks(3 * FLEX_BLOCK, 3 * FLEX_BLOCK, window, "cpu")
+    assert blocks is not None and blocks.sparsity() > 40  # 6 causal blocks of 9, of which the window keeps 5
+    assert _visible_blocks(3 * FLEX_BLOCK, 3 * FLEX_BLOCK, AttentionVariant(causal=True), "cpu").sparsity() > 30
+    assert _visible_blocks(64, 64, window, "cpu") is None  # not whole blocks: the mask alone serves
+    assert _visible_blocks(300, 300, window, "cpu") is None
+    assert _visible_blocks(3 * FLEX_BLOCK, 3 * FLEX_BLOCK, AttentionVariant(causal=False), "cpu") is None
 
 
 def test_restricted_profile_decomposes_or_generates_every_missing_op(zoo):
