@@ -11,16 +11,16 @@ import pytest
 from adapt.app.cli import main
 from adapt.core.errors import BadInput
 from parallel_planner.cluster import make_cluster
-from parallel_planner.profile import profile_model
-from parallel_planner.published import PublishedRun, load_published_runs
-from parallel_planner.timing import (
+from parallel_planner.kernel_rates import (
     FP8_CAST_BYTES,
     FP8_SCALING_RATE,
     FP8_TRANSPOSED_CAST_RATE,
-    Efficiency,
     fp8_cast_seconds,
     gemm_peak,
 )
+from parallel_planner.profile import profile_model
+from parallel_planner.published import PublishedRun, load_published_runs
+from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 

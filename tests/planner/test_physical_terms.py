@@ -11,21 +11,20 @@ import pytest
 
 from parallel_planner.cluster import make_cluster
 from parallel_planner.comms import Collectives
+from parallel_planner.kernel_rates import (
+    DROPOUT_BYTES,
+    FLASH_DROPOUT_RATE,
+    HIDDEN_DROPOUT_BYTES,
+    attention_dropout_seconds,
+    gemm_seconds,
+    hidden_dropout_seconds,
+)
 from parallel_planner.layout import FIELDS, Candidates
 from parallel_planner.memory import activation_bytes_per_block
 from parallel_planner.profile import profile_model
 from parallel_planner.runtimes import MAIN_GRAD_ACCUM_BYTES
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import (
-    DROPOUT_BYTES,
-    FLASH_DROPOUT_RATE,
-    HIDDEN_DROPOUT_BYTES,
-    Efficiency,
-    attention_dropout_seconds,
-    block_forward_seconds,
-    gemm_seconds,
-    hidden_dropout_seconds,
-)
+from parallel_planner.timing import Efficiency, block_forward_seconds
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 
