@@ -7,6 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from operators.inventory import trace_model
 from operators.recognition import recognise
+from operators.recognition.attention_probes import attention_core_matches
 
 
 def _tiny(model_type: str, **extra):
@@ -23,13 +24,24 @@ def _attention(model):
     return next(c for c in recognition.components if c.kind == "attention")
 
 
-def test_learned_sinks_keep_the_module_off_the_plain_kernel():
-    """gpt-oss hands its core per-head sink logits: a kernel that drops them changes the function."""
-    attention = _attention(_tiny("gpt_oss", num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"]))
+def test_learned_sinks_are_confirmed_only_with_the_sinks_applied():
+    """gpt-oss hands its core per-head sink logits (``s_aux``): the kernel that applies them reproduces the module,
+    and the same kernel without them does not."""
+    model = _tiny("gpt_oss", num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"])
+    with torch.no_grad():
+        model.model.layers[0].self_attn.sinks.normal_(0.0, 2.0)  # sinks that take a real share of each row
+    inventory = trace_model(model, seq_len=12)
+    attention = next(c for c in recognise(model, inventory).components if c.kind == "attention")
     assert attention.variant.hook and attention.variant.sinks
-    # The visibility probe ran (it measured the mask): what left the module unconfirmed is the core probe.
+    # The visibility probe ran (it measured the mask), then the core probe with the sinks applied.
     assert attention.variant.causal is not None and attention.variant.seq_len == 12
-    assert not attention.confirmed
+    assert attention.confirmed
+    module = model.get_submodule(attention.module)
+    measured = {"causal": attention.variant.causal, "window": attention.variant.window, "softcap": None}
+    generator = torch.Generator().manual_seed(0)
+    captured = inventory.captured[attention.module]
+    assert attention_core_matches(module, *captured, {**measured, "sinks": True}, generator)[0]
+    assert not attention_core_matches(module, *captured, {**measured, "sinks": False}, generator)[0]
 
 
 def test_a_plain_core_is_confirmed_by_the_whole_module():
