@@ -28,12 +28,12 @@ sys.path.insert(0, str(REPO))
 
 from parallel_planner.calibration import calibration_from_measurements  # noqa: E402
 from parallel_planner.cluster import make_cluster  # noqa: E402
+from parallel_planner.efficiency import Efficiency  # noqa: E402
 from parallel_planner.planning_speed import planning_speed  # noqa: E402
 from parallel_planner.published import load_published_runs, run_spec  # noqa: E402
 from parallel_planner.published_eval import error_summary, evaluate, knob_range, planned  # noqa: E402
 from parallel_planner.replan import replan_with_measurements  # noqa: E402
 from parallel_planner.search import plan_parallel  # noqa: E402
-from parallel_planner.timing import Efficiency  # noqa: E402
 from parallel_planner.workload import Workload  # noqa: E402
 
 LLAMA_1B = {

@@ -21,7 +21,7 @@ from parallel_planner.runtimes import DEEPSPEED_PIPE, DS_BF16_STEP_BYTES, grad_r
 
 
 class Efficiency(Protocol):
-    """What these terms read of ``timing.Efficiency`` (imported there, so not imported here)."""
+    """What these terms read of ``efficiency.Efficiency``: any object with these fields will do."""
 
     overlap: float
     memory_bw: float

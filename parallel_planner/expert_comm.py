@@ -18,7 +18,7 @@ from parallel_planner.profile import BlockProfile
 
 
 class Efficiency(Protocol):
-    """What these terms read of ``timing.Efficiency`` (imported there, so not imported here)."""
+    """What these terms read of ``efficiency.Efficiency``: any object with these fields will do."""
 
     ep_forwarded: bool
     ep_fp8_dispatch: bool

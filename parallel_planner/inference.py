@@ -26,9 +26,9 @@ from adapt.core.spec import ModelSpec
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.kernel_rates import ATTENTION_FRACTION
 from parallel_planner.profile import profile_model
-from parallel_planner.timing import Efficiency
 
 WEIGHT_BYTES = {"bf16": 2, "fp8": 1}
 BATCHED_TOKENS = 8192  # the prefill chunk the activation reserve is sized for (stated as --max-num-batched-tokens)

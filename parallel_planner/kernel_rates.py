@@ -6,18 +6,14 @@ measured rates, unfused scores, dropout, score bias), and the bytes-bound passes
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from parallel_planner.cluster import Cluster
+from parallel_planner.efficiency import FP8_SCALINGS, Efficiency
 from parallel_planner.memory import ACT_BYTES
 from parallel_planner.profile import BlockProfile
 from parallel_planner.runtimes import CROSS_ENTROPY_BYTES
 from parallel_planner.workload import Workload
-
-if TYPE_CHECKING:
-    from parallel_planner.timing import Efficiency
 
 # Streaming multiprocessors (CUs on MI300X): a GEMM's output tiles run in waves of this many (datasheets).
 SM_COUNT = {"a100": 108, "h100": 132, "h800": 132, "h200": 132, "b200": 148, "mi300x": 304}
@@ -48,7 +44,7 @@ FLASH_DROPOUT_RATE = {"flash2": (0.82, 0.90), "flash3": (0.47, 0.83)}
 # GEMMs in forward, input- and weight-gradient orientation) of torch's scaled_mm on the H200, torch 2.11:
 # benchmarks/results/fp8-gemm-h200.md (blockwise 998-1323 TFLOP/s, 0.50-0.67 of the fp8 peak).
 FP8_SCALING_RATE = {"tensorwise": 0.90, "rowwise": 0.88, "blockwise": 0.81}
-FP8_SCALINGS = tuple(FP8_SCALING_RATE)
+assert tuple(FP8_SCALING_RATE) == FP8_SCALINGS
 # An fp8 recipe casts each GEMM's operands: forward, the input row-wise (read 2 bytes, write 1); backward, the output
 # gradient row-wise for the input-gradient GEMM and column-wise for the weight-gradient GEMM, and the input
 # column-wise (from its cached copy).  Row-wise casts run at the elementwise rate (the compiled 1x128-tile cast

@@ -54,7 +54,7 @@ class MemoryModel:
 
     @classmethod
     def of(cls, eff) -> MemoryModel:
-        """The memory model of the software a ``timing.Efficiency`` describes."""
+        """The memory model of the software a ``efficiency.Efficiency`` describes."""
         return cls(
             fused_kernels=eff.fused_kernels,
             moe_weighted_activation=eff.moe_weighted_activation,

@@ -37,9 +37,8 @@ from adapt.core.spec import (
     NormSpec,
     ParamCounts,
 )
-from parallel_planner.kernel_rates import FP8_SCALINGS
+from parallel_planner.efficiency import FP8_SCALINGS, Efficiency
 from parallel_planner.profile import profile_model
-from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 
 # What each source trained, as its paper describes it (the CSV gives the dimensions).

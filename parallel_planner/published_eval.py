@@ -4,7 +4,7 @@ We write each row's ModelSpec from its dimensions (``published.run_spec``), plan
 with ``--fixed`` semantics under the row's software (framework, attention kernel), and compare per-GPU
 token throughput with the source's figure, turned into tokens/s with the source's own FLOP count.
 
-Nothing in the time model is fitted to these rows (``timing.Efficiency`` states every constant's
+Nothing in the time model is fitted to these rows (``efficiency.Efficiency`` states every constant's
 source), so every error here is out of sample; leave-one-source-out equals in-sample by construction.
 Knobs a source leaves unstated (micro-batch, virtual stages) are the planner's choice; ``knob_range``
 shows how far they move the prediction.  ``benchmarks/planner_report.py`` writes the tables.
@@ -20,9 +20,9 @@ from typing import Any
 from adapt.core.errors import BadInput
 from adapt.core.spec import ModelSpec
 from parallel_planner.cluster import make_cluster
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.published import PublishedRun, load_published_runs, run_spec
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import Efficiency
 
 # What a report shows of a planned layout: its parallel degrees and knobs, and its memory per GPU.
 LAYOUT_KEYS = (

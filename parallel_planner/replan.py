@@ -28,10 +28,10 @@ from parallel_planner.calibration import (
 )
 from parallel_planner.catalog import GpuType
 from parallel_planner.cluster import Cluster
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.profile import profile_model
 from parallel_planner.result import PlannerResult, RankedPlan
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 
 FIGURES = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "memory_gib_per_gpu")

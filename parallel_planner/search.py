@@ -27,6 +27,7 @@ from adapt.core.spec import ModelSpec
 from parallel_planner.calibration import Calibration, compute_scale, measured_on
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.knobs import NETWORK_KEYS, parse_fixed
 from parallel_planner.launch import launch_command
 from parallel_planner.layout import (
@@ -43,7 +44,7 @@ from parallel_planner.plan import ParallelPlan
 from parallel_planner.profile import ModelProfile, profile_model
 from parallel_planner.result import KNOB_KEYS, PlannerResult, RankedPlan
 from parallel_planner.search_space import SearchSpace, enumerate_candidates
-from parallel_planner.timing import Efficiency, step_time
+from parallel_planner.timing import step_time
 from parallel_planner.workload import Workload
 
 

@@ -11,6 +11,7 @@ import pytest
 from adapt.app.cli import main
 from adapt.core.errors import BadInput
 from parallel_planner.cluster import make_cluster
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.kernel_rates import (
     FP8_CAST_BYTES,
     FP8_SCALING_RATE,
@@ -20,7 +21,6 @@ from parallel_planner.kernel_rates import (
 )
 from parallel_planner.profile import profile_model
 from parallel_planner.published import PublishedRun, load_published_runs
-from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 

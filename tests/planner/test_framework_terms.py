@@ -12,6 +12,7 @@ import pytest
 from parallel_planner.cluster import make_cluster
 from parallel_planner.comms import Collectives
 from parallel_planner.data_parallel_time import _tied_reduction
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.kernel_rates import SCORE_BIAS_BYTES, score_bias_seconds
 from parallel_planner.layout import Candidates, stage_layout
 from parallel_planner.profile import profile_model
@@ -25,7 +26,6 @@ from parallel_planner.runtimes import (
     grad_accum_bytes,
 )
 from parallel_planner.search import FIELDS, plan_parallel
-from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 

@@ -9,8 +9,8 @@ import pytest
 from adapt.app.cli import main
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import make_cluster
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.inference import ServingWorkload, plan_inference
-from parallel_planner.timing import Efficiency
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 from adapt.core.errors import BadInput
 from parallel_planner.calibration import calibration_from_dict
 from parallel_planner.cluster import make_cluster
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.published import load_published_runs, run_spec
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import Efficiency
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 

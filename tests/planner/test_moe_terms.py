@@ -15,6 +15,7 @@ from adapt.app.cli import main
 from adapt.core.errors import BadInput
 from parallel_planner.cluster import make_cluster
 from parallel_planner.comms import Collectives
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.expert_comm import expert_all_to_all_seconds, exposed_all_to_all, nodes_reached
 from parallel_planner.kernel_rates import FP8_SCALING_RATE, gemm_seconds
 from parallel_planner.knobs import parse_fixed
@@ -23,7 +24,7 @@ from parallel_planner.memory import ACT_BYTES, FP8_BYTES, MemoryModel, activatio
 from parallel_planner.profile import profile_model
 from parallel_planner.published import load_published_runs
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import Efficiency, recomputed_gemm_seconds, step_time
+from parallel_planner.timing import recomputed_gemm_seconds, step_time
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 

@@ -11,6 +11,7 @@ import pytest
 
 from parallel_planner.cluster import make_cluster
 from parallel_planner.comms import Collectives
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.kernel_rates import (
     DROPOUT_BYTES,
     FLASH_DROPOUT_RATE,
@@ -24,7 +25,7 @@ from parallel_planner.memory import activation_bytes_per_block
 from parallel_planner.profile import profile_model
 from parallel_planner.runtimes import MAIN_GRAD_ACCUM_BYTES
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import Efficiency, block_forward_seconds
+from parallel_planner.timing import block_forward_seconds
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 

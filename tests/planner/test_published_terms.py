@@ -9,11 +9,11 @@ import random
 import numpy as np
 
 from parallel_planner.cluster import make_cluster
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.kernel_rates import loss_seconds
 from parallel_planner.profile import profile_model
 from parallel_planner.published import PublishedRun, load_published_runs, run_spec
 from parallel_planner.published_eval import evaluate, knob_range
-from parallel_planner.timing import Efficiency
 
 
 def gpt_run(**over) -> PublishedRun:

@@ -10,11 +10,12 @@ import pytest
 
 from adapt.core.errors import BadInput
 from parallel_planner.cluster import make_cluster
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.kernel_rates import gemm_seconds
 from parallel_planner.profile import profile_model
 from parallel_planner.published import PublishedRun, load_published_runs
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import Efficiency, alternate_matmul_seconds
+from parallel_planner.timing import alternate_matmul_seconds
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 

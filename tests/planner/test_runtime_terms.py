@@ -11,8 +11,9 @@ import pytest
 
 from parallel_planner.cluster import make_cluster
 from parallel_planner.dispatch import DispatchCosts
+from parallel_planner.efficiency import Efficiency
 from parallel_planner.search import plan_parallel
-from parallel_planner.timing import CP_DTENSOR_OPS, CP_RING_KERNELS, CP_RING_OPS, Efficiency, ring_count
+from parallel_planner.timing import CP_DTENSOR_OPS, CP_RING_KERNELS, CP_RING_OPS, ring_count
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 

@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     from parallel_planner.search import plan_parallel
 
     spec = spec_loader.result()
-    from parallel_planner.timing import Efficiency
+    from parallel_planner.efficiency import Efficiency
 
     software = Efficiency(
         runtime=args.runtime,
