@@ -61,6 +61,17 @@ HIDDEN_DROPOUT_BYTES = (1, 5)
 SCORE_BIAS_BYTES = 4
 
 
+def elementwise_bytes_per_s(cluster: Cluster, eff: Efficiency) -> float:
+    """The rate of a bytes-bound pass: the HBM datasheet at the achieved elementwise fraction."""
+    return cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+
+
+def routed_rows(block: BlockProfile, tokens, ep, imbalance):
+    """Rows the busiest EP rank's experts process for ``tokens`` local tokens: every routed copy, times the
+    imbalance when experts are spread over ranks (one rank holding all of them has none to suffer)."""
+    return tokens * block.top_k * np.where(ep > 1, imbalance, 1.0)
+
+
 def gemm_peak(cluster: Cluster, precision: str, eff: Efficiency) -> float:
     """The dense peak a block's GEMMs run against: fp8 at its recipe's measured share (``FP8_SCALING_RATE``)."""
     peak = cluster.gpu.peak_flops(precision)
@@ -80,7 +91,7 @@ def gemm_seconds(m, k, n, cluster: Cluster, peak: float, eff: Efficiency, count=
     flops = 2.0 * m * k * n
     moved = ACT_BYTES * (m * k + k * n + m * n)
     rate = peak * cluster.gpu.gemm_ceiling * eff.gemm_scale * wave_efficiency(m * count, n, cluster.gpu.name)
-    hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+    hbm = elementwise_bytes_per_s(cluster, eff)
     return count * np.maximum(flops / rate, moved / hbm) + eff.kernel_overhead_s
 
 
@@ -99,7 +110,7 @@ def attention_seconds(block: BlockProfile, tokens, tp, context: float, seq_len: 
     square = tokens * seq_len * block.attention_flops_per_ctx / tp
     scores = 4 * ACT_BYTES * tokens * seq_len * block.num_heads / tp
     return square / (bf16_peak * cluster.gpu.gemm_ceiling * eff.gemm_scale) + scores / (
-        cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+        elementwise_bytes_per_s(cluster, eff)
     )
 
 
@@ -116,7 +127,7 @@ def attention_dropout_seconds(
         forward_rate, backward_rate = FLASH_DROPOUT_RATE[eff.attention]
         return attention * (1 / forward_rate - 1), 2.5 * attention * (1 / backward_rate - 1)
     scores = tokens * seq_len * block.num_heads / tp
-    seconds = DROPOUT_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    seconds = DROPOUT_BYTES * scores / (elementwise_bytes_per_s(cluster, eff))
     return seconds, seconds
 
 
@@ -127,7 +138,7 @@ def hidden_dropout_seconds(block: BlockProfile, tokens, tp, sp, cluster: Cluster
         return 0.0, 0.0
     split = np.where(np.asarray(sp) > 0, tp, 1) if sp is not None else 1
     elements = block.residual_branches * tokens * block.hidden / split
-    per_byte = elements / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    per_byte = elements / (elementwise_bytes_per_s(cluster, eff))
     return HIDDEN_DROPOUT_BYTES[0] * per_byte, HIDDEN_DROPOUT_BYTES[1] * per_byte
 
 
@@ -138,13 +149,13 @@ def score_bias_seconds(block: BlockProfile, tokens, tp, seq_len: int, cluster: C
     if eff.attention != "unfused" or not block.score_bias or not block.has_attention:
         return 0.0
     scores = tokens * seq_len * block.num_heads / tp
-    return SCORE_BIAS_BYTES * scores / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    return SCORE_BIAS_BYTES * scores / (elementwise_bytes_per_s(cluster, eff))
 
 
 def loss_seconds(tokens, vocab: int, tp, cluster: Cluster, eff: Efficiency):
     """(forward, backward) HBM seconds of the cross-entropy loss over ``tokens`` local tokens' logits, split over
     TP: the runtime's bytes per logit (``runtimes.CROSS_ENTROPY_BYTES``; Megatron's fp32 vocab-parallel loss)."""
-    per_byte = tokens * vocab / tp / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    per_byte = tokens * vocab / tp / (elementwise_bytes_per_s(cluster, eff))
     forward, backward = CROSS_ENTROPY_BYTES[eff.runtime]
     return forward * per_byte, backward * per_byte
 
@@ -156,15 +167,12 @@ def fp8_cast_seconds(block: BlockProfile, tokens, tp, ep, cluster: Cluster, work
     busiest EP rank's tokens; with fp8 dispatch their first input was cast once per token before it left."""
     if workload.precision != "fp8":
         return 0.0, 0.0
-    hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+    hbm = elementwise_bytes_per_s(cluster, eff)
     cached = 1 if workload.act_cache_bits == 8 else 2
     forward = backward = 0.0
     for g in block.gemms:
-        shard = tp if g.tp_sharded else 1
-        k, n = (g.in_features / shard, g.out_features) if g.row_parallel else (g.in_features, g.out_features / shard)
-        rows = tokens
-        if g.routed:
-            rows = tokens * block.top_k * np.where(ep > 1, workload.moe_imbalance, 1.0)
+        k, n = g.per_rank(tp)
+        rows = routed_rows(block, tokens, ep, workload.moe_imbalance) if g.routed else tokens
         cast_in = tokens if g.routed and eff.ep_fp8_dispatch and g.in_features == block.hidden else rows
         forward = forward + FP8_CAST_BYTES * cast_in * k / hbm
         transposed = rows * (FP8_CAST_BYTES * n + (cached + 1) * k) / (hbm * FP8_TRANSPOSED_CAST_RATE)

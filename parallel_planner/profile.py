@@ -29,6 +29,14 @@ class GemmShape:
     # then up); empty: one.  Op-level recompute policies count matmuls, not fused shapes (timing.alternate_matmuls).
     parts: tuple[int, ...] = ()
 
+    def per_rank(self, tp):
+        """(inner, output) widths one TP rank computes: column-parallel GEMMs split their output over TP,
+        row-parallel ones their inner dimension, replicated ones neither."""
+        shard = tp if self.tp_sharded else 1
+        if self.row_parallel:
+            return self.in_features / shard, self.out_features
+        return self.in_features, self.out_features / shard
+
 
 @dataclass(frozen=True)
 class BlockProfile:

@@ -33,11 +33,13 @@ from parallel_planner.expert_comm import expert_all_to_all_seconds, exposed_all_
 from parallel_planner.kernel_rates import (
     attention_dropout_seconds,
     attention_seconds,
+    elementwise_bytes_per_s,
     fp8_cast_seconds,
     gemm_peak,
     gemm_seconds,
     hidden_dropout_seconds,
     loss_seconds,
+    routed_rows,
     score_bias_seconds,
 )
 from parallel_planner.layout import (
@@ -98,7 +100,7 @@ def block_forward_seconds(
     gemm = sum(_block_gemm_seconds(block, g, tokens, tp, ep, cluster, peak, eff, moe_imbalance) for g in block.gemms)
     gemm = gemm * block.flops_scale
     attention = attention_seconds(block, tokens, tp, context, seq_len or 2 * context, cluster, eff)
-    hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+    hbm = elementwise_bytes_per_s(cluster, eff)
     sharded = np.ones_like(tp, dtype=np.float64) if sp is None else np.where(sp > 0, 1.0, 0.0)
     norm_share = 12 * block.hidden  # norms and residuals: split over TP only with sequence parallelism
     width = (block.elementwise_width - norm_share) / tp + norm_share * (sharded / tp + (1 - sharded))
@@ -112,12 +114,10 @@ def block_forward_seconds(
 
 def _block_gemm_seconds(block: BlockProfile, g, tokens, tp, ep, cluster: Cluster, peak: float, eff, moe_imbalance):
     """Seconds of one of a block's GEMMs for ``tokens`` local tokens; routed experts at the busiest EP rank."""
-    shard = tp if g.tp_sharded else 1
-    # column-parallel GEMMs split their output over TP, row-parallel ones their inner dimension
-    k, n = (g.in_features / shard, g.out_features) if g.row_parallel else (g.in_features, g.out_features / shard)
+    k, n = g.per_rank(tp)
     if not g.routed:
         return gemm_seconds(tokens, k, n, cluster, peak, eff)
-    per_expert = tokens * block.top_k * ep / block.num_experts * np.where(ep > 1, moe_imbalance, 1.0)
+    per_expert = routed_rows(block, tokens, ep, moe_imbalance) * ep / block.num_experts
     return gemm_seconds(per_expert, k, n, cluster, peak, eff, block.num_experts / ep)
 
 
@@ -176,7 +176,7 @@ def _context_parallel(block: BlockProfile, tokens, tp, cp, attention, comm: Coll
     if not torch_ring:
         return cp_fwd, cp_bwd, (zero, zero)
     q, kv = block.attention_flops_per_ctx / 4, block.cp_exchange_width
-    hbm = cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw
+    hbm = elementwise_bytes_per_s(cluster, eff)
     fwd_bytes = q * (12 + 42 * (cp - 1))
     bwd_bytes = q * (10 + 10 * cp) + kv * (10 + 22 * cp)
     ring = cp > 1
@@ -361,7 +361,7 @@ def _grad_accumulation(profile, layout: StageLayout, c: Candidates, m, cluster: 
     fp32 main-grad hook, autograd's 16-bit accumulation, DeepSpeed's cast-and-add into fp32)."""
     dense, experts = stage_params(profile, layout)
     local = dense[None, :] / c.tp[:, None] + experts[None, :] / (c.tp * c.ep)[:, None]
-    return grad_accum_bytes(eff, m)[:, None] * local / (cluster.gpu.hbm_gbps * 1e9 * eff.memory_bw)
+    return grad_accum_bytes(eff, m)[:, None] * local / (elementwise_bytes_per_s(cluster, eff))
 
 
 def _hardware_flops_per_token(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:
