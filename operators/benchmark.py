@@ -35,7 +35,7 @@ MIN_REPS, MAX_REPS = 5, 30
 SPREAD = 0.03  # stop once the interquartile range is within 3% of the median
 BUDGET_S = 1.0  # nor time one candidate for longer than this (after warm-up)
 MAX_SLEEP_MS = 50.0  # the longest the GPU is held busy before one timed call
-TIMING_METHOD = "device-time"  # in every cache key: timings taken another way are not reused (see DeviceTimer)
+TIMING_METHOD = "device-time-covered"  # in every cache key: timings taken another way are not reused (see DeviceTimer)
 
 
 def _name(option: KernelOption) -> str:
@@ -154,45 +154,55 @@ class DeviceTimer:
     Before the start event the GPU is kept busy (``torch.cuda._sleep``) for longer than the host takes to
     enqueue ``fn``'s kernels, so the events time the kernels back to back.  Without it, a candidate whose
     kernels run faster than the host launches them is timed by its host overhead: small modules then rank
-    by Python and dispatch noise, not by what they cost inside a compiled, GPU-bound training step.  A call
-    whose host time outran the sleep is timed again with a longer one.
+    by Python and dispatch noise, not by what they cost inside a compiled, GPU-bound training step.  Whether
+    the sleep outlasted the enqueue is read from the GPU itself (the start event still pending when the host
+    is done), not from the sleep's planned length: a sleep's cycles last less once the clock boosts past the
+    rate they were calibrated at.  A call the sleep did not cover is timed again with a longer one.
     """
 
     def __init__(self, device: Any = None, tries: int = 3) -> None:
         self.device = device if device is not None else torch.cuda
         self.host_ms = 0.5  # the host's enqueue time of the last call: the next sleep covers twice that
+        self.sleep_scale = 1.0  # grows when a sleep planned long enough ran short (a clock faster than calibrated)
         self.tries = tries
         self._cycles_per_ms: float | None = None
 
     def cycles_per_ms(self) -> float:
-        """GPU sleep cycles per millisecond, measured once."""
+        """GPU sleep cycles per millisecond: the most of three readings (the clock ramps up under load, and a
+        rate read too low only shortens the sleeps, which the coverage check then catches)."""
         if self._cycles_per_ms is None:
             cycles = 1_000_000
-            ms = self._events(lambda: self.device._sleep(cycles))
-            self._cycles_per_ms = cycles / max(ms, 1e-3)
+            readings = [self._events(lambda: self.device._sleep(cycles))[0] for _ in range(3)]
+            self._cycles_per_ms = cycles / max(min(readings), 1e-3)
         return self._cycles_per_ms
 
     def __call__(self, fn: Callable[[], None]) -> float:
         ms = 0.0
         for _ in range(self.tries):
-            slept_ms = min(2.0 * self.host_ms, MAX_SLEEP_MS)  # a compiling first call must not set a long sleep
+            # a compiling first call must not set a long sleep: MAX_SLEEP_MS bounds it
+            slept_ms = min(2.0 * self.host_ms * self.sleep_scale, MAX_SLEEP_MS)
             self.device.synchronize()
             self.device._sleep(int(slept_ms * self.cycles_per_ms()))
-            ms = self._events(fn, hold=True)
-            if self.host_ms <= slept_ms:
+            ms, covered = self._events(fn, hold=True)
+            if covered:
                 break
+            if self.host_ms <= slept_ms:  # the GPU left the sleep before the planned time
+                self.sleep_scale *= 4.0
         return ms
 
-    def _events(self, fn: Callable[[], None], hold: bool = False) -> float:
+    def _events(self, fn: Callable[[], None], hold: bool = False) -> tuple[float, bool]:
+        """(ms between the events around ``fn``, whether the GPU was still held when the host had enqueued it)."""
         start, end = self.device.Event(enable_timing=True), self.device.Event(enable_timing=True)
         start.record()
         began = time.perf_counter()
         fn()
+        covered = True
         if hold:
             self.host_ms = (time.perf_counter() - began) * 1e3
+            covered = not start.query()
         end.record()
         self.device.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), covered
 
 
 def time_ms(fn: Callable[[], None], timer: Callable[[Callable[[], None]], float], warmup: int = 2) -> float:

@@ -317,8 +317,8 @@ class _FakeDevice:
     """A CUDA stand-in whose events read a virtual GPU clock: kernels run when the host enqueues them, unless
     a sleep still holds the GPU, in which case they run back to back after it."""
 
-    def __init__(self, kernel_ms: float, host_ms: float) -> None:
-        self.kernel_ms, self.host_ms = kernel_ms, host_ms
+    def __init__(self, kernel_ms: float, host_ms: float, cycles_per_ms: float = 1000.0) -> None:
+        self.kernel_ms, self.host_ms, self.cycles_per_ms = kernel_ms, host_ms, cycles_per_ms
         self.host_clock = self.gpu_free_at = 0.0
         self.sleeps: list[float] = []
 
@@ -326,8 +326,8 @@ class _FakeDevice:
         self.host_clock = max(self.host_clock, self.gpu_free_at)
 
     def _sleep(self, cycles: int) -> None:
-        self.sleeps.append(cycles / 1000.0)  # 1000 cycles per virtual ms
-        self.gpu_free_at = max(self.gpu_free_at, self.host_clock) + cycles / 1000.0
+        self.sleeps.append(cycles / self.cycles_per_ms)
+        self.gpu_free_at = max(self.gpu_free_at, self.host_clock) + cycles / self.cycles_per_ms
 
     def Event(self, enable_timing: bool = True):  # noqa: N802 - torch.cuda's spelling
         device = self
@@ -339,6 +339,9 @@ class _FakeDevice:
 
             def elapsed_time(self, other) -> float:
                 return other.at - self.at
+
+            def query(self) -> bool:
+                return self.at <= device.host_clock
 
         return _Event()
 
@@ -356,10 +359,32 @@ def test_device_timer_times_the_kernels_not_the_host_that_launches_them(monkeypa
     monkeypatch.setattr(time_module, "perf_counter", lambda: device.host_clock / 1e3)
     timer = benchmark.DeviceTimer(device)
     timer._cycles_per_ms = 1000.0
-    plain = benchmark.time_ms(device.launch, lambda fn: timer._events(fn), warmup=1)
+    plain = benchmark.time_ms(device.launch, lambda fn: timer._events(fn)[0], warmup=1)
     assert plain == pytest.approx(host_ms + kernel_ms)  # without the sleep the host's enqueue time is timed too
     assert benchmark.time_ms(device.launch, timer, warmup=1) == pytest.approx(kernel_ms)
     assert all(ms <= benchmark.MAX_SLEEP_MS for ms in device.sleeps)
+
+
+def test_device_timer_lengthens_a_sleep_that_ran_short_of_the_host(monkeypatch):
+    """The GPU's clock runs three times the rate the sleep was calibrated at (a cold GPU boosting): each
+    planned sleep lasts a third of its plan and ends before the host has enqueued the call.  The timer sees
+    the start event already passed, sleeps longer, and still times the kernels alone."""
+    import time as time_module
+
+    device = _FakeDevice(kernel_ms=0.05, host_ms=0.8, cycles_per_ms=3000.0)
+    monkeypatch.setattr(time_module, "perf_counter", lambda: device.host_clock / 1e3)
+    timer = benchmark.DeviceTimer(device)
+    timer._cycles_per_ms = 1000.0  # as read at the lower clock
+    assert benchmark.time_ms(device.launch, timer, warmup=1) == pytest.approx(0.05)
+    assert timer.sleep_scale > 1.0
+
+
+def test_device_timer_reads_its_sleep_rate_from_the_gpu(monkeypatch):
+    import time as time_module
+
+    device = _FakeDevice(kernel_ms=0.05, host_ms=0.8, cycles_per_ms=1700.0)
+    monkeypatch.setattr(time_module, "perf_counter", lambda: device.host_clock / 1e3)
+    assert benchmark.DeviceTimer(device).cycles_per_ms() == pytest.approx(1700.0)
 
 
 def test_under_compile_only_the_paths_inductor_rewrites_are_compiled_to_be_timed(monkeypatch):
