@@ -62,7 +62,10 @@ def unsupported_reason(variant: MoEVariant, training: bool = False) -> str | Non
     """Why this recognised variant cannot run on the kernels (None when it can)."""
     missing = [k for k in _REQUIRED if getattr(variant, k) is None]
     if missing:
-        return f"variant lacks {', '.join(missing)} (recognised by an older recogniser)"
+        return (
+            f"variant lacks {', '.join(missing)}: the probe matched none of the routed forms the kernels compute "
+            "(or the variant was recorded before these fields)"
+        )
     if training and variant.stochastic_in_training:
         return (
             "the module is random in training mode (router jitter, dropout); the kernels compute its eval-mode function"
