@@ -29,7 +29,6 @@ from benchmarks.shapes import SHAPES, build_checkpoint
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
     "threads1": {"TORCHINDUCTOR_COMPILE_THREADS": "1"},  # Inductor compiles in process: no worker pool to start
-    "pool-at-first-compile": {"ADAPT_WARM_COMPILE_POOL": "0"},  # the workers start when torch first compiles
 }
 
 _RUN = """

@@ -4,7 +4,7 @@ source -> model (real weights, or meta for config-only) -> OpInventory -> Recogn
 -> (real weights only) generated-kernel capture, ONNX export, and a patch check: the plan is applied
 to the model, logits and gradients are compared with the unpatched model on fresh inputs, and the
 patch is reverted.  ``OpsReport.phases`` says where the stage's seconds went (``device_init``: creating the
-process's CUDA context, apart from loading; ``compile_pool``: starting Inductor's workers); ``OpsReport`` and its JSON
+process's CUDA context, apart from loading); ``OpsReport`` and its JSON
 form, both ways, live in ``operators.ops_report``.
 
 ``adapt_model`` turns a model into its adapted configuration: ``apply_kernel_plan`` (every kernel decision:
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -145,9 +144,6 @@ def run_ops(
             with _phase(phases, "device_init"):  # the process's first CUDA context: seconds on a cold GPU, not loading
                 torch.empty(1, device="cuda")
                 torch.cuda.synchronize()
-            if compile_mode != "none":
-                with _phase(phases, "compile_pool"):
-                    start_compile_workers()
         with _phase(phases, "load"):
             model = load_model(
                 source, dtype=torch.float32, device=tgt.device if tgt.device in ("cpu", "cuda") else "cpu"
@@ -188,17 +184,6 @@ def run_ops(
     if out:
         atomic_write_text(out / "ops.json", json.dumps(report.to_dict(), indent=1))
     return report
-
-
-def start_compile_workers() -> None:
-    """Start Inductor's compile worker pool now, so that its processes import torch while the model loads, traces
-    and is recognised; otherwise the plan phase's first compiled candidate waits for them (torch starts the pool at
-    the first compile).  ``ADAPT_WARM_COMPILE_POOL=0`` leaves it to torch (``benchmarks/ops_cold.py`` compares)."""
-    if os.environ.get("ADAPT_WARM_COMPILE_POOL", "1") != "1":
-        return
-    from torch._inductor.async_compile import maybe_warm_pool
-
-    maybe_warm_pool()
 
 
 @contextlib.contextmanager
