@@ -17,6 +17,7 @@ between tensor parallelism and FSDP), so each measures the configuration the pla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -289,30 +290,39 @@ def _uncompile(module: nn.Module) -> None:
 def _capture_generated(
     model: nn.Module, inv: OpInventory, plan: KernelPlan, out: Path | None
 ) -> tuple[list[GeneratedKernel], dict[str, str]]:
-    """Compile each generated module once to capture Inductor's code; structurally identical modules
-    (same parameter shapes and traced ops) reuse Inductor's cached code, which the report says.
-    Also returns the new components Dynamo could not capture as one graph, each with the reason's first line."""
+    """Compile each distinct generated module once to capture Inductor's code; a module interchangeable with one
+    already compiled (``probe_cache.structure_key``: same classes, parameters, attributes, traced ops and call
+    inputs) reuses its code without a compile of its own, which the report says.  Also returns the new components
+    Dynamo could not capture as one graph, each with the reason's first line."""
+    from operators.recognition.probe_cache import structure_key
+
     kernels: list[GeneratedKernel] = []
     uncompilable: dict[str, str] = {}
-    by_structure: dict[str, GeneratedKernel] = {}
+    by_structure: dict[tuple, GeneratedKernel | str] = {}  # a kernel, or why its module could not be captured
     for choice in plan.components:
         if choice.status != "generated" or choice.module not in inv.captured:
             continue
-        rec = inv.modules[choice.module]
-        key = json.dumps([rec.params, rec.own_ops, rec.input_shapes], sort_keys=True)
+        module = model.get_submodule(choice.module)
+        key = structure_key(module, inv.modules[choice.module], inv, call_inputs=True)
+        first = by_structure.get(key)
+        if isinstance(first, str):
+            uncompilable[choice.module] = first
+            continue
+        if first is not None:
+            kernels.append(
+                dataclasses.replace(first, module=choice.module, compile_seconds=0.0, reused_from=first.module)
+            )
+            continue
         args, kwargs = inv.captured[choice.module]
         try:
-            _, kernel = generate(model.get_submodule(choice.module), choice.module, args, kwargs, out)
+            _, kernel = generate(module, choice.module, args, kwargs, out)
         except CANNOT_CAPTURE as err:
             if choice.kind == "new":
-                uncompilable[choice.module] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
+                reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
+                uncompilable[choice.module] = by_structure[key] = reason
                 continue
             raise
-        if not kernel.files and key in by_structure:
-            first = by_structure[key]
-            kernel.language, kernel.kernels, kernel.files = first.language, first.kernels, first.files
-            kernel.reused_from = first.module
-        by_structure.setdefault(key, kernel)
+        by_structure[key] = kernel
         kernels.append(kernel)
     return kernels, uncompilable
 

@@ -52,6 +52,14 @@ def test_custom_model_quench_runs_through_an_inductor_kernel(zoo, tmp_path):
     assert any("asinh" in name for name in first["kernels"])
     saved = [Path(f) for f in first["files"]]
     assert saved and all(p.is_file() and p.parent == tmp_path / "generated" for p in saved)
+    # the second stratum's quench is interchangeable with the first: its code is the first's, compiled once
+    second = data["generated"][1]
+    assert (second["module"], second["reused_from"], second["files"]) == (
+        "trunk.strata.1.quench",
+        "trunk.strata.0.quench",
+        first["files"],
+    )
+    assert second["compile_seconds"] == 0.0 < first["compile_seconds"]
     assert data["coverage"]["unmapped"] == 0 and data["patch_check"]["passed"]
     assert json.loads((tmp_path / "ops.json").read_text())["coverage"] == data["coverage"]
 
