@@ -17,7 +17,6 @@ between tensor parallelism and FSDP), so each measures the configuration the pla
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import time
@@ -33,7 +32,7 @@ from adapt.core.spec import ModelSpec
 from adapt.core.verdicts import gradient_floor
 from adapt.model.calls import without_cache
 from operators.agreement import compare_with_spec
-from operators.generated import CANNOT_CAPTURE, GeneratedKernel, generate
+from operators.generated import CANNOT_CAPTURE, GeneratedKernel, capture_code, save_sources
 from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
 from operators.mapping import KernelPlan, for_compile_mode, plan_kernels
 from operators.meta_trace import trace_meta_model
@@ -290,41 +289,59 @@ def _uncompile(module: nn.Module) -> None:
 def _capture_generated(
     model: nn.Module, inv: OpInventory, plan: KernelPlan, out: Path | None
 ) -> tuple[list[GeneratedKernel], dict[str, str]]:
-    """Compile each distinct generated module once to capture Inductor's code; a module interchangeable with one
-    already compiled (``probe_cache.structure_key``: same classes, parameters, attributes, traced ops and call
-    inputs) reuses its code without a compile of its own, which the report says.  Also returns the new components
+    """Inductor's code for each generated module, compiled once per interchangeable structure
+    (``probe_cache.structure_key``: same classes, parameters, attributes, traced ops and call inputs) and kept
+    across runs like a probe's verdict (the same code identities, plus the device and dtype), so a warm run
+    compiles nothing here; the report names the module each capture was made on.  Also returns the new components
     Dynamo could not capture as one graph, each with the reason's first line."""
-    from operators.recognition.probe_cache import structure_key
+    from operators.recognition.probe_cache import ProbeCache, structure_key
+    from operators.timing_cache import device_label
 
+    captures = ProbeCache(DiskCache("generated_code"))
     kernels: list[GeneratedKernel] = []
     uncompilable: dict[str, str] = {}
-    by_structure: dict[tuple, GeneratedKernel | str] = {}  # a kernel, or why its module could not be captured
+    saved: dict[str, list[str]] = {}  # source files written in this run, by the module their capture was made on
     for choice in plan.components:
         if choice.status != "generated" or choice.module not in inv.captured:
             continue
         module = model.get_submodule(choice.module)
+        where = next(module.parameters(), torch.empty(0))
         key = structure_key(module, inv.modules[choice.module], inv, call_inputs=True)
-        first = by_structure.get(key)
-        if isinstance(first, str):
-            uncompilable[choice.module] = first
-            continue
-        if first is not None:
-            kernels.append(
-                dataclasses.replace(first, module=choice.module, compile_seconds=0.0, reused_from=first.module)
-            )
-            continue
+        key += (("inductor code", device_label(str(where.device)), str(where.dtype)),)
         args, kwargs = inv.captured[choice.module]
-        try:
-            _, kernel = generate(module, choice.module, args, kwargs, out)
-        except CANNOT_CAPTURE as err:
-            if choice.kind == "new":
-                reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
-                uncompilable[choice.module] = by_structure[key] = reason
-                continue
-            raise
-        by_structure[key] = kernel
+        code, _ = captures.verdict(
+            key, choice.module, functools.partial(_capture_or_refusal, module, choice, args, kwargs)
+        )
+        if "refused" in code:
+            uncompilable[choice.module] = code["refused"]
+            continue
+        first = captures.answers[-1]
+        compiled_here = first.probed_on == choice.module and not first.earlier_run
+        if first.probed_on not in saved:
+            saved[first.probed_on] = save_sources(code["sources"], first.probed_on, out)
+        kernel = GeneratedKernel(
+            choice.module,
+            code["language"],
+            code["kernels"],
+            saved[first.probed_on],
+            code["compile_seconds"] if compiled_here else 0.0,
+            len("\n".join(code["sources"])),
+            reused_from=None if first.probed_on == choice.module else first.probed_on,
+            earlier_run=first.earlier_run,
+        )
         kernels.append(kernel)
     return kernels, uncompilable
+
+
+def _capture_or_refusal(module: nn.Module, choice: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``capture_code``, or ``{"refused": reason}`` for a new component Dynamo cannot capture as one graph (a known
+    component that cannot be captured is an error)."""
+    try:
+        return capture_code(module, args, kwargs)
+    except CANNOT_CAPTURE as err:
+        if choice.kind != "new":
+            raise
+        return {"refused": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"}
 
 
 def _onnx(model: nn.Module, inventory: OpInventory, out: Path | None) -> tuple[OnnxReport, dict[str, int] | None]:

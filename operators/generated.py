@@ -36,6 +36,7 @@ class GeneratedKernel:
     compile_seconds: float = 0.0
     source_chars: int = 0
     reused_from: str | None = None  # identical module whose Inductor code this one reuses
+    earlier_run: bool = False  # the code was captured in an earlier run (adapt's cache): nothing compiled in this one
 
 
 def compile_module(module: nn.Module) -> Callable[..., Any]:
@@ -67,10 +68,10 @@ def _state_detached(module: nn.Module) -> Iterator[None]:
             setattr(sub, name, value)
 
 
-def generate(
-    module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: str | Path | None
-) -> tuple[Callable[..., Any], GeneratedKernel]:
-    """Compile ``module``, run it forward and backward once on fresh inputs shaped like ``args``, capture the code."""
+def capture_code(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Compile ``module``, run it forward and backward once on fresh inputs shaped like ``args``, and return
+    Inductor's code: ``language``, ``kernels`` (function names), ``sources`` (each output module's text) and
+    ``compile_seconds``.  Plain JSON, so that a later run can take it from a cache instead of compiling."""
     from torch._inductor.codecache import PyCodeCache
 
     fn = compile_module(module)
@@ -100,12 +101,27 @@ def generate(
         else ("c++/openmp" if "cpp_fused" in text or 'extern "C"' in text else "unknown")
     )
     names = sorted(set(re.findall(r"\b(cpp_fused_\w+|triton_\w+)\b", text)))
+    return {"language": language, "kernels": names, "sources": sources, "compile_seconds": round(elapsed, 3)}
+
+
+def save_sources(sources: list[str], path: str, out_dir: str | Path | None) -> list[str]:
+    """Copies of the captured sources beside the report (``OUT/generated/<module>_<i>.py``)."""
+    if out_dir is None or not sources:
+        return []
+    target = Path(out_dir) / "generated"
+    target.mkdir(parents=True, exist_ok=True)
     files = []
-    if out_dir is not None and sources:
-        target = Path(out_dir) / "generated"
-        target.mkdir(parents=True, exist_ok=True)
-        for i, src in enumerate(sources):
-            dest = target / f"{path.replace('.', '_')}_{i}.py"
-            dest.write_text(src)
-            files.append(str(dest))
-    return fn, GeneratedKernel(path, language, names, files, round(elapsed, 3), len(text))
+    for i, src in enumerate(sources):
+        dest = target / f"{path.replace('.', '_')}_{i}.py"
+        dest.write_text(src)
+        files.append(str(dest))
+    return files
+
+
+def generate(module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: str | Path | None) -> GeneratedKernel:
+    """``capture_code`` for ``module`` at ``path``, its sources saved under ``out_dir``."""
+    code = capture_code(module, args, kwargs)
+    files = save_sources(code["sources"], path, out_dir)
+    return GeneratedKernel(
+        path, code["language"], code["kernels"], files, code["compile_seconds"], len("\n".join(code["sources"]))
+    )

@@ -36,10 +36,11 @@ def test_every_family_is_fully_mapped_and_patches_exactly(zoo, family):
         assert check.patched_modules > 0
 
 
-def test_custom_model_quench_runs_through_an_inductor_kernel(zoo, tmp_path):
-    from operators import run_ops
+def test_custom_model_quench_runs_through_an_inductor_kernel(zoo, tmp_path, monkeypatch):
+    from operators import api, run_ops
 
-    report = run_ops(str(zoo("custom")), out_dir=tmp_path, onnx=False, trust_remote_code=True)
+    monkeypatch.setenv("ADAPT_CACHE", str(tmp_path / "cache"))  # cold: no capture from another test's run
+    report = run_ops(str(zoo("custom")), out_dir=tmp_path / "cold", onnx=False, trust_remote_code=True)
     data = report.to_dict()
     quench = [c for c in data["components"] if c["kind"] == "new"]
     assert {(c["module"], c["status"], c["provider"]) for c in quench} == {
@@ -47,21 +48,35 @@ def test_custom_model_quench_runs_through_an_inductor_kernel(zoo, tmp_path):
         ("trunk.strata.1.quench", "generated", "inductor"),
     }
     assert [n["module"] for n in data["new"]] == ["trunk.strata.0.quench", "trunk.strata.1.quench"]
-    first = data["generated"][0]
+    first, second = data["generated"]
     assert first["language"] == "c++/openmp"  # Inductor's CPU backend; Triton on CUDA
     assert any("asinh" in name for name in first["kernels"])
     saved = [Path(f) for f in first["files"]]
-    assert saved and all(p.is_file() and p.parent == tmp_path / "generated" for p in saved)
+    assert saved and all(p.is_file() and p.parent == tmp_path / "cold" / "generated" for p in saved)
+    assert data["coverage"]["unmapped"] == 0 and data["patch_check"]["passed"]
+    assert json.loads((tmp_path / "cold" / "ops.json").read_text())["coverage"] == data["coverage"]
     # the second stratum's quench is interchangeable with the first: its code is the first's, compiled once
-    second = data["generated"][1]
     assert (second["module"], second["reused_from"], second["files"]) == (
         "trunk.strata.1.quench",
         "trunk.strata.0.quench",
         first["files"],
     )
-    assert second["compile_seconds"] == 0.0 < first["compile_seconds"]
-    assert data["coverage"]["unmapped"] == 0 and data["patch_check"]["passed"]
-    assert json.loads((tmp_path / "ops.json").read_text())["coverage"] == data["coverage"]
+    assert second["compile_seconds"] == 0.0 < first["compile_seconds"] and not first["earlier_run"]
+
+    # a warm run compiles nothing: the captured code comes from adapt's cache, written beside the new report
+    def no_compile(*_args, **_kwargs):
+        raise AssertionError("a warm run compiled a generated module")
+
+    monkeypatch.setattr(api, "capture_code", no_compile)
+    warm = run_ops(str(zoo("custom")), out_dir=tmp_path / "warm", onnx=False, trust_remote_code=True).to_dict()
+    assert [(g["module"], g["earlier_run"], g["compile_seconds"]) for g in warm["generated"]] == [
+        ("trunk.strata.0.quench", True, 0.0),
+        ("trunk.strata.1.quench", True, 0.0),
+    ]
+    again = [Path(f) for f in warm["generated"][0]["files"]]
+    assert [p.parent for p in again] == [tmp_path / "warm" / "generated"] * len(saved)
+    assert [p.read_text() for p in again] == [p.read_text() for p in saved]
+    assert warm["generated"][0]["kernels"] == first["kernels"]
 
 
 def test_patched_kernel_really_runs_with_the_plan_parameters(zoo):
