@@ -168,7 +168,7 @@ class DeviceTimer:
         self._cycles_per_ms: float | None = None
 
     def cycles_per_ms(self) -> float:
-        """GPU sleep cycles per millisecond: the most of three readings (the clock ramps up under load, and a
+        """GPU sleep cycles per millisecond: the highest rate of three readings (the clock ramps up under load, and a
         rate read too low only shortens the sleeps, which the coverage check then catches)."""
         if self._cycles_per_ms is None:
             cycles = 1_000_000

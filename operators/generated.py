@@ -116,12 +116,3 @@ def save_sources(sources: list[str], path: str, out_dir: str | Path | None) -> l
         dest.write_text(src)
         files.append(str(dest))
     return files
-
-
-def generate(module: nn.Module, path: str, args: tuple, kwargs: dict, out_dir: str | Path | None) -> GeneratedKernel:
-    """``capture_code`` for ``module`` at ``path``, its sources saved under ``out_dir``."""
-    code = capture_code(module, args, kwargs)
-    files = save_sources(code["sources"], path, out_dir)
-    return GeneratedKernel(
-        path, code["language"], code["kernels"], files, code["compile_seconds"], len("\n".join(code["sources"]))
-    )
