@@ -33,7 +33,7 @@ from adapt.core.verdicts import gradient_floor
 from adapt.model.calls import without_cache
 from operators.agreement import compare_with_spec
 from operators.generated import CANNOT_CAPTURE, GeneratedKernel, capture_code, save_sources
-from operators.inventory import OnnxReport, OpInventory, example_batch, trace_model
+from operators.inventory import ModuleRecord, OnnxReport, OpInventory, example_batch, trace_model
 from operators.mapping import KernelPlan, for_compile_mode, plan_kernels
 from operators.meta_trace import trace_meta_model
 from operators.ops_report import OpsReport, PatchCheck
@@ -41,10 +41,10 @@ from operators.patch import PatchHandle, apply_kernel_plan
 from operators.positions import derived_positions_in_training
 from operators.profiles import BackendProfile, load_profile
 from operators.recognition import recognise
-from operators.recognition.probe_cache import ProbeCache
+from operators.recognition.probe_cache import ProbeCache, structure_key
 from operators.recompute import checkpoint_blocks
 from operators.registry import Target
-from operators.timing_cache import DiskCache
+from operators.timing_cache import DiskCache, device_label
 
 PATCH_RTOL = 1e-5  # float32 logits/gradients of patched vs unpatched model
 
@@ -294,9 +294,6 @@ def _capture_generated(
     across runs like a probe's verdict (the same code identities, plus the device and dtype), so a warm run
     compiles nothing here; the report names the module each capture was made on.  Also returns the new components
     Dynamo could not capture as one graph, each with the reason's first line."""
-    from operators.recognition.probe_cache import ProbeCache, structure_key
-    from operators.timing_cache import device_label
-
     captures = ProbeCache(DiskCache("generated_code"))
     kernels: list[GeneratedKernel] = []
     uncompilable: dict[str, str] = {}
@@ -305,10 +302,8 @@ def _capture_generated(
         if choice.status != "generated" or choice.module not in inv.captured:
             continue
         module = model.get_submodule(choice.module)
-        where = next(module.parameters(), torch.empty(0))
-        key = structure_key(module, inv.modules[choice.module], inv, call_inputs=True)
-        key += (("inductor code", device_label(str(where.device)), str(where.dtype)),)
         args, kwargs = inv.captured[choice.module]
+        key = capture_key(module, inv.modules[choice.module], inv, args)
         code, _ = captures.verdict(
             key, choice.module, functools.partial(_capture_or_refusal, module, choice, args, kwargs)
         )
@@ -331,6 +326,22 @@ def _capture_generated(
         )
         kernels.append(kernel)
     return kernels, uncompilable
+
+
+def capture_key(module: nn.Module, rec: ModuleRecord, inv: OpInventory, args: tuple) -> tuple:
+    """What a generated module's Inductor code depends on: its structure (``probe_cache.structure_key``) and the
+    device and dtype it compiles for, read from its first parameter, else buffer, else input tensor (a rotary
+    module has no parameters, and Inductor writes C++ for it on the CPU, Triton on a GPU)."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = (t for t in (*module.parameters(), *module.buffers(), *tree_leaves(args)) if isinstance(t, torch.Tensor))
+    where = next(tensors, None)
+    target = (
+        ("inductor code", device_label(str(where.device)), str(where.dtype))
+        if where is not None
+        else ("inductor code",)
+    )
+    return (*structure_key(module, rec, inv, call_inputs=True), target)
 
 
 def _capture_or_refusal(module: nn.Module, choice: Any, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -91,9 +91,7 @@ class PublishedRun:
     framework: str = "megatron"
     attention: str = "flash2"
     cp_comm: str = "ring"  # "allgather": K/V gathered before attention, exposed (Llama 3, arXiv 2407.21783 sec. 3.3.2)
-    dropout: int = (
-        0  # attention and hidden dropout (Megatron-LM's defaults, 0.1 each, which BLOOM inherited; Llama 3: none)
-    )
+    dropout: int = 0  # attention and hidden dropout (Megatron-LM's 0.1 each, which BLOOM inherited; Llama 3: none)
     grad_bits: int = 32  # 16: gradients accumulated and reduced in 16 bits (Megatron-LM 2021); 32: fp32 main grads
     grad_accum_fused: int = 0  # 1: weight-gradient GEMMs accumulate into the fp32 main grads (Megatron-Core default)
     launch_blocking: int = 0  # 1: CUDA_LAUNCH_BLOCKING=1 in the run's environment (BLOOM's launch script)

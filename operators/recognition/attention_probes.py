@@ -43,9 +43,10 @@ def attention_core_matches(
 
     The kernel that replaces a hooked attention core sees (q, k, v, mask, scaling), the recognised
     causal/window/softcap/GQA values and, where recognition found sinks, the per-head sink logits the module
-    hands its core as ``s_aux``; nothing else: relative-position terms or any other keyword are dropped.  So the float64 module is run twice on one fresh
-    input, with its own core and with a float64 reference of that kernel, and must agree in output and
-    in every gradient (a parameter only the model's own core reads gets no gradient through the kernel).
+    hands its core as ``s_aux``; nothing else: relative-position terms or any other keyword are dropped.  So the
+    float64 module is run twice on one fresh input, with its own core and with a float64 reference of that kernel,
+    and must agree in output and in every gradient (a parameter only the model's own core reads gets no gradient
+    through the kernel).
     """
     from transformers.modeling_utils import AttentionInterface
 
