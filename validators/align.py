@@ -186,15 +186,15 @@ def align(
             )
             report.input_redraws = redraws
             report.notes.append(
-                f"inputs redrawn {redraws}x: under seed {discarded} more than "
-                f"{MAX_UNDECIDABLE_SHARE:.0%} of the tokens had an undecidable expert choice"
+                f"inputs redrawn {redraws}x: under seed {discarded} more than {MAX_UNDECIDABLE_SHARE:.0%} "
+                "of the tokens (or of the loss terms that see them) had an undecidable expert choice"
             )
         share = _undecidable_share(report, options)
-        if share > MAX_INCONCLUSIVE_SHARE:  # too few tokens judged: a pass would mean nothing
+        if share > MAX_INCONCLUSIVE_SHARE and report.inconclusive is None:  # too few judged: a pass means nothing
             mark_inconclusive(
                 report,
-                f"{share:.0%} of the tokens had an expert choice undecidable in {dtype} (more than "
-                f"{MAX_INCONCLUSIVE_SHARE:.0%}); align in a wider dtype to judge this routing",
+                f"{share:.0%} of the tokens (or of the loss terms that see them) had an expert choice undecidable "
+                f"in {dtype} (more than {MAX_INCONCLUSIVE_SHARE:.0%}); align in a wider dtype to judge this routing",
             )
     report.notes[:0] = notes
     report.patched_modules = patched
@@ -207,8 +207,11 @@ MAX_INCONCLUSIVE_SHARE = 0.5  # above this, after the redraws, the alignment can
 
 
 def _undecidable_share(report: AlignmentReport, options: AlignOptions) -> float:
+    """The larger share left unjudged by undecidable expert choices: tokens of the logits, or terms of the gradients'
+    loss (every later position of a sequence attends to such a token, so a few tokens can hide most terms)."""
     logits = next((layer for layer in report.layers if layer.name == "logits"), None)
-    return logits.excluded_tokens / (options.batch * options.seq_len) if logits is not None else 0.0
+    tokens = logits.excluded_tokens if logits is not None else 0
+    return max(tokens, report.loss_terms_left_out) / (options.batch * options.seq_len)
 
 
 def _full_align(src, dtype_name, device, limits, transform, options, seed, compiled: bool) -> AlignmentReport:
@@ -305,12 +308,14 @@ def _full_align(src, dtype_name, device, limits, transform, options, seed, compi
             skipped = {
                 row * seq + pos for row, first in _first_positions(undecided, seq).items() for pos in range(first, seq)
             }
-            if len(skipped) == ids.numel():
+            report.loss_terms_left_out = len(skipped)
+            if len(skipped) > MAX_INCONCLUSIVE_SHARE * ids.numel():
+                # gradients summed over a handful of terms: one token's rounding decides them, so a verdict means nothing
                 finish_report(report, started)
                 mark_inconclusive(
                     report,
-                    f"every loss term sees a token whose expert choice is undecidable in {dtype_name}; "
-                    "gradients were not compared",
+                    f"{len(skipped)} of {ids.numel()} loss terms see a token whose expert choice is undecidable in "
+                    f"{dtype_name} (more than {MAX_INCONCLUSIVE_SHARE:.0%}); gradients were not compared",
                 )
                 return report
             for model, inputs in ((reference, ids), (baseline, ids.to(device)), (candidate, ids.to(device))):

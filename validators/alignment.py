@@ -79,6 +79,7 @@ class AlignmentReport:
     routing_undecidable: dict[int, int] = field(default_factory=dict)  # block -> tokens left out (near-tied router)
     routing_clear_flips: dict[int, int] = field(default_factory=dict)  # block -> tokens routed differently, judged
     input_redraws: int = 0  # fresh inputs drawn again because too many expert choices were undecidable
+    loss_terms_left_out: int = 0  # of the gradients' loss: terms that see a token whose expert choice is undecidable
     peak_rss_bytes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
