@@ -122,6 +122,9 @@ def trace_model(
         refusal = own_refusal(model, ids)
         if refusal is not None:
             raise ModelCannotRun(f"the model cannot run from token ids alone: its forward raised {refusal}") from None
+        refusal = own_refusal(model, ids, lambda m: model_loss(m, ids)) if backward else None
+        if refusal is not None:  # adapt traces in eval mode, dropout off, so that the inventory is deterministic
+            raise ModelCannotRun(f"the model cannot be traced in eval mode: its backward raised {refusal}") from None
         raise
     finally:
         for param, grad in saved_grads.items():

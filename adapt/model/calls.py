@@ -4,6 +4,7 @@ whether the model's own code refuses a batch of token ids."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,17 +37,24 @@ def takes_argument(model: nn.Module, name: str) -> bool:
         return False
 
 
-def own_refusal(model: nn.Module, input_ids: torch.Tensor) -> str | None:
-    """The model's own reason, on one line, when its plain forward on ``input_ids`` raises from its own code.
+def own_refusal(
+    model: nn.Module, input_ids: torch.Tensor, loss: Callable[[nn.Module], torch.Tensor] | None = None
+) -> str | None:
+    """The model's own reason, on one line, when its plain forward on ``input_ids`` (or, given ``loss``, the backward
+    of ``loss(model)``) raises from its own code.
 
     A draft model that needs its target's states, or one that needs a language chosen first, refuses a batch
-    of token ids with an exception its own forward raises.  Only the model's code counts: the raising frame must
-    belong to a module that defines a class the model is built from (torch's own classes left out), so an op
-    failing deep inside torch, or adapt's own code, is never taken for the model's refusal.  None when it runs.
+    of token ids with an exception its own forward raises; Reformer's reversible layers refuse a backward outside
+    training mode.  Only the model's code counts: the raising frame must belong to a module that defines a class the
+    model is built from (torch's own classes left out), so an op failing deep inside torch, or adapt's own code, is
+    never taken for the model's refusal.  None when it runs.  Gradients the backward leaves are the caller's to undo.
     """
     try:
-        with torch.no_grad():
-            model(input_ids=input_ids, **without_cache(model))
+        if loss is None:
+            with torch.no_grad():
+                model(input_ids=input_ids, **without_cache(model))
+        else:
+            loss(model).backward()
     except Exception as err:  # noqa: BLE001 - judged below: anything but the model's own refusal stays the caller's
         if _raising_module(err) in _model_code(model):
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]

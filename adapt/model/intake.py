@@ -30,7 +30,7 @@ from adapt.core.spec import (
 from adapt.model.activations import canonical_activation
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.model.measure import ChildFacts, block_signatures, measure_blocks
-from adapt.model.roles import child_roles
+from adapt.model.roles import child_roles, settle_banks
 from adapt.model.skeleton import build_meta_model, load_config, load_model, quiet_transformers
 from adapt.model.structure import (
     attention_causal,
@@ -113,7 +113,14 @@ def describe_model(
     checkpoint: CheckpointReport | None = None,
 ) -> ModelSpec:  # fmt: skip
     embed = model.get_input_embeddings()
-    vocab, hidden = int(embed.weight.shape[0]), residual_width(model)
+    weight = getattr(embed, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise BadInput(
+            f"cannot describe this model: its input embedding is a {type(embed).__name__}, not one table of token "
+            "vectors (several token streams at once, as an audio codec's codebooks); adapt reads models whose "
+            "input is one stream of token ids"
+        )
+    vocab, hidden = int(weight.shape[0]), residual_width(model)
     try:
         found = find_blocks(model)
     except NoBlockList as err:
@@ -197,6 +204,7 @@ def _describe_block(
     facts: dict[str, ChildFacts], generates: bool, rotation_seen: bool,
 ) -> tuple[BlockSpec, dict[str, int]]:  # fmt: skip
     parts = split_block(block)
+    settle_banks(parts, facts, hidden)
     roles = child_roles(parts, facts, hidden)
     attn_owners, mlp_owners, moe_owners = roles.attention, roles.mlp, roles.moe
     mixer_owners, side_owners, expert_attention = roles.mixer, roles.side, roles.expert_attention
@@ -420,6 +428,9 @@ def _rope_info(model: nn.Module, config) -> dict | None:
     if not dims:
         return None
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        # one set per layer kind (full and sliding attention): the full layers' reach the longest context
+        params = dict(params.get("full_attention") or next(iter(params.values())))
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
     return {

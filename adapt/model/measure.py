@@ -45,6 +45,7 @@ class ChildFacts:
     value_dim: int | None = None
     activations: list[str] = field(default_factory=list)
     top_k: int | None = None
+    choices: int | None = None  # what the top-k chose among (the router's width: the number of experts)
     scoring: str | None = None
     convolution: bool = False
     recurrence: bool = (
@@ -119,7 +120,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = self.shadows.run(func, args, kwargs)
+        if str(func) in _BF16_ONLY and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+            out = _in_bf16(func, args, kwargs)
+        else:
+            out = self.shadows.run(func, args, kwargs)
         if self.stack:
             self._note(self.facts.setdefault(self.stack[-1], ChildFacts()), func, args, kwargs, out)
         return out
@@ -157,7 +161,10 @@ class _Recorder(TorchDispatchMode):
                 facts.value_dim = int(b.shape[-1])
         elif name == "aten.topk.default" and len(args) > 1 and isinstance(args[1], int):
             facts.top_k = args[1]
+            facts.choices = int(args[0].shape[-1]) if isinstance(args[0], torch.Tensor) and args[0].dim() else None
             facts.scoring = _SCORING.get(facts.last_op, facts.scoring)
+            if facts.last_op == "aten.sigmoid.default" and facts.activations[-1:] == ["sigmoid"]:
+                facts.activations.pop()  # the router's scoring, not the experts' activation
         if name in _SOFTMAX and facts.head_dim is not None and facts.sinks is None and tensors:
             facts.sinks = tensors[0].shape[-1] == SEQ + 1  # the scores of the SEQ keys and one learned column
         elif name == "aten.logsumexp.default" and facts.head_dim is not None:
@@ -168,7 +175,8 @@ class _Recorder(TorchDispatchMode):
         facts.rotation |= facts.head_dim is None and _rotates(name, args)
         if name in _RECURRENT_OPS or facts.steps >= SEQ:  # a decaying state, or a loop over the positions
             facts.recurrence = True
-        if name in _ACTIVATIONS:
+        scores_a_choice = name in _SCORING and facts.top_k is not None and facts.scoring is None
+        if name in _ACTIVATIONS and not scores_a_choice:
             label = _ACTIVATIONS[name]
             if label == "gelu" and (kwargs.get("approximate") == "tanh" or "tanh" in args[1:]):
                 label = "gelu_tanh"
@@ -189,6 +197,16 @@ class _Recorder(TorchDispatchMode):
             return False
         value = self.shadows.value_of(mask)
         return None if value is None else blocks_future(value, queries, keys)
+
+
+# Ops whose meta kernel accepts bfloat16 only (the grouped GEMM of transformers' default experts): the measurement
+# needs their output's shape, which the dtype does not change.
+_BF16_ONLY = {"aten._grouped_mm.default"}
+
+
+def _in_bf16(func: Any, args: tuple, kwargs: dict) -> Any:
+    cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args]
+    return func(*cast, **kwargs).to(torch.float32)
 
 
 def _contracts_positions_only(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,10 +7,17 @@ each role from its children.  This is the one place that answers the question.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from adapt.model.measure import ChildFacts
-from adapt.model.structure import BlockLeaves, heads_kept_as_experts, is_mlp_group, is_whole_feed_forward
+from adapt.model.structure import (
+    BlockLeaves,
+    Projection,
+    heads_kept_as_experts,
+    is_mlp_group,
+    is_whole_feed_forward,
+)
 
 
 @dataclass
@@ -27,6 +34,42 @@ class ChildRoles:
     def feed_forward_only(self) -> bool:
         """A layer holding a feed-forward and nothing else that mixes tokens (Nemotron-H's MLP and expert layers)."""
         return bool(self.mlp or self.moe) and set(self.owners) <= set(self.mlp) | set(self.moe)
+
+
+def settle_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) -> None:
+    """Which matrices are expert banks, from what the block was seen to compute (in place).
+
+    Shapes alone guess: a 3-D parameter is a bank, several same-shaped matrices on one module are not.  Where a child
+    holding 3-D parameters was seen running a recurrence or an attention core, and nothing in the block chose among
+    experts, they are per-head matrices of that mixer (Zamba's Mamba, XLNet's attention), kept as projections.  Where
+    the block's router chose among ``E`` and same-shaped matrices stack ``E`` experts in their rows, they are banks.
+    """
+    routers = [f for f in facts.values() if f.top_k]
+    for owner in list(parts.banks) if not routers else []:
+        kept = []
+        for path, shape in parts.banks.pop(owner):
+            child = facts.get(path.split(".", 1)[0])  # the block's child that holds it, as measured
+            if child is None or not (child.recurrence or child.head_dim):
+                kept.append((path, shape))
+            elif hidden in shape:
+                size = math.prod(shape)
+                parts.projections.setdefault(path.split(".", 1)[0], []).append(
+                    Projection(path, (hidden, size // hidden), False, size)
+                )
+            else:
+                module, _, name = path.rpartition(".")
+                parts.other_1d.append((module, name, math.prod(shape)))
+        if kept:
+            parts.banks[owner] = kept
+    experts = next((f.choices for f in routers if f.choices), None)
+    if not experts or experts < 2:
+        return
+    for owner, matrices in parts.stacked.items():
+        if owner in parts.banks or not all(rows % experts == 0 and rows > experts for _, (rows, _) in matrices):
+            continue
+        paths = {path for path, _ in matrices}
+        parts.other_1d = [entry for entry in parts.other_1d if f"{entry[0]}.{entry[1]}" not in paths]
+        parts.banks[owner] = [(path, (experts, rows // experts, cols)) for path, (rows, cols) in matrices]
 
 
 def child_roles(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) -> ChildRoles:

@@ -61,6 +61,10 @@ class Shadows:
         try:
             out = func(*args, **kwargs)
         except Exception:
+            if not computable and on_meta and not stand_in and any(not t.is_meta for t in tensors):
+                # Weight-derived meta data beside a real buffer (a router's biases, computed at construction like
+                # every buffer of the skeleton): where a loaded model holds both on one device, so does this op.
+                return self._on_meta(func, flat, spec, args, kwargs)
             # A data-dependent op (``.item()``, ``nonzero``) on meta tensors whose values are known.
             if not computable or stand_in:
                 raise
@@ -74,6 +78,13 @@ class Shadows:
                 return out
             except Exception:  # noqa: BLE001 - an op the CPU will not run here leaves its outputs without values
                 pass
+        self._forget_written(func, args, kwargs)
+        return out
+
+    def _on_meta(self, func: Any, flat: list, spec: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` with every real tensor moved to the meta device; its outputs have no values."""
+        moved = [x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x for x in flat]
+        out = func(*tree_unflatten(moved, spec)[0], **tree_unflatten(moved, spec)[1])
         self._forget_written(func, args, kwargs)
         return out
 

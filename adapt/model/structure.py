@@ -49,6 +49,9 @@ class BlockLeaves:
     norm_like: list[tuple[str, nn.Module, int]] = field(default_factory=list)  # (path, module, size)
     param_free: list[tuple[str, nn.Module]] = field(default_factory=list)
     other_1d: list[tuple[str, str, int]] = field(default_factory=list)  # (module path, param name, size)
+    # several same-shaped matrices on one module (DBRX keeps its experts as (experts x inner, width) matrices): by
+    # owning child, (path, shape); also counted in ``other_1d`` until a router says they are expert banks
+    stacked: dict[str, list[tuple[str, tuple[int, int]]]] = field(default_factory=dict)
     convolutions: dict[str, list[str]] = field(default_factory=dict)  # by owning child: conv module paths
     buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -114,6 +117,10 @@ def split_block(block: nn.Module) -> BlockLeaves:
                 parts.other_1d += [(path, n, p.numel()) for n, p in own]
         else:
             parts.other_1d += [(path, n, p.numel()) for n, p in own]
+            if len(weight2d) > 1 and len({tuple(p.shape) for _, p in weight2d}) == 1:
+                parts.stacked.setdefault(_owner(path), []).extend(
+                    (f"{path}.{n}", (int(p.shape[0]), int(p.shape[1]))) for n, p in weight2d
+                )
     for name, buf in block.named_buffers():
         parts.buffers[name] = tuple(buf.shape)
     return parts
@@ -278,8 +285,9 @@ def interpret_attention(
     inputs = [p for p in width_in if p is not out_proj]
     # MLA's up-projections are linear layers reading a latent the attention wrote from the width: a low-rank query
     # or a normed key-value latent.  A matrix off the width that reads anything else, or whose input side is not
-    # known (a relative-position bias table, a convolution's static filter), is not one.
-    latents = {p.other_dim(hidden) for p in inputs} | set(latent_norms)
+    # known (a relative-position bias table, a convolution's static filter), is not one.  A latent is narrower than
+    # the width: attention that reads a wider input (Zamba's width concatenated with the embeddings) is no MLA.
+    latents = {d for d in {p.other_dim(hidden) for p in inputs} | set(latent_norms) if d is not None and d < hidden}
     low_rank = [p for p in group if hidden not in p.shape and p.out_features is not None and p.shape[1] in latents]
     head_dim = (
         measured_head_dim
@@ -322,7 +330,11 @@ def interpret_attention(
     elif len(inputs) == 1:  # fused qkv: out = (h + 2*kv) * d
         kv_heads = max(1, (fused // head_dim - num_heads) // 2)
     else:
-        kv_heads = max(1, outs[0] // head_dim) if outs else num_heads
+        # the narrowest input projection is the keys' (or the values'), unless the module names a KV head count that
+        # another of its projections holds whole: values split into parts (Zaya's current and delayed halves)
+        named = _int_attr(attn_modules, ("num_key_value_heads", "num_kv_heads"))
+        whole = named is not None and num_heads % named == 0 and named * head_dim in outs
+        kv_heads = named if whole else max(1, outs[0] // head_dim) if outs else num_heads
     kind = "mha" if kv_heads == num_heads else ("mqa" if kv_heads == 1 else "gqa")
     return AttentionSpec(
         kind=kind, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,

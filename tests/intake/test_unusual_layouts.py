@@ -1,0 +1,128 @@
+"""Weight layouts that a reading by shape alone gets wrong, each from a transformers model type:
+
+- DBRX keeps each expert bank as one 2-D matrix, experts stacked in its rows: an MoE, not a dense MLP.
+- Zamba's Mamba mixers and XLNet's attention hold 3-D per-head matrices: no expert banks where nothing routes.
+- Zamba's shared attention reads the width concatenated with the embeddings: a wide input, not MLA's low-rank latent.
+- Zaya splits its values into two half-width projections (the KV heads are the keys'), and its router adds a
+  real buffer to weight-derived scores while the skeleton's weights are on the meta device.
+- LFM2-MoE scores its router with a sigmoid: a scoring, not the experts' activation; its rotary settings, like
+  Cohere Compass's, are given per layer kind.
+- MusicGen's decoder reads several token streams (one embedding per codebook) and Reformer's reversible layers refuse
+  a backward outside training mode: each is refused in one line, with the reason, not a traceback.
+
+Each test is skipped on a transformers without the model type.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+
+from adapt.core.errors import BadInput, ModelCannotRun
+from adapt.model.intake import build_spec, resolve_source
+
+
+def _saved(tmp_path, model_type: str, **settings):
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{"vocab_size": 256, **settings}))
+    model.save_pretrained(tmp_path / model_type)
+    return resolve_source(str(tmp_path / model_type))
+
+
+def _spec(tmp_path, model_type: str, **settings):
+    return build_spec(_saved(tmp_path, model_type, **settings))
+
+
+def test_experts_stacked_in_the_rows_of_2d_matrices_are_an_moe(tmp_path):
+    spec = _spec(
+        tmp_path, "dbrx", d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"hidden_size": 64, "ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2},
+    )  # fmt: skip
+    for block in spec.blocks:
+        assert (block.mlp.kind, block.mlp.num_experts, block.mlp.top_k) == ("moe", 4, 2)
+        assert block.mlp.intermediate_size == 48
+    experts = 2 * 3 * 4 * 48 * 64  # two blocks of w1, v1, w2
+    assert spec.params.experts == experts
+    idle = spec.params.total - spec.params.active_per_token
+    assert idle == pytest.approx(experts / 2)  # top-2 of 4: half of them idle
+
+
+def test_per_head_matrices_of_a_recurrent_mixer_are_no_experts(tmp_path):
+    spec = _spec(
+        tmp_path, "zamba", hidden_size=64, attention_hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, attention_head_dim=32, num_key_value_heads=4, n_mamba_heads=2, attn_layer_period=1,
+        attn_layer_offset=0, mamba_dt_rank=8, max_position_embeddings=256, use_mamba_kernels=False,
+    )  # fmt: skip
+    mamba, hybrid = spec.blocks[0], spec.blocks[2]
+    assert mamba.mixer == "recurrent" and mamba.mlp.kind == "none" and mamba.attention is None
+    assert hybrid.attention.kind == "mha" and hybrid.attention.head_dim == 32  # a 2x-wide input is no latent
+    assert spec.params.experts == 0 and spec.params.active_per_token == spec.params.total
+
+
+def test_attention_kept_in_3d_per_head_matrices_is_attention(tmp_path):
+    spec = _spec(tmp_path, "xlnet", d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=128, mem_len=None)
+    for block in spec.blocks:
+        assert block.mixer == "full_attention"
+        assert (block.attention.kind, block.attention.num_heads, block.attention.head_dim) == ("mha", 4, 16)
+        assert block.mlp.kind == "dense_plain"
+    assert spec.params.experts == 0
+
+
+def test_values_split_in_halves_keep_the_named_kv_heads_and_every_block_is_measured(tmp_path):
+    spec = _spec(
+        tmp_path, "zaya", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=1,
+        eos_token_id=106, bos_token_id=2, router_hidden_size=32, sliding_window=16,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+    )  # fmt: skip
+    assert [b.mixer for b in spec.blocks] == ["full_attention", "sliding_attention"] * 2
+    for block in spec.blocks:
+        assert (block.attention.kind, block.attention.num_heads, block.attention.num_kv_heads) == ("gqa", 4, 2)
+        assert (block.mlp.kind, block.mlp.num_experts, block.mlp.top_k) == ("moe", 4, 1)
+
+
+def test_a_sigmoid_router_is_no_activation_and_rotary_per_layer_kind_is_read(tmp_path):
+    spec = _spec(
+        tmp_path, "lfm2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256, layer_types=["conv", "full_attention", "conv", "full_attention"],
+    )  # fmt: skip
+    routed = [b.mlp for b in spec.blocks if b.mlp.kind == "moe"]
+    assert len(routed) == 3 and all(m.activation == "silu" and m.router_scoring == "sigmoid" for m in routed)
+    compass = _spec(
+        tmp_path, "cohere_compass_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=5, eos_token_id=255,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 12345.0, "mrope_section": [4, 2, 2]}},
+    )  # fmt: skip
+    assert compass.rope["theta"] == 12345.0 and compass.rope["scaling"] == {"mrope_section": [4, 2, 2]}
+
+
+def test_several_token_streams_are_refused_in_one_line(tmp_path):
+    if "musicgen" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no musicgen")
+    from transformers import MusicgenDecoderConfig, MusicgenForCausalLM
+
+    config = MusicgenDecoderConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, num_codebooks=4
+    )
+    MusicgenForCausalLM(config).save_pretrained(tmp_path / "musicgen")
+    with pytest.raises(BadInput, match="input embedding is a ModuleList"):
+        build_spec(resolve_source(str(tmp_path / "musicgen")))
+
+
+def test_a_backward_the_model_refuses_in_eval_mode_is_refused_with_its_reason(tmp_path):
+    from operators.api import run_ops
+
+    src = _saved(
+        tmp_path, "reformer", is_decoder=True, attn_layers=["local", "lsh"], axial_pos_shape=[4, 8],
+        axial_pos_embds_dim=[16, 48], hidden_size=64, max_position_embeddings=32, num_attention_heads=4,
+        attention_head_size=16, feed_forward_size=128, local_attn_chunk_length=16, lsh_attn_chunk_length=16,
+        num_buckets=4, num_hashes=1,
+    )  # fmt: skip
+    with pytest.raises(ModelCannotRun, match="cannot be traced in eval mode: its backward raised AssertionError"):
+        run_ops(src, onnx=False, check_patch=False)
