@@ -144,7 +144,7 @@ def reference_dtype(
 def float64_forward(model: torch.nn.Module) -> Iterator[None]:
     """A float64 model (the reference) runs with float64 as torch's default dtype, so that a tensor it builds from a
     Python scalar without a dtype (``torch.full((), torch.finfo(x.dtype).min)``, a mask floor) is float64 like the
-    rest, not a float32 that overflows; and its depthwise convs run tap by tap (``Float64DepthwiseConv``)."""
+    rest, not a float32 that overflows; every float32 it asks for is float64 (``Float64Reference``)."""
     param = next(model.parameters(), None)
     if param is None or param.dtype != torch.float64:
         yield
@@ -152,19 +152,30 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        with Float64DepthwiseConv():
+        with Float64Reference():
             yield
     finally:
         torch.set_default_dtype(previous)
 
 
-class Float64DepthwiseConv(TorchFunctionMode):
-    """torch's CPU convolution has no fast float64 kernel: a depthwise ``conv1d`` runs group by group, about a
-    second per call (forward and again backward) at the 8192 channels of a gated-delta-net layer.  The same sums,
-    computed as one multiply-add per kernel tap, are exact to float64 rounding and take milliseconds."""
+class Float64Reference(TorchFunctionMode):
+    """What the float64 reference runs differently from the model's code, to stay float64 throughout.
+
+    Models upcast to float32 for stability where the rest runs in 16 bits: an RMSNorm's ``x.to(torch.float32)``, a
+    softmax's ``dtype=torch.float32``, rotary's ``.float()``.  In a float64 model each would round to float32 and
+    leave the reference no more precise than a float32 candidate (or, as XLNet's float32 positions beside float64
+    weights, fail outright): here float32 means float64.  And torch's CPU convolution has no fast float64 kernel: a
+    depthwise ``conv1d`` runs group by group, about a second per call at the 8192 channels of a gated-delta-net
+    layer; the same sums, one multiply-add per kernel tap, are exact to float64 rounding and take milliseconds."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("dtype") is torch.float32:
+            kwargs = {**kwargs, "dtype": torch.float64}
+        if func is torch.Tensor.float:
+            return args[0].to(torch.float64)
+        if func is torch.Tensor.to:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
         if func is torch.conv1d:
             out = depthwise_conv1d_by_taps(*args, **kwargs)
             if out is not None:

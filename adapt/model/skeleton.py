@@ -379,6 +379,11 @@ def load_model(
         model = model.to(device).to(dtype)
     if dtype == torch.float64:
         loop_experts(model, notes)
+        narrow = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float64]
+        if narrow:  # made in float32 by the model's own code (XLNet's torch.FloatTensor): the reference is float64
+            model = model.to(torch.float64)
+            if notes is not None:
+                notes.append(f"float64 model: {len(narrow)} parameter(s) its code makes narrower widened ({narrow[0]})")
     bad = [name for name, p in model.named_parameters() if not _all_finite(p)]
     if bad:
         raise BadInput(f"{src.text}: non-finite (NaN/Inf) values in weights: {', '.join(bad[:3])}")

@@ -64,13 +64,22 @@ def test_per_head_matrices_of_a_recurrent_mixer_are_no_experts(tmp_path):
     assert spec.params.experts == 0 and spec.params.active_per_token == spec.params.total
 
 
-def test_attention_kept_in_3d_per_head_matrices_is_attention(tmp_path):
-    spec = _spec(tmp_path, "xlnet", d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=128, mem_len=None)
+def test_attention_kept_in_3d_per_head_matrices_is_attention_and_its_float64_twin_is_float64(tmp_path):
+    from adapt.model.skeleton import load_model
+    from validators.alignment import float64_forward
+
+    src = _saved(tmp_path, "xlnet", d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=128, mem_len=None)
+    spec = build_spec(src)
     for block in spec.blocks:
         assert block.mixer == "full_attention"
         assert (block.attention.kind, block.attention.num_heads, block.attention.head_dim) == ("mha", 4, 16)
         assert block.mlp.kind == "dense_plain"
     assert spec.params.experts == 0
+    notes: list[str] = []
+    reference = load_model(src, torch.float64, notes=notes)  # XLNet makes its attention weights as FloatTensors
+    assert {p.dtype for p in reference.parameters()} == {torch.float64} and "widened" in notes[-1]
+    with float64_forward(reference), torch.no_grad():  # and builds its positions with .float()
+        assert reference(input_ids=torch.randint(0, 256, (2, 8))).logits.dtype == torch.float64
 
 
 def test_values_split_in_halves_keep_the_named_kv_heads_and_every_block_is_measured(tmp_path):

@@ -54,3 +54,23 @@ def test_a_float64_module_runs_its_conv_by_taps_and_its_scalars_in_float64(rng):
     assert torch.equal(out, by_taps)
     with float64_forward(conv.float()):
         assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_reference_keeps_float64_where_a_model_upcasts_to_float32():
+    """Models upcast to float32 for stability (an RMSNorm's ``.to(torch.float32)``, a softmax's ``dtype=``, rotary's
+    ``.float()``): in the reference each would round to float32, no more precise than a float32 candidate."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(64).double()
+    x = torch.randn(3, 64, dtype=torch.float64) * 1e3 + 1.0
+    exact = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    rounded = norm(x)  # as written: the variance and the scaling in float32
+    assert (rounded - exact).abs().max() / exact.abs().max() > 1e-9
+    with float64_forward(norm):
+        kept = norm(x)
+        probs = torch.softmax(x, dim=-1, dtype=torch.float32)
+        positions = torch.arange(5).float()
+        moved = x.to("cpu", torch.float32)
+    torch.testing.assert_close(kept, exact, rtol=1e-14, atol=0)
+    assert probs.dtype == positions.dtype == moved.dtype == torch.float64
+    assert torch.arange(5).float().dtype == torch.float32  # outside the reference, float32 is float32 again
