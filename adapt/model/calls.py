@@ -47,14 +47,20 @@ def own_refusal(
     of token ids with an exception its own forward raises; Reformer's reversible layers refuse a backward outside
     training mode.  Only the model's code counts: the raising frame must belong to a module that defines a class the
     model is built from (torch's own classes left out), so an op failing deep inside torch, or adapt's own code, is
-    never taken for the model's refusal.  None when it runs.  Gradients the backward leaves are the caller's to undo.
+    never taken for the model's refusal.  None when it runs.  Given ``loss``, only the backward is judged (the
+    forward is the plain call's to judge, and ``loss`` is the caller's code); the gradients it leaves are the
+    caller's to undo.
     """
     try:
         if loss is None:
             with torch.no_grad():
                 model(input_ids=input_ids, **without_cache(model))
         else:
-            loss(model).backward()
+            try:
+                value = loss(model)
+            except Exception:  # noqa: BLE001 - not the backward: the caller's failure stays the caller's
+                return None
+            value.backward()
     except Exception as err:  # noqa: BLE001 - judged below: anything but the model's own refusal stays the caller's
         if _raising_module(err) in _model_code(model):
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
