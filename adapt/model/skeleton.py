@@ -28,7 +28,9 @@ def quiet_transformers():
     from transformers.utils import logging as hf_logging
 
     previous = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" would share stderr with a refusal's one line
     logging.getLogger("transformers").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -37,6 +39,8 @@ def quiet_transformers():
                 yield
             finally:
                 hf_logging.set_verbosity(previous)
+                if bars:
+                    hf_logging.enable_progress_bar()
 
 
 def load_config(src: ModelSource):
@@ -374,6 +378,10 @@ def load_model(
     except BadInput:
         raise
     except Exception as err:
+        if "mismatched" in str(err) and src.weight_format == "safetensors":  # its report went to the silenced log
+            from adapt.model.intake import check_checkpoint
+
+            check_checkpoint(src, build_meta_model(src, config))  # names the tensors and both shapes
         raise BadInput(f"{src.text}: transformers could not load the weights: {_first_line(err)}") from None
     if staged is not None:  # widen on the accelerator: exact, and no host pass over the weights
         model = model.to(device).to(dtype)

@@ -294,3 +294,16 @@ def test_the_thresholds_file_must_be_text(capsys, zoo, tmp_path):
 
     with pytest.raises(BadInput, match=r"thresholds .*t\.yaml: not UTF-8 text"):
         load_thresholds(tmp_path / "t.yaml")
+
+
+@pytest.mark.parametrize("command", ["inspect", "align"])
+def test_a_weight_of_the_wrong_shape_is_named_with_both_shapes(capsys, zoo, tmp_path, command):
+    """transformers' own refusal points at a load report its silenced log held: adapt names the tensor instead."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = clone(zoo, "llama", tmp_path)
+    weights = load_file(ckpt / "model.safetensors")
+    name = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[name] = torch.zeros(3, 3)
+    save_file(weights, ckpt / "model.safetensors")
+    assert_bad(capsys, [command, str(ckpt)], "weights do not match the config", name, "[3, 3]")
