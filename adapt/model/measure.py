@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from adapt.model.blocks import BlockList
 from adapt.model.calls import takes_argument, without_cache
@@ -110,6 +111,8 @@ class _Recorder(TorchDispatchMode):
         self.stack: list[str] = []
         self.facts: dict[str, ChildFacts] = {}
         self.shadows = Shadows()
+        self.scaled_from = WeakTensorKeyDictionary()  # tensor -> the tensor it is a scalar multiple of
+        self.sigmoid_of = WeakTensorKeyDictionary()  # a sigmoid's output -> what its input is a scalar multiple of
 
     def enter(self, name: str) -> None:
         self.stack.append(name)
@@ -181,10 +184,30 @@ class _Recorder(TorchDispatchMode):
             if label == "gelu" and (kwargs.get("approximate") == "tanh" or "tanh" in args[1:]):
                 label = "gelu_tanh"
             facts.activations.append(label)
+            if label == "sigmoid" and tensors:
+                self.sigmoid_of[out] = self._source(tensors[0])
+        if name == "aten.mul.Tensor" and len(args) == 2:
+            self._note_product(facts, *args, out)
         if name in _SCORING:
             facts.last_op = name  # the scoring a later topk selects on
             if facts.top_k is not None and facts.scoring is None:  # the choice made on raw logits, scored after it
                 facts.scoring = _SCORING[name]
+
+    def _source(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.scaled_from.get(tensor, tensor)
+
+    def _note_product(self, facts: ChildFacts, a: Any, b: Any, out: Any) -> None:
+        """A product by a scalar is remembered; ``x * sigmoid(beta x)`` is a swish, SiLU's family (gpt-oss's experts
+        with beta 1.702), not a sigmoid activation."""
+        scalar = [x for x in (a, b) if not isinstance(x, torch.Tensor) or x.dim() == 0]
+        tensors = [x for x in (a, b) if isinstance(x, torch.Tensor) and x.dim() > 0]
+        if len(scalar) == 1 and len(tensors) == 1:
+            self.scaled_from[out] = self._source(tensors[0])
+        elif len(tensors) == 2 and facts.activations[-1:] == ["sigmoid"]:
+            for gate, other in (tensors, tensors[::-1]):
+                if self.sigmoid_of.get(gate) is self._source(other):
+                    facts.activations[-1] = "silu"
+                    return
 
     def _fused_causal(self, func: Any, args: tuple, kwargs: dict, queries: int, keys: int) -> bool | None:
         """A fused attention core's own causal flag, else what its mask blocks (None: the mask has no values)."""

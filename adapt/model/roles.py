@@ -40,16 +40,18 @@ def settle_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) 
     """Which matrices are expert banks, from what the block was seen to compute (in place).
 
     Shapes alone guess: a 3-D parameter is a bank, several same-shaped matrices on one module are not.  Where a child
-    holding 3-D parameters was seen running a recurrence or an attention core, and nothing in the block chose among
-    experts, they are per-head matrices of that mixer (Zamba's Mamba, XLNet's attention), kept as projections.  Where
-    the block's router chose among ``E`` and same-shaped matrices stack ``E`` experts in their rows, they are banks.
+    holding 3-D parameters was seen convolving over the positions or running an attention core, and nothing in the
+    block chose among experts with a top-k, they are per-head matrices of that token mixer (Zamba's Mamba, Recurrent
+    Gemma's RG-LRU beside its convolution, XLNet's attention), kept as projections.  Exponentials alone say nothing:
+    routers without a top-k (PhiMoE's sparse mixer, hashed routing) run them too.  Where the block's router chose among
+    ``E`` and same-shaped matrices stack ``E`` experts in their rows, they are banks.
     """
     routers = [f for f in facts.values() if f.top_k]
     for owner in list(parts.banks) if not routers else []:
         kept = []
         for path, shape in parts.banks.pop(owner):
             child = facts.get(path.split(".", 1)[0])  # the block's child that holds it, as measured
-            if child is None or not (child.recurrence or child.head_dim):
+            if child is None or not (child.convolution or child.head_dim):
                 kept.append((path, shape))
             elif hidden in shape:
                 size = math.prod(shape)

@@ -135,3 +135,19 @@ def test_a_backward_the_model_refuses_in_eval_mode_is_refused_with_its_reason(tm
     )  # fmt: skip
     with pytest.raises(ModelCannotRun, match="cannot be traced in eval mode: its backward raised AssertionError"):
         run_ops(src, onnx=False, check_patch=False)
+
+
+def test_a_router_without_top_k_keeps_its_experts_and_a_swish_is_silu(tmp_path):
+    """PhiMoE's sparse mixer routes without ``topk`` (its 3-D banks stay experts); gpt-oss's experts compute
+    ``x * sigmoid(1.702 x)``, a swish, which the measurement must not read as a sigmoid activation."""
+    phimoe = _spec(
+        tmp_path, "phimoe", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+    )  # fmt: skip
+    assert all((b.mlp.kind, b.mlp.num_experts) == ("moe", 4) for b in phimoe.blocks)
+    oss = _spec(
+        tmp_path, "gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+    )  # fmt: skip
+    assert all((b.mlp.kind, b.mlp.activation) == ("moe", "silu") for b in oss.blocks)
