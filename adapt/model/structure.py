@@ -331,15 +331,22 @@ def interpret_attention(
         kv_heads = max(1, (fused // head_dim - num_heads) // 2)
     else:
         # the narrowest input projection is the keys' (or the values'), unless the module names a KV head count that
-        # another of its projections holds whole: values split into parts (Zaya's current and delayed halves)
-        named = _int_attr(attn_modules, ("num_key_value_heads", "num_kv_heads"))
-        whole = named is not None and num_heads % named == 0 and named * head_dim in outs
-        kv_heads = named if whole else max(1, outs[0] // head_dim) if outs else num_heads
+        # another of its projections holds whole (``named_kv_heads``)
+        named = named_kv_heads(attn_modules, num_heads, head_dim, outs)
+        kv_heads = named or (max(1, outs[0] // head_dim) if outs else num_heads)
     kind = "mha" if kv_heads == num_heads else ("mqa" if kv_heads == 1 else "gqa")
     return AttentionSpec(
         kind=kind, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
         qkv_bias=any(p.bias for p in inputs), kv_shared=kv_shared,
     )  # fmt: skip
+
+
+def named_kv_heads(attn_modules: list[nn.Module], heads: int, head_dim: int, widths: list[int]) -> int | None:
+    """The KV head count an attention module names, where one of its input projections (output ``widths``) holds
+    that many heads whole: the narrowest projection is not always the keys' (Zaya splits its values into a current
+    and a delayed half).  None where the module names none, or no projection bears it out."""
+    named = _int_attr(attn_modules, ("num_key_value_heads", "num_kv_heads"))
+    return named if named is not None and heads % named == 0 and named * head_dim in widths else None
 
 
 def _reads_shared_kv(attn_modules: list[nn.Module]) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from adapt.model.structure import named_kv_heads
 from operators.inventory import ModuleRecord, OpInventory
 from operators.recognition import patterns as pat
 from operators.recognition import variants
@@ -32,7 +33,7 @@ def classify_attention(
 ) -> Component:
     """The attention component ``rec`` is: its shape from the trace, confirmed by the visibility probe (and, where the
     core is replaceable through transformers' hook, by running the module with a plain core)."""
-    variant = attention_shape(inv, rec)
+    variant = attention_shape(inv, rec, module)
     # transformers' attention-function hook: the module resolves its core through config._attn_implementation
     variant["hook"] = hasattr(getattr(module, "config", None), "_attn_implementation")
     evidence = "pattern"
@@ -63,8 +64,9 @@ def _attention_variant(measured: dict[str, Any]) -> variants.AttentionVariant:
     )
 
 
-def attention_shape(inv: OpInventory, rec: ModuleRecord) -> dict[str, Any]:
-    """Heads, head dims, core, soft-capping, sinks, rotary style and MLA from the traced sequence."""
+def attention_shape(inv: OpInventory, rec: ModuleRecord, module: Any = None) -> dict[str, Any]:
+    """Heads, head dims, core, soft-capping, sinks, rotary style and MLA from the traced sequence (and, given the
+    module, the KV head count it names where a projection bears it out)."""
     seq = rec.sequence
     width = pat.last_dim(rec.input_shapes)
     batch = rec.input_shapes[0][0]
@@ -88,7 +90,8 @@ def attention_shape(inv: OpInventory, rec: ModuleRecord) -> dict[str, Any]:
     if mla:
         kv_heads = heads
     elif len(from_hidden) >= 3:
-        kv_heads = min(kv_heads_core, min(from_hidden) // head_dim) or heads
+        named = named_kv_heads([module], heads, head_dim, from_hidden) if module is not None else None
+        kv_heads = named or min(kv_heads_core, min(from_hidden) // head_dim) or heads
     elif from_hidden:  # the widest holds k and v fused, with q or without; the other one is q or the output
         units = max(from_hidden) // head_dim
         kv_heads = max(1, (units - heads) // 2 if units > heads else units // 2)

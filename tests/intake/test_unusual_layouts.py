@@ -83,16 +83,21 @@ def test_attention_kept_in_3d_per_head_matrices_is_attention_and_its_float64_twi
 
 
 def test_values_split_in_halves_keep_the_named_kv_heads_and_every_block_is_measured(tmp_path):
-    spec = _spec(
+    from operators.api import run_ops
+
+    src = _saved(
         tmp_path, "zaya", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, max_position_embeddings=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=1,
         eos_token_id=106, bos_token_id=2, router_hidden_size=32, sliding_window=16,
         layer_types=["hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
     )  # fmt: skip
+    spec = build_spec(src)
     assert [b.mixer for b in spec.blocks] == ["full_attention", "sliding_attention"] * 2
     for block in spec.blocks:
         assert (block.attention.kind, block.attention.num_heads, block.attention.num_kv_heads) == ("gqa", 4, 2)
         assert (block.mlp.kind, block.mlp.num_experts, block.mlp.top_k) == ("moe", 4, 1)
+    attention = [c for c in run_ops(src, onnx=False, check_patch=False).plan.components if c.kind == "attention"]
+    assert len(attention) == 4 and {(c.variant.num_heads, c.variant.num_kv_heads) for c in attention} == {(4, 2)}
 
 
 def test_a_sigmoid_router_is_no_activation_and_rotary_per_layer_kind_is_read(tmp_path):
