@@ -12,7 +12,6 @@ from collections import Counter
 import torch
 from torch import nn
 
-from adapt.core.checkpoint import cross_check, read_checkpoint
 from adapt.core.errors import BadInput
 from adapt.core.source import ModelSource, resolve_source
 from adapt.core.spec import (
@@ -31,7 +30,7 @@ from adapt.model.activations import canonical_activation
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.model.measure import ChildFacts, block_signatures, measure_blocks
 from adapt.model.roles import child_roles, settle_banks
-from adapt.model.skeleton import build_meta_model, load_config, load_model, quiet_transformers
+from adapt.model.skeleton import build_meta_model, check_checkpoint, load_config, load_model, quiet_transformers
 from adapt.model.structure import (
     attention_causal,
     attention_window,
@@ -70,32 +69,6 @@ def inspect(
     """Resolve, read and describe a checkpoint without loading its tensors."""
     src = resolve_source(text, config_only=config_only, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     return build_spec(src, seq_len=seq_len)
-
-
-def check_checkpoint(src: ModelSource, model: nn.Module) -> CheckpointReport | None:
-    """Cross-check safetensors headers against the skeleton; shape mismatches are bad input."""
-    if src.config_only or not src.weight_files:
-        return None
-    if src.weight_format != "safetensors":
-        return CheckpointReport(format="pytorch_bin", files=[f.rsplit("/", 1)[-1] for f in src.weight_files])
-    tensors = read_checkpoint(src.weight_files)
-    report = cross_check(model, tensors, src.weight_files, quantization=src.config_dict.get("quantization_config"))
-    if report.shape_mismatches:
-        first = "; ".join(
-            f"{m['name']}: checkpoint {m['checkpoint']} vs config {m['model']}" for m in report.shape_mismatches[:3]
-        )
-        more = len(report.shape_mismatches) - 3
-        raise BadInput(
-            f"{src.text}: weights do not match the config: {first}" + (f" (and {more} more)" if more > 0 else "")
-        )
-    if report.integer_for_float and not src.config_dict.get("quantization_config"):
-        first = report.integer_for_float[0]
-        raise BadInput(
-            f"{src.text}: {len(report.integer_for_float)} tensor(s) hold integers where the model computes in floating "
-            f"point (first: {first['name']}, {first['checkpoint']} on disk, {first['model']} in the model); a quantised "
-            "checkpoint needs its quantization_config, otherwise the loader would cast the codes as if they were weights"
-        )
-    return report
 
 
 def build_spec(src: ModelSource, seq_len: int | None = None, model: nn.Module | None = None) -> ModelSpec:
@@ -296,6 +269,8 @@ def _describe_block(
         routed = next((facts[o] for o in moe_owners if o in facts and facts[o].top_k), None)
         if mlp.kind == "moe" and routed is not None:  # what the router ran outranks config names
             mlp.top_k, mlp.router_scoring = int(routed.top_k), routed.scoring or mlp.router_scoring
+        if mlp.kind == "moe":
+            mlp.expert_layout = "+".join(sorted({parts.bank_layout.get(o, "bank") for o in moe_owners}))
     else:
         mlp, bank_params, router_params = MLPSpec(kind="none", intermediate_size=0), 0, 0
     mlp_params = sum(p.params for p in mlp_projs)

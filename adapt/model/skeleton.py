@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.core.checkpoint import cross_check, read_checkpoint
 from adapt.core.errors import BadInput
 from adapt.core.source import ModelSource
+from adapt.core.spec import CheckpointReport
 
 
 @contextlib.contextmanager
@@ -164,6 +166,32 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def check_checkpoint(src: ModelSource, model: nn.Module) -> CheckpointReport | None:
+    """Cross-check safetensors headers against the skeleton; shape mismatches are bad input."""
+    if src.config_only or not src.weight_files:
+        return None
+    if src.weight_format != "safetensors":
+        return CheckpointReport(format="pytorch_bin", files=[f.rsplit("/", 1)[-1] for f in src.weight_files])
+    tensors = read_checkpoint(src.weight_files)
+    report = cross_check(model, tensors, src.weight_files, quantization=src.config_dict.get("quantization_config"))
+    if report.shape_mismatches:
+        first = "; ".join(
+            f"{m['name']}: checkpoint {m['checkpoint']} vs config {m['model']}" for m in report.shape_mismatches[:3]
+        )
+        more = len(report.shape_mismatches) - 3
+        raise BadInput(
+            f"{src.text}: weights do not match the config: {first}" + (f" (and {more} more)" if more > 0 else "")
+        )
+    if report.integer_for_float and not src.config_dict.get("quantization_config"):
+        first = report.integer_for_float[0]
+        raise BadInput(
+            f"{src.text}: {len(report.integer_for_float)} tensor(s) hold integers where the model computes in floating "
+            f"point (first: {first['name']}, {first['checkpoint']} on disk, {first['model']} in the model); a quantised "
+            "checkpoint needs its quantization_config, otherwise the loader would cast the codes as if they were weights"
+        )
+    return report
 
 
 def available_memory(device: str) -> int:
@@ -379,8 +407,6 @@ def load_model(
         raise
     except Exception as err:
         if "mismatched" in str(err) and src.weight_format == "safetensors":  # its report went to the silenced log
-            from adapt.model.intake import check_checkpoint
-
             check_checkpoint(src, build_meta_model(src, config))  # names the tensors and both shapes
         raise BadInput(f"{src.text}: transformers could not load the weights: {_first_line(err)}") from None
     if staged is not None:  # widen on the accelerator: exact, and no host pass over the weights
