@@ -73,6 +73,7 @@ class BlockProfile:
     routed_cacheable_width: int = 0  # per routed token: the dispatched input, the SwiGLU input and output
     routed_recomputable_width: int = 0  # per routed token: the activation output selective recompute drops
     routed_output_width: int = 0  # per routed token: the expert's output, kept for the routing weight's gradient
+    expert_layout: str = ""  # MLPSpec.expert_layout: adapt's expert parallelism shards a "bank" only
     expert_groups: int = 1  # group-limited routing: experts fall into this many contiguous groups ...
     groups_per_token: int = 1  # ... of which a token's experts come from at most this many
 
@@ -309,6 +310,7 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
         routed_recomputable_width=mlp_parts.routed_recomputable,
         routed_output_width=mlp_parts.routed_output,
         expert_groups=block.mlp.n_group if block.mlp.kind == "moe" else 1,
+        expert_layout=block.mlp.expert_layout if block.mlp.kind == "moe" else "",
         groups_per_token=block.mlp.topk_group if block.mlp.kind == "moe" else 1,
     )
 

@@ -143,6 +143,7 @@ def plan_parallel(
     overlap = dict(
         tp_overlap=eff.runtime == "megatron" or space_overlap,
         ep_overlap=(eff.runtime == "megatron" and profile.max_experts > 0) or "ep_overlap" in pinned,
+        ep_shardable=eff.runtime != "torch" or all(b.expert_layout in ("", "bank") for b in profile.blocks),
     )
     spaces = (
         SearchSpace(**overlap),

@@ -30,6 +30,8 @@ class SearchSpace:
     min_cp_chunk: int = 256  # tokens per context-parallel rank below which ring attention cannot pay off
     tp_overlap: bool = False  # the runtime can pipeline TP collectives with GEMMs (adapt's eager TP cannot)
     ep_overlap: bool = False  # the runtime can run the EP all-to-all beside another micro-batch's compute
+    # the runtime can shard these experts: adapt's (``adapt.runtime.expert_parallel``) shards [experts, ...] tensors
+    ep_shardable: bool = True
 
 
 def _divisors(n: int) -> list[int]:
@@ -74,7 +76,7 @@ def enumerate_candidates(
                 if workload.global_batch % dp:
                     rejected["global batch must divide over the data-parallel ranks"] += 1
                     continue
-                for row in _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rejected):
+                for row in _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rejected, space):
                     outer.setdefault((row[1], row[6]), []).append(row)
     return {key: cands for key, cands in _expand(outer, workload, fixed, space)}, rejected
 
@@ -95,15 +97,17 @@ def _replicas(tp: int, dp: int, cp: int, ep: int, per_node: int, training: bool,
     return options
 
 
-def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rejected):
+def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rejected, space):
     """(tp, pp, dp, cp, ep, mbs, vpp, schedule, replicate) rows of one TP x CP x PP x DP layout.
 
     EP may leave the node here in every search space: ``plan_parallel`` ranks such layouts only once the
     space allows it, and otherwise uses them to say what keeping EP inside a node costs.
     """
     per_rank = workload.global_batch // dp
-    ep_options = _divisors(math.gcd(dp * cp, *experts)) if experts else [1]
-    if "ep" in fixed and fixed["ep"] not in ep_options:
+    ep_options = _divisors(math.gcd(dp * cp, *experts)) if experts and space.ep_shardable else [1]
+    if experts and not space.ep_shardable and fixed.get("ep", 1) > 1:
+        rejected["ep>1: adapt's runtime shards experts kept as [experts, ...] tensors only, not this model's"] += 1
+    elif "ep" in fixed and fixed["ep"] not in ep_options:
         rejected[f"ep={fixed['ep']} must divide the experts and dp*cp={dp * cp}"] += 1
     if "mbs" in fixed and per_rank % fixed["mbs"]:
         rejected[f"mbs={fixed['mbs']} must divide the sequences per data-parallel rank (global batch / dp)"] += 1

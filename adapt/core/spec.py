@@ -62,6 +62,9 @@ class MLPSpec:
     n_group: int = 1
     topk_group: int = 1
     bias: bool = False
+    # how the routed experts' weights are kept: "bank" (one module's [experts, ...] tensors), "list" (a module per
+    # expert) or "rows" (experts stacked in the rows of 2-D matrices, DBRX's); "" where there are none
+    expert_layout: str = ""
 
 
 @dataclass

@@ -72,6 +72,7 @@ def settle_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) 
         paths = {path for path, _ in matrices}
         parts.other_1d = [entry for entry in parts.other_1d if f"{entry[0]}.{entry[1]}" not in paths]
         parts.banks[owner] = [(path, (experts, rows // experts, cols)) for path, (rows, cols) in matrices]
+        parts.bank_layout[owner] = "rows"
 
 
 def child_roles(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) -> ChildRoles:

@@ -46,6 +46,7 @@ class BlockLeaves:
 
     projections: dict[str, list[Projection]] = field(default_factory=dict)  # by owning child
     banks: dict[str, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)  # 3-D expert weights
+    bank_layout: dict[str, str] = field(default_factory=dict)  # by owner: "bank", "list" or "rows" (MLPSpec's)
     norm_like: list[tuple[str, nn.Module, int]] = field(default_factory=list)  # (path, module, size)
     param_free: list[tuple[str, nn.Module]] = field(default_factory=list)
     other_1d: list[tuple[str, str, int]] = field(default_factory=list)  # (module path, param name, size)
@@ -71,6 +72,7 @@ def split_block(block: nn.Module) -> BlockLeaves:
             for pname, p in module[0].named_parameters():
                 if p.dim() == 2:
                     parts.banks.setdefault(_owner(path), []).append((f"{path}.{pname}", (len(module), *p.shape)))
+                    parts.bank_layout[_owner(path)] = "list"
             skip = tuple(f"{path}.{i}." for i in range(len(module))) + tuple(f"{path}.{i}" for i in range(len(module)))
             continue
         own = list(module.named_parameters(recurse=False))
@@ -95,6 +97,7 @@ def split_block(block: nn.Module) -> BlockLeaves:
             for pname, p in own:
                 if p.dim() == 3:
                     parts.banks.setdefault(_owner(path), []).append((f"{path}.{pname}", tuple(p.shape)))
+                    parts.bank_layout.setdefault(_owner(path), "bank")
             continue
         weight2d = [(n, p) for n, p in own if p.dim() == 2]
         if len(weight2d) == 1 and all(p.dim() <= 2 for _, p in own):

@@ -45,11 +45,20 @@ def test_experts_stacked_in_the_rows_of_2d_matrices_are_an_moe(tmp_path):
     )  # fmt: skip
     for block in spec.blocks:
         assert (block.mlp.kind, block.mlp.num_experts, block.mlp.top_k) == ("moe", 4, 2)
-        assert block.mlp.intermediate_size == 48
+        assert block.mlp.intermediate_size == 48 and block.mlp.expert_layout == "rows"
     experts = 2 * 3 * 4 * 48 * 64  # two blocks of w1, v1, w2
     assert spec.params.experts == experts
     idle = spec.params.total - spec.params.active_per_token
     assert idle == pytest.approx(experts / 2)  # top-2 of 4: half of them idle
+    # adapt's expert parallelism shards [experts, ...] tensors: its plans keep these experts whole, and say so
+    from parallel_planner.cluster import make_cluster
+    from parallel_planner.search import plan_parallel
+    from parallel_planner.workload import Workload
+
+    plans = plan_parallel(spec, make_cluster("h100", 8), Workload(256, 64), top_k=5).plans
+    assert plans and {p.plan.ep for p in plans} == {1}
+    with pytest.raises(BadInput, match="ep>1: adapt's runtime shards experts kept as"):
+        plan_parallel(spec, make_cluster("h100", 8), Workload(256, 64), fixed={"ep": 4})
 
 
 def test_per_head_matrices_of_a_recurrent_mixer_are_no_experts(tmp_path):
