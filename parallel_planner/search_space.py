@@ -107,6 +107,8 @@ def _outer_rows(tp, cp, pp, dp, per_node, profile, workload, experts, fixed, rej
     ep_options = _divisors(math.gcd(dp * cp, *experts)) if experts and space.ep_shardable else [1]
     if experts and not space.ep_shardable and fixed.get("ep", 1) > 1:
         rejected["ep>1: adapt's runtime shards experts kept as [experts, ...] tensors only, not this model's"] += 1
+    elif "ep" in fixed and fixed["ep"] > 1 and not experts:
+        rejected[f"ep={fixed['ep']}: the model has no routed experts to shard"] += 1
     elif "ep" in fixed and fixed["ep"] not in ep_options:
         rejected[f"ep={fixed['ep']} must divide the experts and dp*cp={dp * cp}"] += 1
     if "mbs" in fixed and per_rank % fixed["mbs"]:

@@ -127,6 +127,8 @@ def test_pinned_layouts_that_exist_are_evaluated_and_impossible_ones_name_the_kn
     assert three.best.plan.micro_batch == 3 and three.best.plan.grad_accum == 2
     with pytest.raises(BadInput, match="releasing mbs=5 would admit one"):
         plan_parallel(small, make_cluster("h100", 8), Workload(2048, 48), fixed="tp=1,pp=1,dp=8,mbs=5", top_k=1)
+    with pytest.raises(BadInput, match="ep=2: the model has no routed experts to shard"):  # a dense model
+        plan_parallel(small, make_cluster("h100", 8), Workload(2048, 48), fixed="ep=2", top_k=1)
 
 
 def test_bloom_light_ends_through_the_cli(tmp_path, capsys):
