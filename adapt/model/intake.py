@@ -29,7 +29,7 @@ from adapt.core.spec import (
 from adapt.model.activations import canonical_activation
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.model.measure import ChildFacts, block_signatures, measure_blocks
-from adapt.model.roles import child_roles, settle_banks
+from adapt.model.roles import child_roles, settle_banks, split_nested_blocks
 from adapt.model.skeleton import build_meta_model, check_checkpoint, load_config, load_model, quiet_transformers
 from adapt.model.structure import (
     attention_causal,
@@ -177,6 +177,7 @@ def _describe_block(
     facts: dict[str, ChildFacts], generates: bool, rotation_seen: bool,
 ) -> tuple[BlockSpec, dict[str, int]]:  # fmt: skip
     parts = split_block(block)
+    facts = split_nested_blocks(parts, facts, hidden)
     settle_banks(parts, facts, hidden)
     roles = child_roles(parts, facts, hidden)
     attn_owners, mlp_owners, moe_owners = roles.attention, roles.mlp, roles.moe

@@ -36,6 +36,31 @@ class ChildRoles:
         return bool(self.mlp or self.moe) and set(self.owners) <= set(self.mlp) | set(self.moe)
 
 
+def split_nested_blocks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) -> dict[str, ChildFacts]:
+    """A child that is itself a whole transformer block (the shared attention-and-MLP layer inside Zamba's hybrid
+    layers): its attention and its feed-forward become owners of their own, ``child.grandchild`` (in place).  Told
+    from what it computes and holds: it ran an attention core, and its matrices sit in several grandchildren, one of
+    them a whole feed-forward.  Returns the facts with each new owner sharing its child's."""
+    facts = dict(facts)
+    for owner in [o for o in parts.projections if o and o in facts and facts[o].head_dim]:
+        groups: dict[str, list[Projection]] = {}
+        for proj in parts.projections[owner]:
+            pieces = proj.path.split(".")
+            groups.setdefault(pieces[1] if len(pieces) > 2 else "", []).append(proj)
+        mlp = [
+            g
+            for g, ps in groups.items()
+            if len(ps) <= 3 and is_mlp_group(ps, hidden) and is_whole_feed_forward(ps, hidden)
+        ]
+        if "" in groups or len(groups) < 2 or len(mlp) != 1:
+            continue
+        del parts.projections[owner]
+        for group, projs in groups.items():
+            parts.projections[f"{owner}.{group}"] = projs
+            facts[f"{owner}.{group}"] = facts[owner]
+    return facts
+
+
 def settle_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) -> None:
     """Which matrices are expert banks, from what the block was seen to compute (in place).
 
@@ -50,15 +75,14 @@ def settle_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) 
     for owner in list(parts.banks) if not routers else []:
         kept = []
         for path, shape in parts.banks.pop(owner):
-            child = facts.get(path.split(".", 1)[0])  # the block's child that holds it, as measured
+            holder = _holder(path, facts)  # the child (or a nested block's part) that holds it, as measured
+            child = facts.get(holder)
             if child is None or not (child.convolution or child.head_dim):
                 kept.append((path, shape))
-            elif hidden in shape:
+            elif hidden in shape and parts.bank_layout.get(owner) != "list":
                 size = math.prod(shape)
-                parts.projections.setdefault(path.split(".", 1)[0], []).append(
-                    Projection(path, (hidden, size // hidden), False, size)
-                )
-            else:
+                parts.projections.setdefault(holder, []).append(Projection(path, (hidden, size // hidden), False, size))
+            else:  # a list of small modules beside a mixer (Zamba2's per-layer adapters): parameters, no matrix of it
                 module, _, name = path.rpartition(".")
                 parts.other_1d.append((module, name, math.prod(shape)))
         if kept:
@@ -73,6 +97,12 @@ def settle_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) 
         parts.other_1d = [entry for entry in parts.other_1d if f"{entry[0]}.{entry[1]}" not in paths]
         parts.banks[owner] = [(path, (experts, rows // experts, cols)) for path, (rows, cols) in matrices]
         parts.bank_layout[owner] = "rows"
+
+
+def _holder(path: str, facts: dict[str, ChildFacts]) -> str:
+    """The longest measured owner a parameter path lies under (a nested block's part before its child)."""
+    under = [key for key in facts if key and (path == key or path.startswith(key + "."))]
+    return max(under, key=len, default=path.split(".", 1)[0])
 
 
 def child_roles(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) -> ChildRoles:

@@ -2,7 +2,8 @@
 
 - DBRX keeps each expert bank as one 2-D matrix, experts stacked in its rows: an MoE, not a dense MLP.
 - Zamba's Mamba mixers and XLNet's attention hold 3-D per-head matrices: no expert banks where nothing routes.
-- Zamba's shared attention reads the width concatenated with the embeddings: a wide input, not MLA's low-rank latent.
+- Zamba's shared attention reads the width concatenated with the embeddings: a wide input, not MLA's low-rank latent;
+  and that attention and its MLP sit together in one child, a transformer layer nested in the hybrid layer.
 - Zaya splits its values into two half-width projections (the KV heads are the keys'), and its router adds a
   real buffer to weight-derived scores while the skeleton's weights are on the meta device.
 - LFM2-MoE scores its router with a sigmoid: a scoring, not the experts' activation; its rotary settings, like
@@ -70,6 +71,8 @@ def test_per_head_matrices_of_a_recurrent_mixer_are_no_experts(tmp_path):
     mamba, hybrid = spec.blocks[0], spec.blocks[2]
     assert mamba.mixer == "recurrent" and mamba.mlp.kind == "none" and mamba.attention is None
     assert hybrid.attention.kind == "mha" and hybrid.attention.head_dim == 32  # a 2x-wide input is no latent
+    # the hybrid layer nests a whole transformer layer in one child: its feed-forward is the layer's MLP
+    assert (hybrid.mlp.kind, hybrid.mlp.intermediate_size) == ("dense_gated", 128)
     assert spec.params.experts == 0 and spec.params.active_per_token == spec.params.total
 
 
