@@ -72,7 +72,17 @@ def settle_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) 
     ``E`` and same-shaped matrices stack ``E`` experts in their rows, they are banks.
     """
     routers = [f for f in facts.values() if f.top_k]
-    for owner in list(parts.banks) if not routers else []:
+    if not routers:
+        _mixer_matrices_out_of_banks(parts, facts, hidden)
+        return
+    experts = next((f.choices for f in routers if f.choices), None)
+    if experts is not None and experts >= 2:
+        _stacked_rows_into_banks(parts, experts)
+
+
+def _mixer_matrices_out_of_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) -> None:
+    """Nothing routes: banks held by a child seen convolving or running an attention core are that mixer's."""
+    for owner in list(parts.banks):
         kept = []
         for path, shape in parts.banks.pop(owner):
             holder = _holder(path, facts)  # the child (or a nested block's part) that holds it, as measured
@@ -87,9 +97,10 @@ def settle_banks(parts: BlockLeaves, facts: dict[str, ChildFacts], hidden: int) 
                 parts.other_1d.append((module, name, math.prod(shape)))
         if kept:
             parts.banks[owner] = kept
-    experts = next((f.choices for f in routers if f.choices), None)
-    if not experts or experts < 2:
-        return
+
+
+def _stacked_rows_into_banks(parts: BlockLeaves, experts: int) -> None:
+    """The router chose among ``experts``: same-shaped matrices whose rows stack that many experts are banks."""
     for owner, matrices in parts.stacked.items():
         if owner in parts.banks or not all(rows % experts == 0 and rows > experts for _, (rows, _) in matrices):
             continue

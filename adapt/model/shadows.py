@@ -84,7 +84,8 @@ class Shadows:
     def _on_meta(self, func: Any, flat: list, spec: Any, args: tuple, kwargs: dict) -> Any:
         """``func`` with every real tensor moved to the meta device; its outputs have no values."""
         moved = [x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x for x in flat]
-        out = func(*tree_unflatten(moved, spec)[0], **tree_unflatten(moved, spec)[1])
+        on_meta_args, on_meta_kwargs = tree_unflatten(moved, spec)
+        out = func(*on_meta_args, **on_meta_kwargs)
         self._forget_written(func, args, kwargs)
         return out
 

@@ -3,8 +3,8 @@
 No ``model_type`` or class-name tables: a block is one element of the model's repeated
 ``ModuleList``; inside it, parametric leaves are grouped by the block child that owns them and
 classified by shape (2-D weights are projections, 3-D weights are expert banks, 1-D-only modules
-are norm candidates; ``roles.settle_banks`` corrects the banks from what the block was seen to compute).  Norms and activations are confirmed by running a CPU copy of that one small
-module against reference formulas.  Head counts come from the attention module's own attributes or
+are norm candidates; ``roles.settle_banks`` corrects the banks from what the block was seen to compute).
+Norms and activations are confirmed by running a CPU copy of that one small module against reference formulas.  Head counts come from the attention module's own attributes or
 the config's standard names, cross-checked against projection shapes.
 """
 
