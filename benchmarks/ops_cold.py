@@ -50,7 +50,7 @@ source = resolve_source(sys.argv[1])
 spec = build_spec(source)
 intake = time.perf_counter() - start - imports
 began = time.perf_counter()
-report = run_ops(source, onnx=False, check_patch=False, spec=spec)
+report = run_ops(source, out_dir=sys.argv[2], spec=spec)  # as the pipeline's operators stage calls it
 print(json.dumps({"imports_s": imports, "intake_s": intake, "ops_s": time.perf_counter() - began,
                   "phases": report.phases, "plan_seconds_by_kind": report.plan.seconds_by_kind,
                   "compile_threads": inductor_config.compile_threads, "events": events}))
@@ -79,7 +79,10 @@ def run_warm(checkpoint: Path, model: str, setting: str, work: Path) -> dict[str
 def _run(checkpoint: Path, setting: str, caches: dict[str, Path]) -> dict[str, Any]:
     env = dict(os.environ, **{k: str(v) for k, v in caches.items()}, **SETTINGS[setting])
     env.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1")
-    done = subprocess.run([sys.executable, "-c", _RUN, str(checkpoint)], env=env, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as artifacts:  # the run's own directory: model.onnx, generated kernels
+        done = subprocess.run(
+            [sys.executable, "-c", _RUN, str(checkpoint), artifacts], env=env, capture_output=True, text=True
+        )
     if done.returncode:
         return {"setting": setting, "error": done.stderr.strip().splitlines()[-1][:300] if done.stderr else "failed"}
     return {"setting": setting, **json.loads(done.stdout.strip().splitlines()[-1])}
@@ -106,24 +109,26 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"# Operators stage, cold and warm ({result['device']})",
         "",
-        "Intake then `run_ops` without ONNX export and patch check, as `adapt run` runs them, each in a fresh process. "
+        "Intake then `run_ops` as `adapt run` runs them (ONNX export and patch check included since 2026-12-04; "
+        "earlier rows ran without them), each in a fresh process. "
         "Cold: adapt's, Triton's and Inductor's caches all empty; warm: the next run on the caches the cold run "
         "filled. Seconds. Target (issue 14): under 30 s cold, under 5 s warm.",
         "",
         "| commit | model | caches | setting | compile threads | imports | intake | operators stage | plan phase "
-        "| plan s by kind |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ONNX export | patch check | plan s by kind |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in result["runs"]:
         model, caches = run.get("model", result.get("model", "?")), run.get("caches", "cold")
         head = f"| {run.get('commit', '?')} | {model} | {caches} | {run['setting']} "
         if "error" in run:
-            lines.append(head + f"| failed: {run['error']} | | | | | |")
+            lines.append(head + f"| failed: {run['error']} | | | | | | | |")
             continue
         timed = "; ".join(f"{kind} {t:.1f}" for kind, t in _plan_seconds(run).items() if t >= 0.1)
         lines.append(
             head + f"| {run['compile_threads']} | {run['imports_s']:.1f} | {run['intake_s']:.1f} | "
-            f"{run['ops_s']:.1f} | {run['phases'].get('plan', 0.0):.1f} | {timed or 'none'} |"
+            f"{run['ops_s']:.1f} | {run['phases'].get('plan', 0.0):.1f} | {_phase(run, 'onnx')} | "
+            f"{_phase(run, 'patch_check')} | {timed or 'none'} |"
         )
     detailed = [run for run in result["runs"] if run.get("events")]
     if detailed:
@@ -135,6 +140,11 @@ def render(result: dict[str, Any]) -> str:
             )
     lines += ["", *(f"- {note}" for note in result.get("notes", []))] if result.get("notes") else []
     return "\n".join(lines) + "\n"
+
+
+def _phase(run: dict[str, Any], name: str) -> str:
+    """A phase's seconds, or "–" for rows measured before the stage ran it."""
+    return f"{run['phases'][name]:.1f}" if name in run["phases"] else "–"
 
 
 def _event_seconds(event: str) -> float:

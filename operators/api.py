@@ -32,6 +32,7 @@ from adapt.core.spec import ModelSpec
 from adapt.core.verdicts import gradient_floor
 from adapt.model.calls import without_cache
 from operators.agreement import compare_with_spec
+from operators.check_cache import cached_onnx, cached_patch_check
 from operators.generated import CANNOT_CAPTURE, GeneratedKernel, capture_code, save_sources
 from operators.inventory import ModuleRecord, OnnxReport, OpInventory, example_batch, trace_model
 from operators.mapping import KernelPlan, for_compile_mode, plan_kernels
@@ -171,12 +172,18 @@ def run_ops(
         onnx_report, onnx_blocks = None, None
         if onnx:
             with _phase(phases, "onnx"):
-                onnx_report, onnx_blocks = _onnx(model, inventory, out)
+                onnx_report, onnx_blocks = cached_onnx(
+                    source, tgt.device, out, lambda path: _onnx(model, inventory, path)
+                )
         report = OpsReport(
             label, prof, tgt, inventory, recognition, plan, onnx_report, generated, onnx_blocks=onnx_blocks
         )
         with _phase(phases, "patch_check"):
-            report.patch_check = check_kernel_plan(model, plan) if check_patch else PatchCheck(False, note="skipped")
+            report.patch_check = (
+                cached_patch_check(source, tgt.device, plan, lambda: check_kernel_plan(model, plan))
+                if check_patch
+                else PatchCheck(False, note="skipped")
+            )
     if spec is not None:
         report.agreement = compare_with_spec(spec, report.recognition, inventory.traced_blocks)
     report.seconds = time.perf_counter() - start
@@ -355,14 +362,14 @@ def _capture_or_refusal(module: nn.Module, choice: Any, args: tuple, kwargs: dic
         return {"refused": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"}
 
 
-def _onnx(model: nn.Module, inventory: OpInventory, out: Path | None) -> tuple[OnnxReport, dict[str, int] | None]:
+def _onnx(model: nn.Module, inventory: OpInventory, path: Path | None) -> tuple[OnnxReport, dict[str, int] | None]:
     """Export the model with one block of each distinct structure: the same op types as the full depth,
     in a fraction of the time (the exporter's cost grows with every block).  Op counts are for that depth."""
     from operators.onnx_export import export_onnx
 
     ids = example_batch(model, 2, 16, device=next(model.parameters()).device)
     with _distinct_blocks_only(model, inventory) as depth:
-        report = export_onnx(model, ids, out / "model.onnx" if out else None)
+        report = export_onnx(model, ids, path)
     return report, depth
 
 
