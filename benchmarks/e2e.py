@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.e2e_worker import worker
+from benchmarks.gap_sources import gap_lines
 from benchmarks.memory_peak import memory_lines
 from benchmarks.shapes import SHAPES
 from benchmarks.step_profile import profile_lines
@@ -112,7 +113,7 @@ def run_job(args: argparse.Namespace, model: str, job: str, timeout_s: float, en
         str(max(5.0, timeout_s - 30)),
     ]
     cmd += ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--ops-light"] * args.ops_light
-    cmd += ["--memory"] * args.memory
+    cmd += ["--memory"] * args.memory + ["--gaps"] * args.gaps
     start = time.perf_counter()
     log_path = out / "e2e-work" / model / f"{job}.log"
     with open(log_path, "w") as log_file:
@@ -298,6 +299,18 @@ def _per_model(report: dict[str, Any], key: str) -> str:
     return ", ".join(f"{v} for {model}" for model, v in values.items())
 
 
+def gap_report_lines(report: dict[str, Any]) -> list[str]:
+    """Per variant traced with ``--gaps``: the host's work during the device's idle gaps."""
+    lines = [
+        line
+        for model, entry in report["models"].items()
+        for name, v in entry["variants"].items()
+        if v.get("gaps")
+        for line in gap_lines(model, name, v["gaps"])
+    ]
+    return ["", "## What the host did while the device waited", "", *lines] if lines else []
+
+
 def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) -> None:
     stem = _stem(args)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
@@ -366,6 +379,7 @@ def write_report(report: dict[str, Any], out: Path, args: argparse.Namespace) ->
     lines += loss_tracking_lines(report)
     lines += profile_lines(report)
     lines += memory_lines(report)
+    lines += gap_report_lines(report)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     log(f"wrote {out / stem}.json and .md")
 
@@ -393,6 +407,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--merge", action="store_true", help="keep the other models' entries of an earlier report in --out"
+    )
+    parser.add_argument(
+        "--gaps",
+        action="store_true",
+        help="add the host's work during each device idle gap (benchmarks/gap_sources.py)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gap_sources import gap_sources
 from benchmarks.memory_peak import live_at_peak
 from benchmarks.shapes import SHAPES, build_checkpoint
 from benchmarks.step_profile import gemm_time_by_shape, profile_steps
@@ -242,6 +243,8 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
     if args.profile:
         result["profile"] = profile_steps(step, device)
         result["gemm_by_shape"] = gemm_time_by_shape(step, device)
+    if args.gaps:
+        result["gaps"] = gap_sources(step, device)
     if args.memory and device == "cuda":
         result["memory_at_peak"] = live_at_peak(lambda: issue(0))
     return result
