@@ -12,6 +12,7 @@ not their size, is the reading.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import tempfile
@@ -20,13 +21,8 @@ from typing import Any
 
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_CATEGORIES = {"cpu_op", "python_function", "user_annotation"}
-SYNC_OPS = (
-    "aten::item",
-    "aten::_local_scalar_dense",
-    "aten::nonzero",
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-)
+SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+DEVICE_WAITS = ("Memcpy", "Synchronize")  # CUDA runtime calls that make the host wait for the device
 # Frames that cover every gap and so explain none: the loop and the profiler's own.
 UNINFORMATIVE = ("e2e_worker.py", "gap_sources.py", "threading.py", "<built-in method run_backward")
 
@@ -69,9 +65,17 @@ def attribute(trace: dict[str, Any], steps: int, min_gap_us: float = 20.0, top: 
                 entry["ms"] += gap / 1e3
                 entry["gaps"] += 1
         end = max(end or 0.0, kernel["ts"] + kernel["dur"])
+    # A read of a CPU tensor (an optimizer's step count) is no synchronisation: only calls that wait on the device
+    # inside their span (a device-to-host copy, a stream or device synchronise) count.
+    waits = sorted(
+        e["ts"] for e in events if e.get("cat") == "cuda_runtime" and any(w in e["name"] for w in DEVICE_WAITS)
+    )
     syncs: dict[str, int] = {}
     for e in events:
-        if e.get("cat") in HOST_CATEGORIES | {"cuda_runtime"} and e["name"] in SYNC_OPS:
+        if e.get("cat") in HOST_CATEGORIES and e["name"] in SYNC_OPS:
+            first = bisect.bisect_left(waits, e["ts"])
+            if first == len(waits) or waits[first] > e["ts"] + e["dur"]:
+                continue
             caller = _source(host, e["ts"], e["ts"] + e["dur"], skip=e)
             syncs[f"{e['name']} in {caller}"] = syncs.get(f"{e['name']} in {caller}", 0) + 1
     ranked = sorted(by_source.items(), key=lambda kv: -kv[1]["ms"])[:top]
@@ -134,8 +138,8 @@ def gap_lines(model: str, variant: str, report: dict[str, Any]) -> list[str]:
         f"(traced with host frames), of which waiting on the device {report['device_bound_ms_per_step']:.2f}"
     ]
     lines += [
-        f"  - {s['ms_per_step']:.2f} ms in {s['gaps_per_step']:.0f} gaps: {s['source']}"
+        f"  - {s['ms_per_step']:.2f} ms in {s['gaps_per_step']:.1f} gaps: {s['source']}"
         for s in report["host_sources"][:6]
     ]
-    lines += [f"  - sync x{n:.0f} per step: {k}" for k, n in list(report["syncs_per_step"].items())[:4]]
+    lines += [f"  - device sync x{n:.1f} per step: {k}" for k, n in list(report["syncs_per_step"].items())[:4]]
     return lines
