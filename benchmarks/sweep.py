@@ -135,7 +135,8 @@ def write_results(rows: list[dict[str, Any]], out: Path, provenance: str = "") -
         else:
             cells = [row["stages"].get(s, {}).get("status", "-") for s in STAGES]
         error = row["error"].replace("|", "\\|").replace("\n", " ")[:160]
-        lines.append(f"| {row['model_type']} | " + " | ".join(cells) + f" | {error} |")
+        name = row["model_type"] + (" (stated config)" if row.get("settings", "").startswith("stated") else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {error} |")
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
 
 

@@ -1,7 +1,8 @@
 """The tiny-checkpoint builder of ``benchmarks/sweep.py``: any transformers causal LM's default config, shrunk.
 
 Every repair is generic (by a knob's name, its annotation or the error a build raises), never per model, so
-that a model type transformers adds tomorrow builds tiny too.  ``build`` runs in a child process of the sweep.
+that a model type transformers adds tomorrow builds tiny too; the few types whose defaults build at no size are
+built from settings stated for them (``sweep_stated``), and each row says which way it was built.  ``build`` runs in a child process of the sweep.
 """
 
 from __future__ import annotations
@@ -361,7 +362,32 @@ def _named_head_counts(err: Exception, settings: dict[str, Any], known: set[str]
 
 
 def build(model_type: str, directory: Path) -> None:
-    """Build and save one tiny checkpoint (runs in a child process)."""
+    """Build and save one tiny checkpoint (runs in a child process): from the shrunk defaults, else, for the few
+    types whose defaults cannot build, from the settings ``sweep_stated`` writes for them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.sweep_stated import STATED_SETTINGS
+
+    settings = "shrunk defaults"
+    try:
+        model = _shrunk_model(model_type)
+    except Exception:
+        if model_type not in STATED_SETTINGS:
+            raise
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **STATED_SETTINGS[model_type]))
+        settings = "stated (benchmarks/sweep_stated.py)"
+    redraw_untrained_zeros(model)
+    params = sum(p.numel() for p in model.parameters())
+    if params > 60_000_000:
+        raise RuntimeError(f"not tiny: {params:,} parameters")
+    model.save_pretrained(directory)
+    print(json.dumps({"params": params, "class": type(model).__name__, "settings": settings}))
+
+
+def _shrunk_model(model_type: str) -> Any:
+    """The model of the type's default config shrunk to ``TINY``, repaired generically where it refuses."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -389,12 +415,7 @@ def build(model_type: str, directory: Path) -> None:
             if not named:
                 raise
             keep |= named
-    redraw_untrained_zeros(model)
-    params = sum(p.numel() for p in model.parameters())
-    if params > 60_000_000:
-        raise RuntimeError(f"not tiny: {params:,} parameters")
-    model.save_pretrained(directory)
-    print(json.dumps({"params": params, "class": type(model).__name__}))
+    return model
 
 
 def redraw_untrained_zeros(model: Any) -> None:
