@@ -6,7 +6,8 @@ own config class: a nested sub-config without a field its model reads (DBRX's at
 a layer schedule or size left unset (Dots1's sliding window, LFM2-MoE's layer types, Zaya's router), validation that
 ties sizes the defaults already break (Mamba2's heads and expansion), rotary settings keyed by a layer kind the
 defaults do not name (Cohere Compass), a flag the causal-LM class insists on (Reformer's ``is_decoder``), no length
-limit at all (XLNet's ``mem_len``), or tied-weight keys that need the hybrid schedule stated (Zamba).  For those the
+limit at all (XLNet's ``mem_len``), or tied-weight keys that need the hybrid schedule stated (Zamba); one builds but stays large when shrunk, its
+sub-configs and hash-embedding tables out of the generic knobs' reach (BLT: 193M parameters).  For those the
 sweep builds from a config stated here, as a user would write one; it tries the generic builder first, so a type
 whose defaults are repaired upstream leaves this table unread, and the row says which one built it.  adapt itself
 never reads this table.
@@ -59,5 +60,17 @@ STATED_SETTINGS: dict[str, dict[str, Any]] = {
         axial_pos_embds_dim=[16, 48], hidden_size=64, max_position_embeddings=32, num_attention_heads=4,
         attention_head_size=16, feed_forward_size=128, local_attn_chunk_length=16, lsh_attn_chunk_length=16,
         num_buckets=4, num_hashes=1,
+    ),
+    "blt": dict(
+        vocab_size=260, max_position_embeddings=256, local_attention_window_len=16, encoder_hash_byte_group_vocab=512,
+        encoder_hash_byte_group_size=[3, 4],
+        patcher_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                            intermediate_size=128, head_dim=16, sliding_window=16, max_position_embeddings=256),
+        encoder_config=dict(hidden_size=64, hidden_size_global=128, num_attention_heads=4, num_key_value_heads=4,
+                            num_hidden_layers=1, intermediate_size=128, sliding_window=16, max_position_embeddings=256),
+        decoder_config=dict(hidden_size=64, hidden_size_global=128, num_attention_heads=4, num_key_value_heads=4,
+                            num_hidden_layers=2, intermediate_size=128, head_dim=16, max_position_embeddings=256),
+        global_config=dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                           intermediate_size=256, head_dim=32, max_position_embeddings=256),
     ),
 }  # fmt: skip

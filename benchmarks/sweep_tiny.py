@@ -371,19 +371,24 @@ def build(model_type: str, directory: Path) -> None:
 
     settings = "shrunk defaults"
     try:
-        model = _shrunk_model(model_type)
+        model = _tiny(_shrunk_model(model_type))
     except Exception:
         if model_type not in STATED_SETTINGS:
             raise
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **STATED_SETTINGS[model_type]))
-        settings = "stated (benchmarks/sweep_stated.py)"
+        model, settings = _tiny(model), "stated (benchmarks/sweep_stated.py)"
     redraw_untrained_zeros(model)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(directory)
+    print(json.dumps({"params": params, "class": type(model).__name__, "settings": settings}))
+
+
+def _tiny(model: Any) -> Any:
     params = sum(p.numel() for p in model.parameters())
     if params > 60_000_000:
         raise RuntimeError(f"not tiny: {params:,} parameters")
-    model.save_pretrained(directory)
-    print(json.dumps({"params": params, "class": type(model).__name__, "settings": settings}))
+    return model
 
 
 def _shrunk_model(model_type: str) -> Any:

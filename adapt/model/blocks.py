@@ -75,23 +75,36 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def find_blocks(model: nn.Module) -> BlockList:
     """The model's repeated blocks (see the module docstring for the rule); ``NoBlockList`` if none."""
+    stacks = block_stacks(model)
+    if not stacks:
+        raise NoBlockList("no repeated block list (a ModuleList of layers, each with several parametric parts) found")
+    return stacks[0]
+
+
+def block_stacks(model: nn.Module) -> list[BlockList]:
+    """Every outermost repeated stack, ranked by the module docstring's rule: the first is ``find_blocks``'s answer,
+    the others are stacks beside it (a vision tower, or a byte-level model's global transformer and local decoder
+    beside its local encoder), which a description of the first alone leaves out."""
     candidates = _candidates(model)
     outer = [
         (path, module)
         for path, module in candidates
         if not any(other != path and (other == "" or path.startswith(other + ".")) for other, _ in candidates)
     ]
-    if not outer:
-        raise NoBlockList("no repeated block list (a ModuleList of layers, each with several parametric parts) found")
-
     embedding = _input_embedding_path(model)
 
     def rank(item: tuple[str, nn.Module]) -> tuple[int, int, int]:
         distance = _tree_distance(item[0], embedding) if embedding is not None else 0
         return -distance, sum(p.numel() for p in item[1].parameters()), len(item[1])
 
-    path, module = max(outer, key=rank)
-    return BlockList(path=path, blocks=list(module))
+    return [BlockList(path=path, blocks=list(module)) for path, module in sorted(outer, key=rank, reverse=True)]
+
+
+def stacks_beside(model: nn.Module, described: BlockList) -> list[tuple[BlockList, int]]:
+    """The stacks other than ``described`` that hold parameters, each with its parameter count, in rank order."""
+    others = [s for s in block_stacks(model) if s.path != described.path]
+    sized = [(s, sum(p.numel() for block in s.blocks for p in block.parameters())) for s in others]
+    return [(s, n) for s, n in sized if n]
 
 
 def _input_embedding_path(model: nn.Module) -> str | None:

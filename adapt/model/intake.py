@@ -27,7 +27,7 @@ from adapt.core.spec import (
     ParamCounts,
 )
 from adapt.model.activations import canonical_activation
-from adapt.model.blocks import NoBlockList, find_blocks, residual_width
+from adapt.model.blocks import BlockList, NoBlockList, find_blocks, residual_width, stacks_beside
 from adapt.model.measure import ChildFacts, block_signatures, measure_blocks
 from adapt.model.roles import child_roles, settle_banks, split_nested_blocks
 from adapt.model.skeleton import build_meta_model, check_checkpoint, load_config, load_model, quiet_transformers
@@ -165,7 +165,7 @@ def describe_model(
         params=counts,
         cost=cost,
         unrecognized=sorted(set(unrecognized)),
-        novelties=_novelties(blocks, sorted(set(unrecognized))),
+        novelties=_novelties(blocks, sorted(set(unrecognized))) + _stacks_left_out(model, found, counts.total),
         checkpoint=checkpoint,
         features=_features(blocks, is_causal, head),
         head=head,
@@ -465,6 +465,20 @@ def _novelties(blocks: list[BlockSpec], unrecognized: list[str]) -> list[str]:
         f"{'unidentified' if m == 'unknown' else m} token mixer in {count}/{n} blocks" for m, count in mixers.items()
     ]
     return notes + [f"unrecognised component: {u}" for u in unrecognized]
+
+
+def _stacks_left_out(model: nn.Module, described: BlockList, total: int) -> list[str]:
+    """Stacks beside the described one are said, not guessed at: which of them the tokens pass through, and at what
+    rate (a byte-level model's global stack runs once per patch), the module tree does not tell."""
+    beside = sorted(stacks_beside(model, described), key=lambda stack: -stack[1])  # the largest first
+    if not beside:
+        return []
+    listed = "; ".join(f"{s.path} ({len(s)} blocks, {n / total:.0%} of the parameters)" for s, n in beside[:4])
+    more = f" and {len(beside) - 4} more" if len(beside) > 4 else ""
+    return [
+        f"{len(beside)} other repeated stack(s) beside {described.path}, not in this spec's blocks, FLOPs or KV cache "
+        f"(their parameters count as other): {listed}{more}"
+    ]
 
 
 def _features(blocks: list[BlockSpec], is_causal: bool, head: HeadSpec) -> list[str]:

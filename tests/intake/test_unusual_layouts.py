@@ -168,3 +168,24 @@ def test_a_router_without_top_k_keeps_its_experts_and_a_swish_is_silu(tmp_path):
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
     )  # fmt: skip
     assert all((b.mlp.kind, b.mlp.activation) == ("moe", "silu") for b in oss.blocks)
+
+
+def test_stacks_beside_the_described_one_are_named_with_their_share(tmp_path):
+    """BLT runs bytes through a local encoder, patches through a global transformer and bytes again through a local
+    decoder: the spec describes the encoder's stack (nearest the embedding) and says which stacks it leaves out."""
+    small = dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, max_position_embeddings=256)
+    spec = _spec(
+        tmp_path, "blt", max_position_embeddings=256, local_attention_window_len=16, encoder_hash_byte_group_vocab=512,
+        encoder_hash_byte_group_size=[3, 4],
+        patcher_config=dict(small, hidden_size=64, num_hidden_layers=2, head_dim=16, sliding_window=16),
+        encoder_config=dict(small, hidden_size=64, hidden_size_global=128, num_hidden_layers=1, sliding_window=16),
+        decoder_config=dict(small, hidden_size=64, hidden_size_global=128, num_hidden_layers=2, head_dim=16),
+        global_config=dict(small, hidden_size=128, num_hidden_layers=2, head_dim=32, intermediate_size=256),
+    )  # fmt: skip
+    assert [b.module for b in spec.blocks] == ["model.local_encoder.layers.0"]
+    (note,) = [n for n in spec.novelties if "other repeated stack" in n]
+    named = note.split(": ", 1)[1]
+    assert named.startswith("model.global_transformer.layers (2 blocks, ")  # the largest first
+    for path in ("model.local_decoder.layers (2 blocks", "model.patcher.layers (2 blocks"):
+        assert path in named
+    assert spec.params.other > spec.params.total / 2  # what the spec leaves out shows in its counts too
