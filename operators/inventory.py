@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from adapt.core.errors import ModelCannotRun
-from adapt.model.calls import own_refusal, without_cache
+from adapt.model.calls import own_refusal, token_vocab, without_cache
 from operators.dispatch_trace import ROOT, ModuleRecord, OpRecord, trace_ops
 
 
@@ -80,7 +80,7 @@ def example_batch(
     model: nn.Module, batch: int = 2, seq_len: int = 24, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
     """Fresh random token ids inside the model's vocabulary."""
-    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or model.get_input_embeddings().num_embeddings)
+    vocab = token_vocab(model)
     return torch.randint(0, vocab, (batch, seq_len), device=device)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.model.calls import token_vocab
 from adapt.model.skeleton import quiet_transformers
 from validators.modules import first_tensor
 
@@ -340,7 +341,7 @@ def decode_comparison(
         model = load_model(src, dtype, device).eval()
         if variant == "adapted" and transform is not None:
             model = transform(model) or model
-        vocab = model.get_input_embeddings().num_embeddings
+        vocab = token_vocab(model)
         for batch in batches:
             ids = torch.randint(
                 0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed + batch)

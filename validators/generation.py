@@ -36,10 +36,18 @@ from torch import nn
 from adapt.core.errors import BadInput
 from adapt.core.jsonio import to_jsonable
 from adapt.core.stage_verdicts import Check, StageSummary, SummaryContext, generation_checks
+from adapt.model.calls import without_cache
 from validators.align import CandidateTransform, kernel_plan_transform
 from validators.alignment import check_device
 from validators.compare import Thresholds, parse_dtype, thresholds_for
-from validators.generation_steps import Divergence, cached_steps, greedy_reference, logits_of, uncached_steps
+from validators.generation_steps import (
+    CacheRefused,
+    Divergence,
+    cached_steps,
+    greedy_reference,
+    logits_of,
+    uncached_steps,
+)
 from validators.training import vocab_size
 
 CHECKS = ("tokens", "logprobs", "cache", "batch")
@@ -253,8 +261,8 @@ def _is_causal(model: nn.Module, vocab: int, device: str) -> bool:
     changed = ids.clone()
     changed[0, -1] = (changed[0, -1] + 1) % vocab
     with torch.no_grad():
-        first, _ = logits_of(model, input_ids=ids)
-        second, _ = logits_of(model, input_ids=changed)
+        first, _ = logits_of(model, input_ids=ids, **without_cache(model))  # (no cache: a probe, not a decode)
+        second, _ = logits_of(model, input_ids=changed, **without_cache(model))
     if first.shape[-1] != vocab:
         return False
     # Rounding may differ (MoE groups tokens per expert), a bidirectional model's outputs move for real.
@@ -338,7 +346,13 @@ def generation_check(
         report.reference_dtype = "float32"
         traced = [greedy_reference(reference, p.to(ref_device), options.new_tokens) for p in prompts]
     models = {"reference": reference, "baseline": baseline, "candidate": candidate}
-    _run_checks(report, models, prompts, traced, limits, options, device)
+    try:
+        _run_checks(report, models, prompts, traced, limits, options, device)
+    except CacheRefused as refused:  # the model cannot decode with its own cache: that is the finding
+        report.passed = False
+        report.first_divergence = Divergence(
+            "cache", 0, 0, lengths[0], f"the model's own cached decoding raised {refused}"
+        )
     report.seconds = time.perf_counter() - started
     return report
 

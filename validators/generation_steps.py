@@ -10,9 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from adapt.model.calls import library_failure
 from adapt.model.skeleton import quiet_transformers
 from validators.decode import accepts, cache_keyword, returned_cache
 from validators.modules import first_tensor
+
+
+class CacheRefused(RuntimeError):
+    """The model's own code (or transformers') raised while decoding with its cache: the reason, on one line."""
 
 
 @dataclass
@@ -100,7 +105,13 @@ def cached_steps(
                 if positions:
                     kwargs["position_ids"] = torch.tensor([[n + step - 1] for n in prompt_lens], device=device)
         with on_step(step) if on_step is not None else contextlib.nullcontext():
-            logits, past = logits_of(model, past, input_ids=ids, use_cache=True, **kwargs)
+            try:
+                logits, past = logits_of(model, past, input_ids=ids, use_cache=True, **kwargs)
+            except Exception as err:
+                reason = library_failure(model, err)
+                if reason is None:
+                    raise
+                raise CacheRefused(reason) from err
         if past is None:
             return None, "the model returns no cache: decode recomputes the prefix, no cache to check"
         steps.append(logits[:, -1].double().cpu())

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapt.model.calls import without_cache
+from adapt.model.calls import token_vocab, without_cache
 from validators.modules import first_tensor
 
 
 def vocab_size(model: nn.Module) -> int:
-    return model.get_input_embeddings().num_embeddings
+    return token_vocab(model)
 
 
 def batch_for_step(

@@ -1,5 +1,5 @@
-"""How adapt calls a model it did not write: one answer for the keyword that turns its caches off, and one for
-whether the model's own code refuses a batch of token ids."""
+"""How adapt calls a model it did not write: one answer for the keyword that turns its caches off, one for which
+token ids it reads, and one for whether the model's own code refuses a batch of token ids."""
 
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ def without_cache(model: nn.Module) -> dict[str, bool]:
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     config = getattr(model, "config", None)
     return {"use_cache": False} if takes_kwargs and hasattr(config, "use_cache") else {}
+
+
+def token_vocab(model: nn.Module) -> int:
+    """How many token ids the model reads: its input embedding's rows, and no more than the vocabulary its config
+    states (its logits' width, which labels index) where that is smaller.  The one answer for every caller that
+    draws token ids: a model's other embedding tables (BLT's hashed n-gram tables, larger than its byte vocabulary)
+    say nothing about which ids it takes."""
+    rows = int(model.get_input_embeddings().num_embeddings)
+    stated = getattr(getattr(model, "config", None), "vocab_size", None)
+    return min(rows, stated) if isinstance(stated, int) and stated > 0 else rows
 
 
 def takes_argument(model: nn.Module, name: str) -> bool:
@@ -66,6 +76,17 @@ def own_refusal(
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
             return f"{type(err).__name__}: {' '.join(lines)}"
     return None
+
+
+def library_failure(model: nn.Module, err: BaseException) -> str | None:
+    """``err`` on one line, with where it was raised, when that was the model's own code or transformers' (its cache
+    and config classes), not adapt's or torch's: the checkpoint's software failing, which adapt reports as a finding
+    instead of crashing on it.  BLT's cache, built from a config without ``num_hidden_layers``, is one."""
+    where = _raising_module(err)
+    if where is None or not (where in _model_code(model) or where.split(".")[0] == "transformers"):
+        return None
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {' '.join(lines)[:240]} (in {where})"
 
 
 def _model_code(model: nn.Module) -> set[str]:

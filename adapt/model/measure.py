@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from adapt.model.blocks import BlockList
-from adapt.model.calls import takes_argument, without_cache
+from adapt.model.calls import takes_argument, token_vocab, without_cache
 from adapt.model.shadows import Shadows, blocks_future
 
 SEQ = 9  # odd and unlike any width, so the attention product [N, s, d] x [N, d, s] is recognisable
@@ -315,7 +315,7 @@ def measure_blocks(model: nn.Module, blocks: BlockList, signatures: list[tuple])
     try:
         with _one_of_each(blocks, signatures) as representative:
             device = next(model.parameters()).device
-            vocab = model.get_input_embeddings().num_embeddings
+            vocab = token_vocab(model)
             chosen = torch.randint(0, vocab, (1, SEQ))
             ids = chosen.to(device)
             recorder.shadows.set(ids, chosen)

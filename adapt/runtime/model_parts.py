@@ -25,6 +25,7 @@ from torch import nn
 
 from adapt.core.errors import BadInput
 from adapt.model.blocks import NoBlockList, find_blocks
+from adapt.model.calls import token_vocab
 
 
 @dataclass
@@ -192,7 +193,7 @@ def find_parts(model: nn.Module, heads: HeadGeometry | None = None, seq_len: int
     if not embeddings:
         raise BadInput("no token embedding (nn.Embedding) found in the model")
     device = next(model.parameters()).device
-    vocab = max(m.num_embeddings for _, m in embeddings)
+    vocab = token_vocab(model)
     input_ids = torch.randint(0, vocab, (1, seq_len), device=device)
     calls = _trace(model, input_ids)
     readers = [n for n, m in embeddings if n in calls and calls[n].inputs and _same(calls[n].inputs[0], input_ids)]

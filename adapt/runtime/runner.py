@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from adapt.model.calls import token_vocab
 from adapt.runtime import checkpoint
 from adapt.runtime.adapted import AdaptOptions
 from adapt.runtime.mesh import (
@@ -60,7 +61,7 @@ def prepare(
     model = model.to(dims.device).train()
     local_batch = plan.global_batch // plan.dp
     micro_shape = (max(1, local_batch // plan.grad_accum), plan.seq_len)
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = token_vocab(model)
     pmodel = parallelize(
         model,
         dims,

@@ -170,18 +170,21 @@ def test_a_router_without_top_k_keeps_its_experts_and_a_swish_is_silu(tmp_path):
     assert all((b.mlp.kind, b.mlp.activation) == ("moe", "silu") for b in oss.blocks)
 
 
+_SMALL = dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, max_position_embeddings=256)
+BLT = dict(
+    max_position_embeddings=256, local_attention_window_len=16, encoder_hash_byte_group_vocab=512,
+    encoder_hash_byte_group_size=[3, 4],
+    patcher_config=dict(_SMALL, hidden_size=64, num_hidden_layers=2, head_dim=16, sliding_window=16),
+    encoder_config=dict(_SMALL, hidden_size=64, hidden_size_global=128, num_hidden_layers=1, sliding_window=16),
+    decoder_config=dict(_SMALL, hidden_size=64, hidden_size_global=128, num_hidden_layers=2, head_dim=16),
+    global_config=dict(_SMALL, hidden_size=128, num_hidden_layers=2, head_dim=32, intermediate_size=256),
+)  # fmt: skip
+
+
 def test_stacks_beside_the_described_one_are_named_with_their_share(tmp_path):
     """BLT runs bytes through a local encoder, patches through a global transformer and bytes again through a local
     decoder: the spec describes the encoder's stack (nearest the embedding) and says which stacks it leaves out."""
-    small = dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, max_position_embeddings=256)
-    spec = _spec(
-        tmp_path, "blt", max_position_embeddings=256, local_attention_window_len=16, encoder_hash_byte_group_vocab=512,
-        encoder_hash_byte_group_size=[3, 4],
-        patcher_config=dict(small, hidden_size=64, num_hidden_layers=2, head_dim=16, sliding_window=16),
-        encoder_config=dict(small, hidden_size=64, hidden_size_global=128, num_hidden_layers=1, sliding_window=16),
-        decoder_config=dict(small, hidden_size=64, hidden_size_global=128, num_hidden_layers=2, head_dim=16),
-        global_config=dict(small, hidden_size=128, num_hidden_layers=2, head_dim=32, intermediate_size=256),
-    )  # fmt: skip
+    spec = _spec(tmp_path, "blt", **BLT)
     assert [b.module for b in spec.blocks] == ["model.local_encoder.layers.0"]
     (note,) = [n for n in spec.novelties if "other repeated stack" in n]
     named = note.split(": ", 1)[1]
@@ -189,3 +192,16 @@ def test_stacks_beside_the_described_one_are_named_with_their_share(tmp_path):
     for path in ("model.local_decoder.layers (2 blocks", "model.patcher.layers (2 blocks"):
         assert path in named
     assert spec.params.other > spec.params.total / 2  # what the spec leaves out shows in its counts too
+
+
+def test_token_ids_come_from_the_token_table_not_the_largest_embedding(tmp_path):
+    """BLT's hashed n-gram tables are larger than its byte vocabulary: ids drawn up to their size crashed the
+    runtime's tracing (and with it the throughput and soak stages)."""
+    from adapt.model.calls import token_vocab
+    from adapt.model.skeleton import load_model
+    from adapt.runtime.model_parts import find_parts
+
+    model = load_model(_saved(tmp_path, "blt", **BLT), dtype=torch.float32, device="cpu")
+    tables = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    assert token_vocab(model) == model.config.vocab_size == 256 < max(tables)
+    assert find_parts(model).blocks_path == "model.local_encoder.layers"

@@ -173,3 +173,36 @@ def test_adapted_model_generates_like_its_reference(zoo, name):
     report = generation_check(src, plan, dtype="fp32", options=FEW)
     assert report.passed, report.describe()
     assert report.patched_modules and all(": " in entry for entry in report.patched_modules)
+
+
+def _raises_in_transformers(message: str):
+    """A function whose frames belong to ``transformers.cache_utils``: a fault of the checkpoint's software."""
+    namespace = {"__name__": "transformers.cache_utils"}
+    exec(f"def broken(self, *args, **kwargs):\n    raise AttributeError({message!r})", namespace)  # noqa: S102
+    return namespace["broken"]
+
+
+def test_a_cache_the_models_own_library_cannot_build_fails_the_cache_check_with_its_reason(zoo, monkeypatch):
+    """BLT's cache in transformers 5.25 reads a config field its config lacks: generation with the cache cannot run,
+    which is the finding (a failed cache check naming why), not a crash of the stage."""
+    import transformers.cache_utils
+
+    reason = "'BltConfig' object has no attribute 'num_hidden_layers'"
+    monkeypatch.setattr(transformers.cache_utils.DynamicCache, "__init__", _raises_in_transformers(reason))
+    report = check(zoo, "llama")
+    assert not report.passed and report.first_divergence.check == "cache"
+    assert reason in report.first_divergence.detail and "transformers.cache_utils" in report.first_divergence.detail
+
+
+def test_only_the_models_own_software_is_blamed():
+    from adapt.model.calls import library_failure
+
+    model = torch.nn.Linear(2, 2)
+    try:
+        _raises_in_transformers("no such field")(None)
+    except AttributeError as err:
+        assert library_failure(model, err) == "AttributeError: no such field (in transformers.cache_utils)"
+    try:
+        raise AttributeError("adapt's own mistake")
+    except AttributeError as err:  # raised here, in the tests: not the model's software
+        assert library_failure(model, err) is None
