@@ -97,6 +97,17 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.data_ptr() == b.data_ptr()
 
 
+def _reads_ids(seen: torch.Tensor, input_ids: torch.Tensor) -> bool:
+    """The token ids themselves, or the same ids laid out otherwise (XLNet runs sequence-first: it transposes them)."""
+    if _same(seen, input_ids):
+        return True
+    return (
+        seen.dtype == input_ids.dtype
+        and seen.numel() == input_ids.numel()
+        and torch.equal(seen.flatten().sort().values, input_ids.flatten().sort().values)
+    )
+
+
 def _trace(model: nn.Module, input_ids: torch.Tensor) -> dict[str, _Call]:
     """First call of every module, with the tensors it read and returned."""
     calls: dict[str, _Call] = {}
@@ -196,7 +207,7 @@ def find_parts(model: nn.Module, heads: HeadGeometry | None = None, seq_len: int
     vocab = token_vocab(model)
     input_ids = torch.randint(0, vocab, (1, seq_len), device=device)
     calls = _trace(model, input_ids)
-    readers = [n for n, m in embeddings if n in calls and calls[n].inputs and _same(calls[n].inputs[0], input_ids)]
+    readers = [n for n, m in embeddings if n in calls and calls[n].inputs and _reads_ids(calls[n].inputs[0], input_ids)]
     if not readers:
         raise BadInput("no embedding reads the token ids")
     embedding = readers[0]

@@ -205,3 +205,14 @@ def test_token_ids_come_from_the_token_table_not_the_largest_embedding(tmp_path)
     tables = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     assert token_vocab(model) == model.config.vocab_size == 256 < max(tables)
     assert find_parts(model).blocks_path == "model.local_encoder.layers"
+
+
+def test_token_ids_read_sequence_first_are_still_the_token_ids(tmp_path):
+    """XLNet transposes its ids before the embedding: the runtime found no embedding reading them and refused to train
+    it (the throughput and soak stages exited 2)."""
+    from adapt.model.skeleton import load_model
+    from adapt.runtime.model_parts import find_parts
+
+    src = _saved(tmp_path, "xlnet", d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=128, mem_len=None)
+    parts = find_parts(load_model(src, dtype=torch.float32, device="cpu"))
+    assert parts.embedding == "transformer.word_embedding" and parts.blocks_path == "transformer.layer"
