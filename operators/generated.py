@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,14 +40,38 @@ class GeneratedKernel:
     earlier_run: bool = False  # the code was captured in an earlier run (adapt's cache): nothing compiled in this one
 
 
-def compile_module(module: nn.Module) -> Callable[..., Any]:
+def compile_module(
+    module: nn.Module, name: str = "", on_fallback: Callable[[str], None] | None = None
+) -> Callable[..., Any]:
     """Inductor-compiled version of ``module``'s *original* forward (bound to the module).
 
     ``dynamic=None`` lets dynamo mark a dimension dynamic after its first change, so decoding (a new
-    sequence length every step) costs one recompile rather than one per length.
+    sequence length every step) costs one recompile rather than one per length.  Code that specialises on a size
+    anyway (RecurrentGemma's scan loops over the sequence in Python) recompiles per length until Dynamo's limit;
+    from there the module runs its own forward, said once as a warning and to ``on_fallback`` (the patch handle's
+    record), never silently and never as a crash of the caller's decode.
     """
     original = type(module).forward.__get__(module)
-    return torch.compile(original, backend="inductor", fullgraph=True, dynamic=None)
+    compiled = torch.compile(original, backend="inductor", fullgraph=True, dynamic=None)
+    running = [compiled]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return running[0](*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            if running[0] is original:
+                raise
+            running[0] = original
+            why = (
+                f"{name or type(module).__name__}: its generated kernel recompiled past Dynamo's limit (the module's "
+                "code specialises on a size that keeps changing); it runs its own forward from here on"
+            )
+            warnings.warn(why, stacklevel=2)
+            if on_fallback is not None:
+                on_fallback(why)
+            return original(*args, **kwargs)
+
+    return forward
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ class PatchHandle:
     generated: list[GeneratedKernel] = field(default_factory=list)
     releases: list[Callable[[], None]] = field(default_factory=list)  # undo state beyond forwards (globals, hooks)
     fusion_targets: list[FusionTarget] = field(default_factory=list)  # fused residual-add + norm pairs
+    fallbacks: list[str] = field(default_factory=list)  # generated kernels that gave way to their module's forward
     active: bool = True
 
     def revert(self) -> None:
@@ -103,7 +104,7 @@ def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> PatchHandle:
                 continue
             module = model.get_submodule(choice.module)
             if choice.status == "generated":
-                _install(handle, module, compile_module(module))
+                _install(handle, module, compile_module(module, choice.module, handle.fallbacks.append))
             elif choice.kind == "attention":
                 _install_attention(handle, module, choice)
             elif choice.kind == "residual_add_norm":
