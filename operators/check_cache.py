@@ -24,7 +24,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,7 @@ from adapt.core.source import ModelSource
 from operators.inventory import OnnxReport
 from operators.mapping import KernelPlan
 from operators.ops_report import PatchCheck
-from operators.timing_cache import DiskCache, cache_dir, make_key, source_digest
-
-_OPERATORS = Path(__file__).resolve().parent
-_ADAPT = _OPERATORS.parent / "adapt"
-
-
-def _code() -> str:
-    return source_digest(_OPERATORS, _ADAPT)
+from operators.timing_cache import DiskCache, adapt_code_digest, cache_dir, make_key, package_version
 
 
 def _weights_stamp(source: ModelSource) -> list[tuple[str, int, int]]:
@@ -55,15 +47,8 @@ def _plan_choices(plan: KernelPlan) -> list[Any]:
 
 
 def _onnx_key(source: ModelSource, device: str) -> str:
-    exporters = {name: _package_version(name) for name in ("onnx", "onnxscript")}
-    return make_key(device, "onnx-export", source.content_hash(), exporters, _code())
-
-
-def _package_version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+    exporters = {name: package_version(name) for name in ("onnx", "onnxscript")}
+    return make_key(device, "onnx-export", source.content_hash(), exporters, adapt_code_digest())
 
 
 def cached_onnx(
@@ -97,7 +82,9 @@ def cached_patch_check(
     source: ModelSource, device: str, plan: KernelPlan, check: Callable[[], PatchCheck]
 ) -> PatchCheck:
     """``check()``'s result, from the cache when these weights were checked under the same choices before."""
-    key = make_key(device, "patch-check", source.content_hash(), _weights_stamp(source), _plan_choices(plan), _code())
+    key = make_key(
+        device, "patch-check", source.content_hash(), _weights_stamp(source), _plan_choices(plan), adapt_code_digest()
+    )
     store = DiskCache("patch_checks")
     kept = store.get(key)
     if kept:

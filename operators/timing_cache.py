@@ -30,7 +30,7 @@ def cache_dir() -> Path:
     return Path(base) / "adapt"
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -41,9 +41,9 @@ def _version(package: str) -> str | None:
 def library_versions() -> dict[str, str | None]:
     return {
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "transformers": _version("transformers"),
-        "adapt": _version("adapt"),
+        "triton": package_version("triton"),
+        "transformers": package_version("transformers"),
+        "adapt": package_version("adapt"),
     }
 
 
@@ -101,3 +101,10 @@ def source_digest(*directories: str | Path) -> str:
             h.update(path.name.encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+@functools.cache
+def adapt_code_digest() -> str:
+    """adapt's own code (``operators`` and ``adapt``): a result that depends on it is measured again after an edit."""
+    root = Path(__file__).resolve().parents[1]
+    return source_digest(root / "operators", root / "adapt")

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from operators.inventory import ModuleRecord, OpInventory
-from operators.timing_cache import DiskCache, make_key, source_digest
+from operators.timing_cache import DiskCache, adapt_code_digest, make_key
 
 _PLAIN_ATTRIBUTES = (bool, float, str, type(None))
 _BUFFER_DIGEST_LIMIT = 1 << 22  # elements; larger buffers are keyed by shape and dtype only
@@ -158,7 +158,7 @@ class ProbeCache:
             portable = _portable(key)
         except _NoCodeIdentity:
             return None
-        return make_key("cpu", "probe verdict", _probe_code_digest(), portable)
+        return make_key("cpu", "probe verdict", adapt_code_digest(), portable)
 
     def _save(self, disk_key: str, path: str, verdict: Any) -> None:
         try:
@@ -184,13 +184,6 @@ def _rebased(value: Any, first: str, path: str) -> Any:
 
 class _NoCodeIdentity(Exception):
     """A class in the key whose code cannot be pinned to files on disk."""
-
-
-@functools.cache
-def _probe_code_digest() -> str:
-    """adapt's own code (probes, their references, the activation tables): an edit re-probes."""
-    root = Path(__file__).resolve().parents[2]
-    return source_digest(root / "operators", root / "adapt")
 
 
 def _directory_digest(directory: Path) -> str:
