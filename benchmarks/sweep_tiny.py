@@ -173,6 +173,17 @@ def per_layer_trimmed(settings: dict[str, Any], depth: int, every_kind: bool = T
     return trimmed
 
 
+def with_depth(config: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with the config's depth under a ``DEPTH_KEYS`` name: a config that aliases its depth
+    (BART's ``num_hidden_layers`` reads ``encoder_layers``) has none of them in ``to_dict``, and its other layer
+    counts (``decoder_layers``) would then stay at their default while the aliased one shrinks."""
+    if any(isinstance(settings.get(k), int) for k in DEPTH_KEYS):
+        return settings
+    aliased = {k: v for k, v in getattr(config, "attribute_map", {}).items() if k in DEPTH_KEYS}
+    depth = next((settings[v] for v in aliased.values() if isinstance(settings.get(v), int)), None)
+    return settings if depth is None else {**settings, "num_hidden_layers": depth}
+
+
 def _has(config: Any, name: str) -> bool:
     """``hasattr`` for a config, where reading a per-layer attribute globally raises something other than an
     AttributeError (transformers' heterogeneous configs): such an attribute exists."""
@@ -300,7 +311,7 @@ def tiny_settings(
         overrides.update({k: v for k, v in _int_fields_unset(config).items() if k not in keep and k not in overrides})
     overrides.update(tied_vocab_sizes(settings, overrides.get("vocab_size"), keep))
     overrides.update(clamped_token_ids(settings, overrides.get("vocab_size", settings.get("vocab_size"))))
-    for name, value in per_layer_trimmed(settings, depth, every_kind).items():
+    for name, value in per_layer_trimmed(with_depth(config, settings), depth, every_kind).items():
         if _is_layer_keyed(value):  # per-layer overrides of a size knob shrink like the knob
             value = {k: _shrunk(v, tiny) if isinstance(v, dict) else v for k, v in value.items()}
         overrides.setdefault(name, value)

@@ -163,6 +163,15 @@ def test_nested_configs_shrink_to_the_tiny_depth_with_their_per_layer_lists():
     assert set(text.layer_types) == {"sliding_attention", "full_attention"}
 
 
+@pytest.mark.parametrize("model_type", ["bart", "marian"])
+def test_every_layer_count_shrinks_where_the_config_aliases_its_depth(model_type):
+    """BART's ``num_hidden_layers`` reads ``encoder_layers``: its decoder depth must shrink with it, or the tiny
+    decoder holds more layers than the cache transformers sizes from ``num_hidden_layers`` (an IndexError in decode)."""
+    config = sweep_tiny.tiny_config(model_type)
+    depth = sweep_tiny.TINY["num_hidden_layers"]
+    assert config.num_hidden_layers == config.encoder_layers == config.decoder_layers == depth
+
+
 @pytest.mark.parametrize("model_type", ["gemma4_unified", "dots3_note"])
 def test_multimodal_and_per_layer_configs_build_tiny(model_type, tmp_path, capsys):
     """A text tower nested in a multimodal config, per-layer overrides that must agree across layers of a kind,
