@@ -192,6 +192,10 @@ class AdaptedTransform:
             self.hooks += [block.register_forward_hook(hook) for block in blocks]
         return model
 
+    def fallbacks(self) -> list[str]:
+        """Generated kernels that gave way to their module's own forward while the stage ran (``PatchHandle``)."""
+        return [why for handle in self.handles for why in getattr(handle, "fallbacks", [])]
+
     def revert(self) -> None:
         for hook in self.hooks:
             hook.remove()
@@ -203,13 +207,16 @@ class AdaptedTransform:
 
 @contextlib.contextmanager
 def candidate(
-    kernel_plan: Any, block_progress: tuple[list[str], ProgressCallback] | None = None
+    ctx: StageContext, kernel_plan: Any, block_progress: tuple[list[str], ProgressCallback] | None = None
 ) -> Iterator[AdaptedTransform]:
-    """The adapted transform for one validation stage; every patch it made is reverted when the stage returns."""
+    """The adapted transform for one validation stage; every patch it made is reverted when the stage returns, and
+    a generated kernel that gave way to its module's forward meanwhile is said in the stage's notes: what the stage
+    measured ran that forward there, not the planned kernel."""
     transform = AdaptedTransform(kernel_plan, block_progress)
     try:
         yield transform
     finally:
+        ctx.notes.extend(dict.fromkeys(f"fallback: {why}" for why in transform.fallbacks()))
         transform.revert()
 
 
@@ -288,7 +295,7 @@ def _alignment(ctx: StageContext) -> Any:
 
     opts = ctx.options.validation
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
-    with candidate(kernel_plan, _block_progress(ctx)) as transform:
+    with candidate(ctx, kernel_plan, _block_progress(ctx)) as transform:
         return align(
             ctx.source,
             kernel_plan,
@@ -322,7 +329,7 @@ def _generation(ctx: StageContext) -> Any:
 
     opts = ctx.options.validation
     kernel_plan = kernel_plan_of(ctx.upstream("operators"))
-    with candidate(kernel_plan) as transform:
+    with candidate(ctx, kernel_plan) as transform:
         return generation_check(
             ctx.source,
             kernel_plan,
@@ -347,7 +354,7 @@ def _throughput(ctx: StageContext) -> Any:
         batch=None if sized_by_bench else opts.batch_size,
         steps=opts.bench_steps,
     )
-    with candidate(kernel_plan) as transform:
+    with candidate(ctx, kernel_plan) as transform:
         report = bench(ctx.source, kernel_plan, device=opts.device, options=bench_options, transform=transform)
     from adapt.core.jsonio import atomic_write_json
 
@@ -384,7 +391,7 @@ def _soak(ctx: StageContext) -> Any:
     for stale in ctx.artifacts.glob("checkpoints-*"):
         if stale != ckpt_dir or ctx.options.run.force:
             shutil.rmtree(stale)
-    with candidate(kernel_plan) as transform:
+    with candidate(ctx, kernel_plan) as transform:
         return soak(
             ctx.source,
             kernel_plan,
