@@ -91,6 +91,9 @@ class BlockSpec:
     params_active: int  # parameters touched per token (MoE: top-k + shared experts)
     linear_flops_per_token: int  # forward FLOPs of all active linears, 2*in*out each
     attention_flops_per_token_per_ctx: int  # forward FLOPs per token per attended token (QK^T + AV)
+    # A token mixer the block runs besides its attention: Falcon-H1's Mamba-2 heads beside it, Zamba's Mamba layer
+    # after its shared attention.  None when attention is the block's only mixer (or the block has none).
+    second_mixer: MixerKind | None = None
 
     def signature(self) -> str:
         """Blocks with the same signature share one structure (used to trace one of each)."""
@@ -273,7 +276,7 @@ def _intake_data(spec: dict[str, Any]) -> dict[str, Any]:
         {
             "index": b["index"],
             "module": b["module"],
-            "mixer": b["mixer"],
+            "mixer": b["mixer"] + (f" + {b['second_mixer']}" if b.get("second_mixer") else ""),
             "attention": (b.get("attention") or {}).get("kind", "none"),
             "mlp": b["mlp"]["kind"],
             "norm": f"{b['norm']['kind']} ({b['norm']['placement']})",

@@ -316,11 +316,13 @@ def _describe_block(
     measured_cores = [facts[o] for o in attn_owners if o in facts and facts[o].head_dim]
     rotated = any(f.rotation for f in measured_cores)
     unrotated_here = rotation_seen and bool(measured_cores) and not rotated  # e.g. layers configured without rope
-    mixer = "unknown"
+    mixer, second_mixer = "unknown", None
+    state_mixer = "recurrent" if any(facts[o].recurrence for o in mixer_owners if o in facts) else "convolution"
     if attention is not None:
         mixer = "sliding_attention" if attention.window else "full_attention"
+        second_mixer = state_mixer if mixer_owners else None
     elif mixer_owners:
-        mixer = "recurrent" if any(facts[o].recurrence for o in mixer_owners if o in facts) else "convolution"
+        mixer = state_mixer
     elif roles.feed_forward_only:
         mixer = "none"  # a feed-forward-only layer of a hybrid stack (Nemotron-H's "-" and "E" layers) mixes no tokens
     return (
@@ -337,6 +339,7 @@ def _describe_block(
             params_active=total - (bank_params - int(active_bank)) - (attn_bank - int(active_attn_bank)),
             linear_flops_per_token=linear_flops,
             attention_flops_per_token_per_ctx=attn_coeff,
+            second_mixer=second_mixer,
         ),  # fmt: skip
         block_counts,
     )
@@ -464,7 +467,14 @@ def _novelties(blocks: list[BlockSpec], unrecognized: list[str]) -> list[str]:
     notes = [
         f"{'unidentified' if m == 'unknown' else m} token mixer in {count}/{n} blocks" for m, count in mixers.items()
     ]
+    notes += [f"{m} token mixer besides attention in {count}/{n} blocks" for m, count in _second_mixers(blocks).items()]
     return notes + [f"unrecognised component: {u}" for u in unrecognized]
+
+
+def _second_mixers(blocks: list[BlockSpec]) -> Counter:
+    """Blocks that mix tokens twice, by the kind of their mixer besides attention (its state is per sequence, not
+    per token: the KV cache figure leaves it out)."""
+    return Counter(b.second_mixer for b in blocks if b.second_mixer)
 
 
 def _stacks_left_out(model: nn.Module, described: BlockList, total: int) -> list[str]:
@@ -487,6 +497,8 @@ def _features(blocks: list[BlockSpec], is_causal: bool, head: HeadSpec) -> list[
     n = len(blocks)
     for mixer, count in Counter(b.mixer for b in blocks).items():
         notes.append(f"{mixer.replace('_', ' ')} in {count}/{n} blocks")
+    for mixer, count in _second_mixers(blocks).items():
+        notes.append(f"{mixer} mixer besides attention in {count}/{n} blocks")
     attn = [b.attention for b in blocks if b.attention]
     for kind, count in Counter(a.kind for a in attn).items():
         notes.append(f"{kind.upper()} attention in {count}/{n} blocks")

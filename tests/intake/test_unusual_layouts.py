@@ -216,3 +216,25 @@ def test_token_ids_read_sequence_first_are_still_the_token_ids(tmp_path):
     src = _saved(tmp_path, "xlnet", d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=128, mem_len=None)
     parts = find_parts(load_model(src, dtype=torch.float32, device="cpu"))
     assert parts.embedding == "transformer.word_embedding" and parts.blocks_path == "transformer.layer"
+
+
+def test_a_state_space_mixer_beside_attention_is_named_and_new(tmp_path):
+    """Falcon-H1 runs Mamba-2 heads beside its attention in every layer: reading the attention alone called it a plain
+    GQA transformer with nothing new."""
+    spec = _spec(
+        tmp_path, "falcon_h1", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, mamba_chunk_size=16, max_position_embeddings=256,
+    )  # fmt: skip
+    for block in spec.blocks:
+        assert block.mixer == "full_attention" and block.attention.kind == "gqa"
+        assert block.second_mixer in ("recurrent", "convolution")
+    kind = spec.blocks[0].second_mixer
+    assert f"{kind} token mixer besides attention in 2/2 blocks" in spec.novelties
+    assert f"{kind} mixer besides attention in 2/2 blocks" in spec.features
+    assert spec.summary().data["blocks"][0]["mixer"] == f"full_attention + {kind}"
+
+
+def test_attention_alone_has_no_second_mixer(tmp_path):
+    spec = _spec(tmp_path, "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    assert all(b.second_mixer is None for b in spec.blocks) and spec.novelties == []

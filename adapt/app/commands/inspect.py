@@ -104,7 +104,8 @@ def print_summary(spec: ModelSpec) -> None:
             f" E{m.num_experts} top{m.top_k}" if m.kind == "moe" else ""
         )
         norm = f"{n.kind} {n.placement}" + (" (1+w)" if n.offset else "")
-        table.add_row(f"{len(same)}× from {same[0]}", block.mixer, attn, mlp, norm, _human(block.params))
+        mixer = block.mixer + (f" + {block.second_mixer}" if block.second_mixer else "")
+        table.add_row(f"{len(same)}× from {same[0]}", mixer, attn, mlp, norm, _human(block.params))
     console.print(table)
     breakdown = ", ".join(
         f"{k} {_human(v)}" for k, v in vars(p).items() if v and k not in ("total", "active_per_token")
