@@ -237,10 +237,13 @@ def _compare_attention(tally: _Tally, spec: ModelSpec, block: BlockSpec, comp: C
 
 
 def _compare_mlp(tally: _Tally, block: BlockSpec, own: list[Component]) -> None:
-    """The block's MLP: dense (gated or not) or a routed MoE, its activation and its routing."""
+    """The block's MLP: dense (gated or not) or a routed MoE, its activation and its routing.  Where several MLPs sit
+    in the block, the outermost is its feed-forward: one nested deeper belongs to another part (AXK2's gated norm
+    holds a small gate MLP)."""
     mlps = [c for c in own if c.kind in MLP_KINDS]
     moe = next((c for c in mlps if isinstance(c.variant, MoEVariant)), None)
-    judged = [moe] if moe is not None else mlps
+    outermost = min((c.module.count(".") for c in mlps), default=0)
+    judged = [moe] if moe is not None else [c for c in mlps if c.module.count(".") == outermost]
     found = NONE
     if judged:
         found = DENSE if judged[0].kind == "mlp" and not judged[0].confirmed else MLP_KINDS[judged[0].kind]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from ops_testlib import recognised
 from torch import nn
 
-from adapt.model.intake import describe_model, inspect
+from adapt.model.intake import build_spec, describe_model, inspect, resolve_source
+from operators import run_ops
 from operators.agreement import BEYOND_PROBE, NOT_TRACED, Disagreement, compare_with_spec
 from operators.inventory import trace_model
 from operators.recognition import Recognition, recognise
@@ -225,3 +227,23 @@ def test_a_mixer_no_operators_kind_covers_agrees_with_no_attention(zoo, mixer):
     without = Recognition([c for c in recognition.components if c.module != f"{block.module}.self_attn"], [])
     agreement = compare_with_spec(spec, without)
     assert agreement.disagreements == [] and agreement.compared["mixer"] == spec.num_layers
+
+
+def test_the_blocks_feed_forward_is_its_outermost_mlp_not_one_inside_a_norm(tmp_path):
+    """AXK2's input norm is gated by a small plain MLP of its own: the block's MLP is the gated one beside it."""
+    import importlib.util
+
+    from transformers import CONFIG_MAPPING
+
+    if "axk2" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no axk2")
+    path = Path(__file__).parents[2] / "benchmarks" / "sweep_tiny.py"
+    loader = importlib.util.spec_from_file_location("bench_sweep_tiny_agreement", path)
+    sweep_tiny = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(sweep_tiny)
+    sweep_tiny.build("axk2", tmp_path / "axk2")  # the type's default config, shrunk
+    source = resolve_source(str(tmp_path / "axk2"))
+    spec = build_spec(source)
+    agreement = run_ops(source, onnx=False, check_patch=False, spec=spec).agreement.to_dict()
+    assert agreement["compared"]["mlp.kind"] == len(spec.blocks)
+    assert [d for d in agreement["disagreements"] if d["field"].startswith("mlp.")] == []
