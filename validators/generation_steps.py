@@ -51,13 +51,52 @@ def logits_of(model: nn.Module, cache: Any = None, **kwargs: Any) -> tuple[torch
 
 
 def greedy_reference(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy continuation recomputing the whole prefix every step (no cache).  Returns (ids, step logits)."""
-    seq, steps = prompt.view(1, -1), []
+    """Greedy continuation without a cache, as recomputing the whole prefix every step gives it.  Returns (ids, step
+    logits).
+
+    The model's own cache proposes the continuation (one token a step), and one forward over the whole sequence,
+    without a cache, checks it: causal, that forward's logits at each position are the prefix's alone, so the
+    proposal stands as far as its argmax agrees with every proposed token.  From the first step where it does not
+    (a cache that decodes differently, a near-tie), the rest is recomputed prefix by prefix, as it all was before:
+    a float64 reference of a state-space model took minutes on a CPU that way."""
+    seq = prompt.view(1, -1)
+    proposed = _cached_greedy(model, seq, new_tokens)
+    if proposed is None:
+        return _prefix_by_prefix(model, seq, new_tokens, [])
+    n = seq.shape[1]
+    logits, _ = logits_of(model, input_ids=proposed[:, : n + new_tokens - 1], use_cache=False)
+    steps = logits[0, n - 1 :].double().cpu()
+    agree = steps.argmax(-1) == proposed[0, n:].cpu()
+    kept = new_tokens if bool(agree.all()) else int(agree.int().argmin())
+    if kept == new_tokens:
+        return proposed[0], steps
+    return _prefix_by_prefix(model, proposed[:, : n + kept], new_tokens - kept, list(steps[:kept]))
+
+
+def _prefix_by_prefix(
+    model: nn.Module, seq: torch.Tensor, new_tokens: int, steps: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_tokens`` more greedy tokens after ``seq``, each from a forward over the whole prefix (no cache)."""
     for _ in range(new_tokens):
         logits, _ = logits_of(model, input_ids=seq, use_cache=False)
         steps.append(logits[0, -1].double().cpu())
         seq = torch.cat([seq, logits[:, -1:].argmax(-1)], dim=1)
     return seq[0], torch.stack(steps)
+
+
+def _cached_greedy(model: nn.Module, seq: torch.Tensor, new_tokens: int) -> torch.Tensor | None:
+    """The greedy continuation by the model's own cached decoding: a proposal only, so a model that keeps no cache,
+    or whose cache code raises, proposes nothing (None) and the reference recomputes every prefix instead."""
+    try:
+        logits, past = logits_of(model, input_ids=seq, use_cache=True)
+        for _ in range(new_tokens - 1):
+            if past is None:
+                return None
+            seq = torch.cat([seq, logits[:, -1:].argmax(-1)], dim=1)
+            logits, past = logits_of(model, past, input_ids=seq[:, -1:], use_cache=True)
+    except Exception:  # noqa: BLE001 - any failure of the cached path leaves the uncached one, which decides
+        return None
+    return torch.cat([seq, logits[:, -1:].argmax(-1)], dim=1)
 
 
 def uncached_steps(

@@ -206,3 +206,59 @@ def test_only_the_models_own_software_is_blamed():
         raise AttributeError("adapt's own mistake")
     except AttributeError as err:  # raised here, in the tests: not the model's software
         assert library_failure(model, err) is None
+
+
+def _reference_model(zoo, name: str = "llama"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(zoo(name)), dtype=torch.float64).eval()
+
+
+def _prefix_by_prefix(model, prompt: torch.Tensor, new_tokens: int):
+    """The reference as it is defined: every step a forward over the whole prefix, no cache."""
+    seq, steps = prompt.view(1, -1), []
+    for _ in range(new_tokens):
+        logits = model(input_ids=seq, use_cache=False).logits
+        steps.append(logits[0, -1])
+        seq = torch.cat([seq, logits[:, -1:].argmax(-1)], dim=1)
+    return seq[0], torch.stack(steps)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_reference_continuation_is_the_uncached_one(zoo, name):
+    from validators.generation_steps import greedy_reference
+
+    model = _reference_model(zoo, name)
+    prompt = torch.randint(0, model.config.vocab_size, (int(torch.randint(3, 12, ())),))
+    with torch.no_grad():
+        ids, steps = greedy_reference(model, prompt, 16)
+        want_ids, want_steps = _prefix_by_prefix(model, prompt, 16)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(steps, want_steps, rtol=1e-12, atol=1e-12)
+
+
+def test_a_cache_that_decodes_differently_does_not_change_the_reference(zoo):
+    """The cache only proposes the continuation: where its tokens differ from the uncached forward's, the reference
+    recomputes from that step, prefix by prefix."""
+    from validators.decode import cache_keyword
+    from validators.generation_steps import _cached_greedy, greedy_reference
+
+    model = _reference_model(zoo)
+    vocab, decoding = model.config.vocab_size, {"cached": False}
+    keyword = cache_keyword(model)
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: decoding.update(cached=kwargs.get(keyword) is not None), with_kwargs=True
+    )
+    favourite = int(torch.randint(0, vocab, ()))
+    bias = 1e3 * torch.nn.functional.one_hot(torch.tensor(favourite), vocab).double()
+    # decoding with the cache always says ``favourite``: a proposal the uncached forward refutes
+    model.lm_head.register_forward_hook(lambda m, a, out: out + bias if decoding["cached"] else None)
+    prompt = torch.randint(0, vocab, (7,))
+    with torch.no_grad():
+        proposal = _cached_greedy(model, prompt.view(1, -1), 10)
+        ids, steps = greedy_reference(model, prompt, 10)
+        decoding["cached"] = False
+        want_ids, want_steps = _prefix_by_prefix(model, prompt, 10)
+    assert bool((proposal[0, 8:] == favourite).all()) and not torch.equal(proposal[0], want_ids)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(steps, want_steps, rtol=1e-12, atol=1e-12)
