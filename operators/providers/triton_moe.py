@@ -93,11 +93,14 @@ def routed_experts(
     w_down: torch.Tensor,
     spec: RoutedExperts,
     correction_bias: torch.Tensor | None = None,
+    w_up: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_k w[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t))`` over each token's chosen experts.
 
     ``x`` is ``[T, H]``; ``w_gate_up`` is ``[E, H, 2I]`` and ``w_down`` ``[E, I, H]`` (``x @ w[e]``
-    orientation; strided views are read in place).  Returns ``[T, H]`` in the banks' dtype.
+    orientation; strided views are read in place).  With ``w_up`` (``[E, H, I]``), gate and up are banks apart and
+    ``w_gate_up`` is the gate's alone: two grouped GEMMs instead of a copy of both into one.  Returns ``[T, H]`` in the
+    banks' dtype.
     """
     from operators import kernels
 
@@ -112,9 +115,12 @@ def routed_experts(
         spec.scale,
     )
     x_sorted, state = kernels.moe_permute(x.to(w_gate_up.dtype), expert_ids, spec.num_experts)
-    hidden = kernels.grouped_gemm(x_sorted, w_gate_up, state.group_offsets)
-    first, second = hidden.chunk(2, dim=-1)
-    gate, up = (first, second) if spec.gate_first else (second, first)
+    if w_up is not None:
+        gate = kernels.grouped_gemm(x_sorted, w_gate_up, state.group_offsets)
+        up = kernels.grouped_gemm(x_sorted, w_up, state.group_offsets)
+    else:
+        first, second = kernels.grouped_gemm(x_sorted, w_gate_up, state.group_offsets).chunk(2, dim=-1)
+        gate, up = (first, second) if spec.gate_first else (second, first)
     glu, approximate = GLU_KERNELS[spec.activation]
     activated = kernels.swiglu(gate, up) if glu == "swiglu" else kernels.geglu(gate, up, approximate)
     return kernels.moe_unpermute(kernels.grouped_gemm(activated, w_down, state.group_offsets), weights, state)
@@ -129,6 +135,9 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
     local = functools.partial(local_path, base=component.module)
     router_path = local(v.router)
     gate_up_path, down_path = local(v.gate_up_bank), local(v.down_bank)
+    up_path = local(v.up_bank) if v.up_bank else None
+    # row-stacked 2-D banks ([E x rows, width]) are read as [E, rows, width] views, no copy
+    as_bank = (lambda w: w.view(int(v.num_experts), -1, w.shape[-1])) if v.bank_rows else (lambda w: w)  # noqa: E731
     shared_path = local(v.shared_experts) if v.shared_experts else None
     output_bias = v.output_bias
     # banks are stored [E, out, in] ("out_in", F.linear orientation) or [E, in, out]; the GEMM wants [E, in, out]
@@ -160,7 +169,8 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
             logits = router_logits(
                 x, dotted_attr(router, router_weight), dotted_attr(router, router_bias) if router_bias else None
             )
-        gate_up, down = module.get_parameter(gate_up_path), module.get_parameter(down_path)
+        gate_up, down = as_bank(module.get_parameter(gate_up_path)), as_bank(module.get_parameter(down_path))
+        up = as_bank(module.get_parameter(up_path)) if up_path else None
         routed = routed_experts(
             x,
             logits,
@@ -168,6 +178,7 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
             down.transpose(1, 2) if down_transposed else down,
             spec,
             dotted_attr(router, correction) if correction else None,
+            (up.transpose(1, 2) if gate_up_transposed else up) if up is not None else None,
         )
         out = routed.to(hidden_states.dtype).view(hidden_states.shape)
         if shared_path is not None:

@@ -171,7 +171,7 @@ def _moe(
     routing = routing_from_sequence(router_rec.sequence or rec.sequence, router_rec.ops)
     if routing is None:  # the top-k runs in the MoE module itself, after a plain router projection
         routing = routing_from_sequence(rec.sequence, rec.own_ops)
-    bank = pat.expert_weights(inv, rec.path)
+    bank = [] if expert_list else pat.expert_weights(inv, rec.path, pat.router_rows(inv, router))
     experts_at = f"{rec.path}.{expert_list}" if expert_list else None
     shared = next((c for c in rec.children if c in inv.modules and pat.is_mlp_candidate(inv, inv.modules[c])
                    and not (experts_at and c.startswith(experts_at + "."))), None)  # fmt: skip

@@ -90,11 +90,14 @@ def probe_moe(
     correction_name, correction = _per_expert_vector(_named(owners, "named_buffers"), num_experts)
     router_b = router_b.detach().double() if router_b is not None else None
     correction = correction.double() if correction is not None else None
+    bank_rows = False  # the banks are 2-D matrices with the experts stacked in their rows
     if expert_list is not None:
         names, banks = stacked_banks(m.get_submodule(expert_list), width, expert_list)
     else:
         names = [f"{mod}.{name}" for mod, name, _ in bank]
-        banks = [getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach() for mod, name, _ in bank]
+        stored = [getattr(m.get_submodule(rel(mod)) if mod != path else m, name).detach() for mod, name, _ in bank]
+        banks = [b.view(shape) for b, (_, _, shape) in zip(stored, bank)]  # row-stacked 2-D banks as [E, rows, width]
+        bank_rows = any(b.dim() == 2 for b in stored)
     experts = _expert_layouts(banks, names, width, num_experts)
     if not experts:
         return None
@@ -156,6 +159,7 @@ def probe_moe(
                         "outputs": outputs,
                         "router_logits_output": logits_output,
                         "stochastic_in_training": stochastic,
+                        "bank_rows": bank_rows,
                         **where,
                     }
     return None
@@ -177,25 +181,33 @@ def stacked_banks(experts: nn.Module, width: int, path: str) -> tuple[list[str],
 
 
 def _expert_layouts(banks: list[torch.Tensor], names: list[str], width: int, num_experts: int):
-    """Possible (w_gate_up, w_down, inner) readings of the 3-D expert weights as [E, out, in] views, each
-    with the bank it came from and whether that bank is stored [E, out, in] ("out_in") or [E, in, out]."""
+    """Possible (w_gate_up, w_down, inner) readings of the expert weights as [E, out, in] views, each with the banks
+    it came from and whether each is stored [E, out, in] ("out_in") or [E, in, out].  Two banks: gate and up fused in
+    one, and down.  Three: gate, up and down apart (DBRX), the gate and up read as one fused view (gate first).  A
+    bank whose inner size equals the width is read both ways."""
     named = [(n, b) for n, b in zip(names, banks) if b.shape[0] == num_experts]
-    if len(named) != 2:
+    if len(named) not in (2, 3):
         return []
     layouts = []
-    for (up_name, up), (down_name, down) in itertools.permutations(named, 2):
-        up_v = up if up.shape[2] == width else up.transpose(1, 2)
-        down_v = down if down.shape[1] == width else down.transpose(1, 2)
-        if up_v.shape[2] != width or down_v.shape[1] != width or up_v.shape[1] != 2 * down_v.shape[2]:
-            continue
-        where = {
-            "gate_up_bank": up_name,
-            "gate_up_layout": "out_in" if up_v is up else "in_out",
-            "down_bank": down_name,
-            "down_layout": "out_in" if down_v is down else "in_out",
-        }
-        for gate_first in (True, False):
-            layouts.append(((up_v, down_v, down_v.shape[2]), gate_first, where))
+    for order in itertools.permutations(named, len(named)):
+        *into, (down_name, down) = order
+        for into_layout, down_layout in itertools.product(("out_in", "in_out"), repeat=2):
+            into_v = [b if into_layout == "out_in" else b.transpose(1, 2) for _, b in into]
+            down_v = down if down_layout == "out_in" else down.transpose(1, 2)
+            if any(b.shape[2] != width for b in into_v) or down_v.shape[1] != width:
+                continue
+            up_v = torch.cat(into_v, dim=1) if len(into_v) == 2 else into_v[0]
+            if up_v.shape[1] != 2 * down_v.shape[2]:
+                continue
+            where = {
+                "gate_up_bank": into[0][0],
+                "up_bank": into[1][0] if len(into) == 2 else None,
+                "gate_up_layout": into_layout,
+                "down_bank": down_name,
+                "down_layout": down_layout,
+            }
+            for gate_first in (True, False) if len(into) == 1 else (True,):
+                layouts.append(((up_v, down_v, down_v.shape[2]), gate_first, where))
     return layouts
 
 

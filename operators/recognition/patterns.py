@@ -189,7 +189,20 @@ def is_attention_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
 
 def is_moe_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
     """Width-preserving module with a top-k routing decision and many experts' weights below it."""
-    return is_routed(inv, rec) and bool(expert_weights(inv, rec.path))
+    return is_routed(inv, rec) and bool(expert_weights(inv, rec.path, scored_experts(inv, rec)))
+
+
+def scored_experts(inv: OpInventory, rec: ModuleRecord) -> int | None:
+    """How many experts the module's router scores."""
+    router = router_of(inv, rec)
+    return router_rows(inv, router) if router else None
+
+
+def router_rows(inv: OpInventory, router: tuple[str, str]) -> int | None:
+    """The rows of a router's [num_experts, width] matrix (``router_of``'s module and dotted parameter name)."""
+    owner, _, name = f"{router[0]}.{router[1]}".rpartition(".")
+    shape = inv.modules[owner].params.get(name) if owner in inv.modules else None
+    return shape[0] if shape else None
 
 
 def is_routed(inv: OpInventory, rec: ModuleRecord, num_experts: int | None = None) -> bool:
@@ -220,11 +233,14 @@ def router_of(inv: OpInventory, rec: ModuleRecord, num_experts: int | None = Non
         if "aten.topk.default" not in sub.own_ops:
             continue
         counted = num_experts or _chosen_among(sub)
-        for child in sub.children:
-            projection = inv.modules.get(child)
-            for name, shape in projection.params.items() if projection else ():
-                if list(shape) == [counted, width]:
-                    return (child, name) if sub.path == rec.path else (sub.path, f"{child[len(sub.path) + 1 :]}.{name}")
+        # a child's own matrix first; then one its projection holds (DBRX's router keeps it on ``router.layer``)
+        for deeper in (False, True):
+            for child in sub.children:
+                for owner in _subtree(inv, child) if deeper else [inv.modules[child]] if child in inv.modules else []:
+                    for name, shape in owner.params.items():
+                        if list(shape) == [counted, width]:
+                            base = child if sub.path == rec.path else sub.path
+                            return base, f"{owner.path[len(base) + 1 :]}.{name}".lstrip(".")
     return None
 
 
@@ -234,9 +250,26 @@ def _chosen_among(rec: ModuleRecord) -> int | None:
     return int(topks[-1][1][0][-1]) if topks else None
 
 
-def expert_weights(inv: OpInventory, path: str) -> list[tuple[str, str, list[int]]]:
-    """3-D parameters [num_experts, out, in] under ``path`` (fused expert banks)."""
-    return [(sub.path, n, s) for sub in _subtree(inv, path) for n, s in sub.params.items() if len(s) == 3]
+def expert_weights(inv: OpInventory, path: str, num_experts: int | None = None) -> list[tuple[str, str, list[int]]]:
+    """Expert banks under ``path`` as (module, parameter, [num_experts, out, in]): 3-D parameters; or, with
+    ``num_experts`` known and no 3-D bank there, 2-D matrices that stack the experts in their rows (DBRX keeps each
+    of its three banks as one [experts x inner, width] matrix), read as [num_experts, inner, width] views.  Row-stacked
+    banks are only looked for as two or more such matrices owned by one module: a linear layer owns one."""
+    banks = [(sub.path, n, s) for sub in _subtree(inv, path) for n, s in sub.params.items() if len(s) == 3]
+    if banks or not num_experts:
+        return banks
+    width = last_dim(inv.modules[path].input_shapes)
+    for sub in _subtree(inv, path):
+        rows = [(n, s) for n, s in sub.params.items() if len(s) == 2 and width in s and _stacks(s, width, num_experts)]
+        if len(rows) >= 2:
+            banks += [(sub.path, n, [num_experts, s[0] // num_experts, s[1]]) for n, s in rows]
+    return banks
+
+
+def _stacks(shape: list[int], width: int, num_experts: int) -> bool:
+    """A [rows, width] matrix whose rows divide into ``num_experts`` equal blocks of more than one row."""
+    rows, cols = shape
+    return cols == width and rows % num_experts == 0 and rows // num_experts > 1
 
 
 def rotary_generator(rec: ModuleRecord) -> bool:

@@ -61,7 +61,12 @@ class MoEVariant(Variant):
     stochastic_in_training: bool | None = None
     """Two training-mode calls differ (router jitter, dropout): only the eval function was confirmed."""
     gate_up_bank: str | None = None
-    """Dotted path of the [experts, ...] gate/up weight bank (``<list>.*.gate_up`` for a list of experts)."""
+    """Dotted path of the [experts, ...] gate/up weight bank (``<list>.*.gate_up`` for a list of experts); the gate
+    bank alone when ``up_bank`` is set."""
+    up_bank: str | None = None
+    """Dotted path of the up bank where gate and up are kept apart (DBRX's ``v1``); None: fused with the gate."""
+    bank_rows: bool = False
+    """The banks are 2-D matrices stacking the experts in their rows ([experts x rows, width]), read as 3-D views."""
     gate_up_layout: str | None = None
     """``out_in`` ([E, out, in]) or ``in_out``; ``module_list`` for experts kept as separate modules."""
     down_bank: str | None = None
