@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._registration import launch
 from ._utils import next_pow2
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -142,7 +143,7 @@ def run_chunks(hidden, weight, bias, labels, scale, opts, *, need_grad, need_dh,
         else:
             torch.mm(h, weight_t, out=logits)
         chunk_scale = scale[start:stop] if opts["per_row_scale"] else scale
-        _ce_chunk_kernel[(stop - start,)](
+        launch(_ce_chunk_kernel)[(stop - start,)](
             logits,
             logits.stride(0),
             labels[start:stop],

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._registration import launch
 from ._utils import cdiv, check_float, next_pow2
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
@@ -116,7 +117,7 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block, warps = _block(width)
     if y.numel():
-        _glu_fwd[(rows * cdiv(width, block),)](
+        launch(_glu_fwd)[(rows * cdiv(width, block),)](
             g, u, y, width, sg, su, ACT=ACTIVATIONS[activation], BLOCK=block, num_warps=warps
         )
     return y
@@ -131,7 +132,7 @@ def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activat
     y = torch.empty_like(dgate) if recompute else None
     block, warps = _block(width)
     if dgate.numel():
-        _glu_bwd[(rows * cdiv(width, block),)](
+        launch(_glu_bwd)[(rows * cdiv(width, block),)](
             d,
             g,
             u,

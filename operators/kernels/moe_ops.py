@@ -11,7 +11,7 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from . import gemm, moe
-from .ops import CALLS, no_gradient, none_if_empty
+from ._op_utils import CALLS, no_gradient, none_if_empty
 
 
 @custom_op("adapt::moe_route", mutates_args=())

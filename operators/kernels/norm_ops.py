@@ -6,21 +6,21 @@ this module, so importing ``ops`` registers them too.
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op, register_autograd
+from torch.library import register_autograd
 
 from . import norms
-from ._op_utils import CALLS, no_gradient, none_if_empty
+from ._op_utils import no_gradient, none_if_empty
+from ._registration import kernel_op
 from ._utils import as_rows
 
 # ---------------------------------------------------------------- RMSNorm and residual-add + RMSNorm
 
 
-@custom_op("adapt::rms_norm", mutates_args=())
+@kernel_op("adapt::rms_norm", kernels=(norms._rms_norm_fwd,))
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast: str, config: list[int], store_rstd: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, fp32 row rstd or empty); ``config`` is ``norms.encode_config``'s list."""
-    CALLS["rms_norm"] += 1
     _, y, rstd = norms.rms_forward(x, None, weight, eps, offset, cast, norms.decode_config(config), store_rstd)
     return y.view(x.shape), rstd if store_rstd else no_gradient(y).float()
 
@@ -31,7 +31,7 @@ def _(x, weight, eps, offset, cast, config, store_rstd):
     return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32)
 
 
-@custom_op("adapt::add_rms_norm", mutates_args=())
+@kernel_op("adapt::add_rms_norm", kernels=(norms._rms_norm_fwd,))
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -43,7 +43,6 @@ def add_rms_norm(
     store_rstd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x + residual, its RMSNorm, fp32 row rstd or empty) in one pass."""
-    CALLS["add_rms_norm"] += 1
     s, y, rstd = norms.rms_forward(x, residual, weight, eps, offset, cast, norms.decode_config(config), store_rstd)
     return s.view(x.shape), y.view(x.shape), rstd if store_rstd else no_gradient(y).float()
 
@@ -54,7 +53,7 @@ def _(x, residual, weight, eps, offset, cast, config, store_rstd):
     return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32)
 
 
-@custom_op("adapt::rms_norm_backward", mutates_args=())
+@kernel_op("adapt::rms_norm_backward", kernels=(norms._rms_norm_bwd,))
 def rms_norm_backward(
     dy: torch.Tensor,
     dsum: torch.Tensor | None,
@@ -67,7 +66,6 @@ def rms_norm_backward(
     config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight or empty); ``dsum`` is the gradient reaching the residual sum directly (fused add)."""
-    CALLS["rms_norm_backward"] += 1
     if rstd.numel() == 0:
         raise RuntimeError("adapt::rms_norm_backward needs the forward's rstd (run the forward with store_rstd)")
     x_rows = as_rows(x).contiguous()
@@ -117,12 +115,11 @@ register_autograd("adapt::add_rms_norm", _add_rms_backward, setup_context=_add_r
 # ---------------------------------------------------------------- LayerNorm
 
 
-@custom_op("adapt::layer_norm", mutates_args=())
+@kernel_op("adapt::layer_norm", kernels=(norms._layer_norm_fwd,))
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, config: list[int], store_stats: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(normed, fp32 row mean, fp32 row rstd); the statistics are empty unless ``store_stats``."""
-    CALLS["layer_norm"] += 1
     _, y, mean, rstd = norms.layer_norm_forward(x, weight, bias, eps, norms.decode_config(config), store_stats)
     if not store_stats:
         mean, rstd = no_gradient(y).float(), no_gradient(y).float()
@@ -135,7 +132,7 @@ def _(x, weight, bias, eps, config, store_stats):
     return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
-@custom_op("adapt::layer_norm_backward", mutates_args=())
+@kernel_op("adapt::layer_norm_backward", kernels=(norms._layer_norm_bwd,))
 def layer_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -148,7 +145,6 @@ def layer_norm_backward(
     config: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight or empty, dbias or empty)."""
-    CALLS["layer_norm_backward"] += 1
     need_db = need_db and bias is not None
     x_rows = as_rows(x).contiguous()
     dx, dw, db = norms.layer_norm_backward(

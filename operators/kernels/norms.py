@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._registration import launch
 from ._utils import as_rows, cdiv, check_float, num_programs, row_block, warps_for
 
 # The rounding order of an RMSNorm in a narrow dtype, as recognition measures it bit for bit:
@@ -218,7 +219,7 @@ def rms_forward(x, residual, weight, eps, offset, cast, config, need_rstd):
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device) if need_rstd else None
     kernel = "rms_norm" if residual is None else "add_rms_norm"
     block_n, block_m, warps, grid = _launch(width, rows, x.device, config, kernel, False)
-    _rms_norm_fwd[(grid,)](
+    launch(_rms_norm_fwd)[(grid,)](
         x2,
         r2 if r2 is not None else x2,
         s if s is not None else y,
@@ -248,7 +249,7 @@ def rms_backward(dy, ds, x_rows, weight, rstd, offset, cast, need_dw, config):
     dx = torch.empty_like(x_rows)
     block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, "rms_norm", True)
     partial = torch.empty((grid, width), dtype=torch.float32, device=x_rows.device) if need_dw else dx
-    _rms_norm_bwd[(grid,)](
+    launch(_rms_norm_bwd)[(grid,)](
         dy2,
         x_rows,
         weight,
@@ -393,7 +394,7 @@ def layer_norm_forward(x, weight, bias, eps, config, need_stats):
     mean = torch.empty(rows, dtype=torch.float32, device=x.device) if need_stats else None
     rstd = torch.empty_like(mean) if need_stats else None
     block_n, block_m, warps, grid = _launch(width, rows, x.device, config, "layer_norm", False)
-    _layer_norm_fwd[(grid,)](
+    launch(_layer_norm_fwd)[(grid,)](
         x2,
         y,
         weight,
@@ -421,7 +422,7 @@ def layer_norm_backward(dy, x_rows, weight, mean, rstd, need_dw, need_db, config
     block_n, block_m, warps, grid = _launch(width, rows, x_rows.device, config, "layer_norm", True)
     dw_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_dw else dx
     db_partial = torch.empty((grid, width), dtype=torch.float32, device=dx.device) if need_db else dx
-    _layer_norm_bwd[(grid,)](
+    launch(_layer_norm_bwd)[(grid,)](
         dy2,
         x_rows,
         weight,

@@ -2,33 +2,38 @@
 
 Each operator has a real implementation (the Triton launch code beside the kernels), a fake one that
 only allocates outputs of the right shape, dtype and layout, and, for the forward operators, autograd
-whose backward is itself an ``adapt`` operator.  Dynamo, AOTAutograd and ``torch.export`` therefore
-see every kernel as one node, forward and backward, instead of tracing into Triton launch code.
+whose backward is itself an ``adapt`` operator.  Dynamo and ``torch.export`` therefore see every kernel
+as one node, forward and backward, instead of tracing into Triton launch code.
 
-The operators are ``custom_op`` (opaque to Inductor): ``triton_op`` cannot run its fake pass on
-kernels built for Triton's CPU interpreter, and one registration must serve CUDA and the interpreter.
+``_registration.kernel_op`` registers the operators here and in ``norm_ops`` as ``custom_op`` (opaque to
+Inductor, the default) or, with ``ADAPT_KERNEL_OPS=inductor``, as ``triton_op``, whose launch code AOTAutograd
+traces so that Inductor compiles and launches the kernels itself; the MoE and optimizer operators stay
+``custom_op``.  Under Triton's CPU interpreter they are always ``custom_op`` (``wrap_triton`` refuses
+interpreted kernels).
+
 Statistics a backward needs (row ``rstd``, precomputed loss gradients) are extra outputs, because
 autograd's ``setup_context`` can only save inputs and outputs.  Where a gradient is not asked for, its
 output is an empty tensor.  The norms' operators live in ``norm_ops``, imported here so that importing this
 module registers them too, and the MoE operators in ``moe_ops``.  ``CALLS`` counts real executions per
-operator: it advances when a kernel really runs, eager or compiled, never while a graph is traced.
+operator: it advances when a kernel really runs, eager or compiled, never while a graph is traced (in
+``inductor`` mode a compiled graph launches the kernels without the operator, so only eager runs count).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op, register_autograd
+from torch.library import register_autograd
 
 from . import cross_entropy, glu, norm_ops, rope  # noqa: F401  (norm_ops registers the norms' operators)
-from ._op_utils import CALLS, no_gradient, none_if_empty
+from ._op_utils import CALLS, no_gradient, none_if_empty  # noqa: F401  (CALLS: read as ops.CALLS)
+from ._registration import kernel_op
 
 # ---------------------------------------------------------------- gated linear units
 
 
-@custom_op("adapt::glu", mutates_args=())
+@kernel_op("adapt::glu", kernels=(glu._glu_fwd,))
 def glu_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` with ``activation`` in ``glu.ACTIVATIONS``."""
-    CALLS["glu"] += 1
     return glu.glu_forward(gate, up, activation)
 
 
@@ -37,11 +42,10 @@ def _(gate, up, activation):
     return gate.new_empty(gate.shape)
 
 
-@custom_op("adapt::glu_backward", mutates_args=())
+@kernel_op("adapt::glu_backward", kernels=(glu._glu_bwd,))
 def glu_backward(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    CALLS["glu_backward"] += 1
     dgate, dup, _ = glu.glu_backward(dy, gate, up, activation)
     return dgate, dup
 
@@ -66,14 +70,13 @@ def _glu_grad(ctx, dy):
 register_autograd("adapt::glu", _glu_grad, setup_context=_glu_setup)
 
 
-@custom_op("adapt::glu_linear", mutates_args=())
+@kernel_op("adapt::glu_linear", kernels=(glu._glu_fwd,))
 def glu_linear(
     gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str
 ) -> torch.Tensor:
     """``F.linear(act(gate) * up, weight, bias)``: a gated unit and the projection after it, keeping only
     gate and up for the backward.  The unit's output (as large as gate) is made again by the backward's
     unit kernel, from the loads it makes anyway, for the projection's weight gradient."""
-    CALLS["glu_linear"] += 1
     return torch.nn.functional.linear(glu.glu_forward(gate, up, activation), weight, bias)
 
 
@@ -82,7 +85,7 @@ def _(gate, up, weight, bias, activation):
     return gate.new_empty((*gate.shape[:-1], weight.shape[0]))
 
 
-@custom_op("adapt::glu_linear_backward", mutates_args=())
+@kernel_op("adapt::glu_linear_backward", kernels=(glu._glu_bwd,))
 def glu_linear_backward(
     dy: torch.Tensor,
     gate: torch.Tensor,
@@ -93,7 +96,6 @@ def glu_linear_backward(
     need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d gate, d up, d weight, d bias); a gradient not asked for is an empty tensor."""
-    CALLS["glu_linear_backward"] += 1
     dy_rows = dy.reshape(-1, weight.shape[0])
     d_unit = (dy_rows @ weight).view(*gate.shape[:-1], weight.shape[1])
     dgate, dup, unit = glu.glu_backward(d_unit, gate, up, activation, recompute=need_dweight)
@@ -133,12 +135,11 @@ register_autograd("adapt::glu_linear", _glu_linear_grad, setup_context=_glu_line
 # ---------------------------------------------------------------- rotary embedding
 
 
-@custom_op("adapt::apply_rotary", mutates_args=())
+@kernel_op("adapt::apply_rotary", kernels=(rope._rope_kernel,))
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, rotary_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated in one launch; outputs keep the inputs' memory layouts."""
-    CALLS["apply_rotary"] += 1
     return rope.rotate(q, k, cos, sin, interleaved, rotary_dim, inverse=False)
 
 
@@ -147,7 +148,7 @@ def _(q, k, cos, sin, interleaved, rotary_dim):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@custom_op("adapt::apply_rotary_backward", mutates_args=())
+@kernel_op("adapt::apply_rotary_backward", kernels=(rope._rope_kernel,))
 def apply_rotary_backward(
     dq: torch.Tensor,
     dk: torch.Tensor,
@@ -159,7 +160,6 @@ def apply_rotary_backward(
     k_stride: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse rotation, written with the strides of q and k (no relayout of the gradients)."""
-    CALLS["apply_rotary_backward"] += 1
     return rope.rotate(
         dq, dk, cos, sin, interleaved, rotary_dim, inverse=True, q_out_stride=q_stride, k_out_stride=k_stride
     )
@@ -200,7 +200,7 @@ def _ce_opts(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_si
     }
 
 
-@custom_op("adapt::fused_linear_cross_entropy", mutates_args=())
+@kernel_op("adapt::fused_linear_cross_entropy", kernels=(cross_entropy._ce_chunk_kernel,))
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -221,7 +221,6 @@ def fused_linear_cross_entropy(
     With ``reduction`` "mean" or "sum" the gradients asked for are computed here, chunk by chunk, while
     each chunk's logits exist (the backward only scales them); "none" leaves them empty for the backward.
     """
-    CALLS["fused_linear_cross_entropy"] += 1
     opts = _ce_opts(ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size)
     need_db = need_db and bias is not None
     grad_now = reduction != "none" and (need_dh or need_dw or need_db)
@@ -275,7 +274,7 @@ def _(
     )
 
 
-@custom_op("adapt::fused_linear_cross_entropy_backward", mutates_args=())
+@kernel_op("adapt::fused_linear_cross_entropy_backward", kernels=(cross_entropy._ce_chunk_kernel,))
 def fused_linear_cross_entropy_backward(
     grad_losses: torch.Tensor,
     hidden: torch.Tensor,
@@ -292,7 +291,6 @@ def fused_linear_cross_entropy_backward(
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token losses' backward (``reduction="none"``): the chunks are recomputed, each row scaled by its gradient."""
-    CALLS["fused_linear_cross_entropy_backward"] += 1
     opts = _ce_opts(ignore_index, label_smoothing, z_loss, softcap, "none", chunk_size)
     need_db = need_db and bias is not None
     _, dh, dw, db = cross_entropy.run_chunks(

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._registration import launch
 from ._utils import next_pow2
 
 
@@ -193,7 +194,7 @@ def rotate(q, k, cos, sin, interleaved, rotary_dim, inverse, q_out_stride=None, 
     tile = max(next_pow2(hq), next_pow2(hk)) * block_r
     tokens = bsz * seq
     block_t = tokens_per_program(q.device, tokens, tile)
-    _rope_kernel[(triton.cdiv(tokens, block_t),)](
+    launch(_rope_kernel)[(triton.cdiv(tokens, block_t),)](
         q,
         k,
         cos,
