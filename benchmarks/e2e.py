@@ -23,6 +23,8 @@ what the adapt variants apply, through ``operators.adapt_model``.  Then every va
   larger chunks alone.
 * ``adapt-adamw`` / ``adapt-selective-adamw``: ``adapt`` / ``adapt-selective`` stepped by adapt's AdamW kernel
   (``operators.optim.TritonAdamW``) instead of torch's fused AdamW: the only variants whose loop differs.
+* ``adapt-inductor-ops``: ``adapt-adamw`` with the kernels registered as ``triton_op`` (``ADAPT_KERNEL_OPS=inductor`` in
+  its process): Inductor compiles and launches them from its own code instead of calling an opaque operator.
 * ``compile-blocks``: no kernels, every block compiled (the plan's compile mode on the unpatched model).
 * ``loss-whole``: only the plan's loss head (fused linear cross-entropy), whole model compiled: whether the plan's
   other kernels help or hurt once Inductor sees the rest.
@@ -52,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.e2e_worker import worker
+from benchmarks.e2e_worker import VARIANT_ENV, worker
 from benchmarks.gap_sources import gap_lines
 from benchmarks.memory_peak import memory_lines
 from benchmarks.shapes import SHAPES
@@ -75,6 +77,7 @@ VARIANTS = (
     "adapt-loss1g",
     "adapt-adamw",
     "adapt-selective-adamw",
+    "adapt-inductor-ops",
 )
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "adapt", "adapt-eager")
 
@@ -200,7 +203,7 @@ def main_parent(args: argparse.Namespace) -> int:
                 result = {"ok": False, "skipped": f"budget spent ({left:.0f} s left for this model)"}
             else:
                 log(f"{model}: {job} (up to {timeout:.0f} s)")
-                result = run_job(args, model, job, timeout, env_model)
+                result = run_job(args, model, job, timeout, {**env_model, **VARIANT_ENV.get(job, {})})
             log(f"{model}: {job} -> {_brief(result)}")
             if job == "checkpoint":
                 if not result.get("ok"):

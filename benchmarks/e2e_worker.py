@@ -33,6 +33,7 @@ ADAPT_VARIANTS = {
     "adapt-loss1g": None,
     "adapt-adamw": None,
     "adapt-selective-adamw": None,
+    "adapt-inductor-ops": None,
 }
 # variant -> recompute (operators.recompute), where not "none"
 RECOMPUTE_VARIANTS = {
@@ -41,7 +42,10 @@ RECOMPUTE_VARIANTS = {
     "adapt-selective-adamw": "selective",
 }
 # variants whose optimizer is adapt's AdamW kernel (operators.optim.TritonAdamW) instead of torch's fused AdamW
-ADAPT_OPTIMIZER_VARIANTS = {"adapt-adamw", "adapt-selective-adamw", "adapt-cudagraphs"}
+ADAPT_OPTIMIZER_VARIANTS = {"adapt-adamw", "adapt-selective-adamw", "adapt-cudagraphs", "adapt-inductor-ops"}
+# variant -> environment its process starts with (set by the parent, so before anything imports ``operators``):
+# ``adapt-inductor-ops`` is ``adapt-adamw`` with the kernels registered as ``triton_op`` (operators/kernels/_registration)
+VARIANT_ENV = {"adapt-inductor-ops": {"ADAPT_KERNEL_OPS": "inductor"}}
 # variants whose compiled graphs replay as CUDA graphs (operators.api.compile_as_planned)
 CUDA_GRAPH_VARIANTS = {"adapt-cudagraphs"}
 # variant -> the fused loss's logits budget per chunk (bytes), where not the kernel's default
@@ -159,6 +163,9 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
         if graphs and info["compile_mode"] != "none":
             info["compile_mode"] += ", CUDA graphs"
         info["recompute"] = recompute
+        from operators.kernels._registration import MODE
+
+        info["kernel_ops"] = MODE  # what the process registered (the interpreter forces "opaque")
     fused = device == "cuda"
     if variant in ADAPT_OPTIMIZER_VARIANTS:
         from operators.optim import TritonAdamW

@@ -2,6 +2,10 @@
 
     PYTHONPATH=$PWD python benchmarks/host_profile.py --out DIR [--model llama-1b] [--variants adapt,compile]
 
+Variants: ``adapt`` (the plan's kernels and compilation, adapt's AdamW), ``adapt-inductor-ops`` (that, with the
+kernels registered as ``triton_op``: ``ADAPT_KERNEL_OPS=inductor`` in its process, as in ``benchmarks/e2e.py``) and
+``compile`` (the whole model compiled, torch's fused AdamW).
+
 A phase whose issue time exceeds its device time leaves the device idle however fast its kernels are: that is
 the part of a step that host overhead, not kernel time, limits.  Each variant runs in its own process.  Per phase
 (forward with the loss, backward, optimizer step): the device time from CUDA events, and the host's issue time
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import subprocess
@@ -25,9 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.e2e_worker import VARIANT_ENV
 from benchmarks.shapes import SHAPES, build_checkpoint
 
 PHASES = ("forward", "backward", "optimizer")
+VARIANTS = ("adapt", "adapt-inductor-ops", "compile")
 SLEEP_MS = 400.0
 
 
@@ -58,7 +65,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_checkpoint(args.model, Path(tmp) / "checkpoint")
         plan = None
-        if args.variant == "adapt":
+        if args.variant != "compile":
             from operators import run_ops
 
             plan = run_ops(str(checkpoint), onnx=False, check_patch=False).plan
@@ -138,8 +145,11 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     rows.sort(key=lambda r: -r["self_ms"])
     median = {p: round(statistics.median(v), 3) for p, v in device_ms.items()}
     issue = {p: round(statistics.median(v), 3) for p, v in host_ms.items()}
+    from operators.kernels._registration import MODE
+
     return {
         "variant": args.variant,
+        "kernel_ops": MODE if args.variant != "compile" else None,  # how this process registered adapt's kernels
         "model": args.model,
         "batch": args.batch,
         "seq": args.seq,
@@ -217,6 +227,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; variants: {', '.join(VARIANTS)}")
     out = Path(args.out)
     if args.variant:
         out.mkdir(parents=True, exist_ok=True)
@@ -227,7 +240,8 @@ def main() -> int:
         child = [sys.executable, __file__, "--out", str(out), "--model", args.model, "--variant", variant,
                  "--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup),
                  "--steps", str(args.steps)]  # fmt: skip
-        done = subprocess.run(child, capture_output=True, text=True)
+        env = {**os.environ, **VARIANT_ENV.get(variant, {})}
+        done = subprocess.run(child, capture_output=True, text=True, env=env)
         path = out / f"host-profile-{args.model}-{variant}.json"
         if done.returncode == 0 and path.exists():
             results.append(json.loads(path.read_text()))

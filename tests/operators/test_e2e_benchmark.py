@@ -42,6 +42,7 @@ def test_tiny_run_trains_each_variant_on_the_same_weights_and_data(tmp_path):
     eager, adapt = entry["variants"]["eager"], entry["variants"]["adapt"]
     assert eager["ok"] and adapt["ok"], (eager, adapt)
     assert adapt["patched"] > 0 and adapt["compile_mode"] == "none"
+    assert adapt["kernel_ops"] == "opaque"  # the interpreter's kernels are always custom_op
     for variant in (eager, adapt):
         assert variant["tokens_per_s"] > 0 and variant["steps_timed"] == 1 and len(variant["losses"]) == 2
     # same checkpoint, same batches: the first loss agrees within bf16 rounding
@@ -51,6 +52,15 @@ def test_tiny_run_trains_each_variant_on_the_same_weights_and_data(tmp_path):
     assert lean["ok"] and lean["recompute"] == "selective" and lean["loss_chunk_budget_bytes"] == 2**30, lean
     # recomputation reruns the same arithmetic: the losses are the adapted model's own
     assert lean["losses"] == pytest.approx(adapt["losses"], rel=1e-3)
+
+
+def test_inductor_ops_variant_is_adapt_adamw_with_triton_ops_in_its_process():
+    from benchmarks.e2e import VARIANTS
+    from benchmarks.e2e_worker import ADAPT_OPTIMIZER_VARIANTS, ADAPT_VARIANTS, VARIANT_ENV
+
+    assert VARIANT_ENV == {"adapt-inductor-ops": {"ADAPT_KERNEL_OPS": "inductor"}}
+    assert "adapt-inductor-ops" in set(VARIANTS) & set(ADAPT_OPTIMIZER_VARIANTS)
+    assert ADAPT_VARIANTS["adapt-inductor-ops"] == ADAPT_VARIANTS["adapt-adamw"]
 
 
 def test_unknown_variant_is_refused_with_one_line(tmp_path):
