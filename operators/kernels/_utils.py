@@ -23,7 +23,8 @@ def next_pow2(n: int) -> int:
 
 
 def cdiv(a: int, b: int) -> int:
-    return -(-int(a) // int(b))
+    """Ceiling division; symbolic sizes stay symbolic (launch code traced with ``ADAPT_KERNEL_OPS=inductor``)."""
+    return -(-a // b)
 
 
 def check_float(name: str, t: torch.Tensor) -> None:

@@ -105,7 +105,7 @@ def _layout(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], int, int, list[
 def _block(width: int) -> tuple[int, int]:
     """(BLOCK, num_warps): 4096-element blocks, 8 warps. On H200 this ran SwiGLU and GeGLU at 100% of copy
     bandwidth; 2048-element blocks were within 1% for SwiGLU but 11% slower for tanh-GeGLU (NOTES-kernels.md)."""
-    block = min(4096, next_pow2(max(width, 16)))
+    block = 4096 if width >= 4096 else next_pow2(max(width, 16))  # a symbolic width of 4096+ stays symbolic
     return block, max(1, min(8, block // 512))
 
 

@@ -49,8 +49,9 @@ _FORWARD_TILES = {
 
 
 @functools.lru_cache(maxsize=256)
-def _launch(width: int, rows: int, device: torch.device, config: RowConfig | None, kernel: str, backward: bool):
-    """(BLOCK_N, BLOCK_M, num_warps, grid); cached because it runs on every call.
+def _tile(width: int, config: RowConfig | None, kernel: str, backward: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, num_warps, programs per SM, 0 for one program per tile); cached because it runs on every
+    call, and keyed by the width alone, which the model fixes, so that a traced launch keeps its row count symbolic.
 
     Forward: one program per tile, shaped per kernel (``_FORWARD_TILES``): on H200 this beat a
     persistent loop (the hardware scheduler overlaps tiles better).  Backward: a persistent grid of
@@ -71,9 +72,15 @@ def _launch(width: int, rows: int, device: torch.device, config: RowConfig | Non
     per_sm = config.programs_per_sm
     if per_sm is None:
         per_sm = max(1, 16 // num_warps) if backward else 0
+    return block_n, block_m, num_warps, per_sm
+
+
+def _launch(width: int, rows: int, device: torch.device, config: RowConfig | None, kernel: str, backward: bool):
+    """(BLOCK_N, BLOCK_M, num_warps, grid) for ``rows`` rows of ``width`` (``_tile``'s shape)."""
+    block_n, block_m, num_warps, per_sm = _tile(width, config, kernel, backward)
     tiles = cdiv(rows, block_m)
-    grid = tiles if per_sm == 0 else min(tiles, num_programs(device, per_sm))
-    return block_n, block_m, num_warps, max(grid, 1)
+    grid = tiles if per_sm == 0 else torch.sym_min(tiles, num_programs(device, per_sm))
+    return block_n, block_m, num_warps, torch.sym_max(grid, 1)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ No GPU is needed to trace, with three limits of a CPU-only torch build, worked a
 * nothing can ask the device for its SM count (``_utils.sm_count`` is given the H200's);
 * slicing a fake CUDA tensor under functionalization and autograd on fake CUDA tensors ask for a CUDA device
   guard, which the build lacks: the cross-entropy operators (their chunk loop slices) and the
-  ``torch.compile`` of a forward and backward are traced on the ``meta`` device, through the same launch code;
+  ``torch.compile`` of a block's forward and backward are traced on the ``meta`` device, through the same
+  launch code;
 * Triton cannot say which arguments a kernel writes (no driver to build its TTIR for), so every tensor argument
   is taken as written (a warning, silenced here); on a GPU that analysis runs.
 """
@@ -93,8 +94,10 @@ def cases(device: str):
     yield "apply_rotary_backward", lambda q, k, c: A.apply_rotary_backward(q, k, c, c, *ROPE, *strides), (q, k, cos)
 
 
-def compiled_with_backward() -> dict[str, int]:
-    """Kernel nodes in the forward and backward graphs ``torch.compile`` makes of an RMSNorm and its gradient."""
+def compiled_block() -> dict[str, dict[str, int | bool]]:
+    """``torch.compile`` of a block's kernels (residual add + RMSNorm, rotary, gated unit with its projection) and
+    their gradients, the sequence length marked dynamic: per graph, its kernel nodes and whether its inputs keep
+    a symbolic size (``mark_dynamic`` raises if the launch code specialised it)."""
     graphs: dict[str, torch.fx.GraphModule] = {}
 
     def keep(name):
@@ -104,14 +107,33 @@ def compiled_with_backward() -> dict[str, int]:
 
         return compiler
 
-    def loss(x, w):
-        return A.rms_norm(x, w, 1e-6, *NORM, [], True)[0].float().sum()
+    def block(x, res, w, proj, down, cos):
+        total, y, _ = A.add_rms_norm(x, res, w, 1e-6, *NORM, [], True)
+        q = y.view(2, -1, 4, 16).transpose(1, 2)
+        q, k = A.apply_rotary(q, q, cos, cos, *ROPE)
+        gate_up = (q + k).transpose(1, 2).reshape(2, -1, 64) @ proj
+        out = A.glu_linear(gate_up[..., :128], gate_up[..., 128:], down, None, "silu")
+        return (total + out).float().sum()
 
-    x = torch.randn(4, 64, device="meta", requires_grad=True)
-    w = torch.randn(64, device="meta", requires_grad=True)
+    def leaf(*shape):
+        return torch.randn(*shape, device="meta", requires_grad=True)
+
+    x, res, cos = leaf(2, 64, 64), leaf(2, 64, 64), torch.randn(1, 64, 16, device="meta")
+    for t in (x, res, cos):
+        torch._dynamo.mark_dynamic(t, 1)
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-    torch.compile(loss, backend=backend, fullgraph=True)(x, w).backward()
-    return {name: kernel_nodes(gm) for name, gm in graphs.items()}
+    torch.compile(block, backend=backend, fullgraph=True)(
+        x, res, leaf(64), leaf(64, 256), leaf(64, 128), cos
+    ).backward()
+    return {
+        name: {
+            "kernels": kernel_nodes(gm),
+            "symbolic": any(
+                isinstance(node.meta.get("val"), torch.SymInt) for node in gm.graph.nodes if node.op == "placeholder"
+            ),
+        }
+        for name, gm in graphs.items()
+    }
 
 
 def main() -> None:
@@ -128,7 +150,7 @@ def main() -> None:
         "triton_ops": triton_ops,
         "schemas": {name: str(getattr(A, name.split("::")[1]).default._schema) for name in triton_ops},
         "kernel_nodes": nodes,
-        "compiled": compiled_with_backward(),
+        "compiled": compiled_block(),
         "calls_advanced": {name: n for name, n in ops.CALLS.items() if n != calls_before.get(name, 0)},
     }
     print(json.dumps(result))
