@@ -7,7 +7,8 @@
 * ``inductor``: ``triton_op``, with every launch written ``launch(kernel)[grid](...)`` (``wrap_triton``).
   AOTAutograd traces the launch code into the graph, so Inductor compiles the kernels with its own and launches
   them from its generated code.  The launch code must then be traceable with FakeTensors: no ``.item()``, no
-  Python branch on tensor values.
+  Python branch on tensor values, and no cache or ``int()`` of a size that a graph compiled at a dynamic
+  sequence length leaves symbolic (the row count): that fails (a SymInt is unhashable) or specialises the graph.
 
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) the mode is always ``opaque``: ``triton.jit`` returns an
 interpreted function there, which ``wrap_triton`` refuses, and Inductor cannot compile a kernel for the CPU
