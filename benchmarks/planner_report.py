@@ -167,7 +167,11 @@ def measured_report() -> dict[str, Any]:
     measured = json.loads((REPO / "benchmarks/results/distributed-h200x2.json").read_text())["throughput"]
     environment = json.loads((REPO / "benchmarks/results/validation-h200.json").read_text())["environment"]
     spec = _llama_spec()
-    eager = Efficiency(fused_kernels=False)
+    # transformers' eager modules; SDPA on the H200 under torch 2.11 (CUDA 13 wheels) dispatches to cuDNN's fused
+    # attention (sdp_utils.cpp check_prefer_cudnn_attention: sm90 and cuDNN > 9.15 put it first; cuDNN takes GQA since
+    # torch 2.8), which the operators stage confirmed (default dispatch 0.855 ms, cuDNN 0.858, flash 1.255; e2e-h200.md),
+    # and torch's ring attention calls the same backend per ring step (_sdpa_handler maps each SDPA op to its ring).
+    eager = Efficiency(fused_kernels=False, attention="flash3")
     anchor = measured[CALIBRATE_FROM]
     calibration = calibration_from_measurements(
         "NVIDIA H200",

@@ -27,7 +27,7 @@ from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
 from parallel_planner.comms import Collectives
 from parallel_planner.efficiency import Efficiency
-from parallel_planner.kernel_rates import ATTENTION_FRACTION
+from parallel_planner.kernel_rates import attention_fraction
 from parallel_planner.profile import profile_model
 
 WEIGHT_BYTES = {"bf16": 2, "fp8": 1}
@@ -116,6 +116,7 @@ class _Layer:
     window: int | None
     attention_flops_per_ctx: int
     hidden: int
+    head_dim: int = 0  # the attention kernel's rate depends on it (kernel_rates.attention_fraction)
 
 
 def _layers(spec: ModelSpec) -> list[_Layer]:
@@ -130,7 +131,7 @@ def _layers(spec: ModelSpec) -> list[_Layer]:
             params=block.params, expert_params=bp.expert_params, num_experts=bp.num_experts, top_k=bp.top_k,
             active_params=block.params - bp.expert_params + bp.top_k * per_expert, kv_width=bp.kv_cache_width,
             kv_heads=0 if mla else bp.num_kv_heads, window=bp.window, attention_flops_per_ctx=bp.attention_flops_per_ctx,
-            hidden=spec.hidden_size,
+            hidden=spec.hidden_size, head_dim=bp.head_dim,
         ))  # fmt: skip
     return layers
 
@@ -226,13 +227,18 @@ def _score(
         mem_s = (read + kv_read) / (gpu.hbm_gbps * 1e9 * eff.memory_bw)
         peak = gpu.peak_flops(work.precision)
         flops = per_replica * 2 * (sum(m.active_params for m in members) + (head if index == pp - 1 else 0)) / tp
-        attention = (
+        # attention FLOPs over each layer's kernel rate (the training model's rates, by head dim)
+        attention_s = (
             per_replica
-            * sum(m.attention_flops_per_ctx * min(work.context_len, m.window or work.context_len) for m in members)
-            / tp
+            * sum(
+                m.attention_flops_per_ctx
+                * min(work.context_len, m.window or work.context_len)
+                / attention_fraction(eff.attention, gpu.name, m.head_dim)
+                for m in members
+            )
+            / (tp * peak)
         )
-        attention_fraction = ATTENTION_FRACTION[eff.attention].get(gpu.name, 0.3)  # the training model's rates
-        compute_s = flops / (peak * gpu.gemm_ceiling * eff.gemm_scale) + attention / (peak * attention_fraction)
+        compute_s = flops / (peak * gpu.gemm_ceiling * eff.gemm_scale) + attention_s
         allreduce = collectives.time("all_reduce", np.array([per_replica * spec.hidden_size * 2.0]), tp * one, one)[0]
         comm_s = 2 * len(members) * allreduce
         launch_s = len(members) * KERNELS_PER_LAYER * eff.kernel_overhead_s

@@ -29,6 +29,18 @@ ATTENTION_FRACTION = {
     "flash2": {"a100": 0.58, "h100": 0.34, "h800": 0.34, "h200": 0.34, "b200": 0.30, "mi300x": 0.30},
     "flash3": {"a100": 0.58, "h100": 0.48, "h800": 0.48, "h200": 0.48, "b200": 0.50, "mi300x": 0.35},
 }
+# The same kernels at head dim 64 on GH100, where the rate per FLOP falls: a score costs the same exponential at
+# any head dim while its matmul FLOPs halve, and GH100 has 989 TFLOP/s of bf16 matmul but 3.9 TFLOP/s of
+# exponentials (FlashAttention-3 paper, Shah et al. 2024, sec. 3.1: at head dim 128 the exponentials take half the
+# matmul cycles; at 64 as many).  Measured by adapt's operators stage on the H200 (torch 2.11; causal SDPA forward +
+# backward, batch 4, 32 heads of 64, seq 2048; benchmarks/results/e2e-h200.md "Timed kernel choices"): cuDNN
+# 0.858 ms, flash 1.255 ms, i.e. 280 and 192 TFLOP/s counting the causal FLOPs as attention_seconds does (forward
+# 4 x heads x 64 x tokens x (seq+1)/2, backward 2.5x): 0.283 and 0.194 of peak, against 0.48 and 0.34 at head dim
+# 128.  Other GPUs have no measurement at 64 and keep their head-dim-128 figure.
+ATTENTION_FRACTION_HEAD_DIM_64 = {
+    "flash2": {"h100": 0.194, "h800": 0.194, "h200": 0.194},
+    "flash3": {"h100": 0.283, "h800": 0.283, "h200": 0.283},
+}
 ATTENTION_KERNELS = ("flash2", "flash3", "unfused")
 DROPOUT_BYTES = 5  # per attention score and pass: fp16 read and write, 1-byte mask written (read in backward)
 # Flash kernels drop in-kernel, drawing a random number per score in the forward and again in the backward: the
@@ -59,6 +71,14 @@ HIDDEN_DROPOUT_BYTES = (1, 5)
 # An additive score bias (ALiBi) handed to the unfused scores GEMM as its input (baddbmm, beta != 0): broadcast into
 # the output first (2 bytes written per score), then read by the GEMM (2), in every forward pass.
 SCORE_BIAS_BYTES = 4
+
+
+def attention_fraction(kernel: str, gpu: str, head_dim: int = 128) -> float:
+    """Fraction of dense bf16 peak a flash kernel sustains forward + backward: its head-dim-64 measurement for
+    heads of 64 or fewer where there is one, else its head-dim-128 figure (0.3 for a GPU without one)."""
+    if 0 < head_dim <= 64 and gpu in ATTENTION_FRACTION_HEAD_DIM_64.get(kernel, {}):
+        return ATTENTION_FRACTION_HEAD_DIM_64[kernel][gpu]
+    return ATTENTION_FRACTION[kernel].get(gpu, 0.3)
 
 
 def elementwise_bytes_per_s(cluster: Cluster, eff: Efficiency) -> float:
@@ -98,15 +118,14 @@ def gemm_seconds(m, k, n, cluster: Cluster, peak: float, eff: Efficiency, count=
 def attention_seconds(block: BlockProfile, tokens, tp, context: float, seq_len: int, cluster: Cluster, eff: Efficiency):
     """Forward seconds of the attention kernel for ``tokens`` local tokens.
 
-    Flash kernels run at their published fraction of peak on the causal FLOPs.  Unfused attention
+    Flash kernels run at their measured fraction of peak (``attention_fraction``: by head dim) on the causal FLOPs.  Unfused attention
     (Megatron-LM 2021: batched GEMMs and a fused softmax) multiplies the whole square at the GEMM rate and
     streams the fp16 scores through HBM: written, read and written by the softmax, read by the second GEMM.
     """
     bf16_peak = cluster.gpu.peak_flops("bf16")
     flops = tokens * context * block.attention_flops_per_ctx / tp
     if eff.attention != "unfused":
-        fraction = ATTENTION_FRACTION[eff.attention].get(cluster.gpu.name, 0.3)
-        return flops / (bf16_peak * fraction)
+        return flops / (bf16_peak * attention_fraction(eff.attention, cluster.gpu.name, block.head_dim))
     square = tokens * seq_len * block.attention_flops_per_ctx / tp
     scores = 4 * ACT_BYTES * tokens * seq_len * block.num_heads / tp
     return square / (bf16_peak * cluster.gpu.gemm_ceiling * eff.gemm_scale) + scores / (

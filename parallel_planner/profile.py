@@ -49,6 +49,7 @@ class BlockProfile:
     causal: bool
     num_heads: int
     num_kv_heads: int
+    head_dim: int  # query/key width per head: the attention kernel's rate depends on it (kernel_rates)
     kv_cache_width: int  # elements cached per token (K and V, or MLA's latent + rope key)
     cp_exchange_width: int  # K and V elements per token that context parallelism passes around the ring
     saved_width: int  # activation elements per token kept for backward (TP/SP sharded), no recompute
@@ -287,6 +288,7 @@ def _profile_block(block: BlockSpec, h: int, count: int) -> BlockProfile:
         causal=attn.causal if attn else True,
         num_heads=attn.num_heads if attn else 0,
         num_kv_heads=attn.num_kv_heads if attn else 0,
+        head_dim=attn.head_dim if attn else 0,
         kv_cache_width=attn_parts.cache,
         cp_exchange_width=attn_parts.ring,
         saved_width=attn_parts.saved + mlp_parts.saved,
