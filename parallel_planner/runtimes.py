@@ -44,6 +44,13 @@ TP_GATHERS = {"torch": 0, "megatron": 2, DEEPSPEED_PIPE: 3}
 # loss reads and writes the logits about three times forward and twice that backward (12, 24).
 CROSS_ENTROPY_BYTES = {"torch": (12, 24), "megatron": (38, 14), DEEPSPEED_PIPE: (38, 14)}
 
+# aten operators FSDP2 issues per wrapped group (a block, or the root) and micro-batch, forward + backward, with
+# adapt's bf16-parameter / fp32-reduce policy, by (reshard after forward, gradient sync this micro-batch): the hooks'
+# casts, copy-in and copy-out around each all-gather, the reduce-scatter with its copies, the waits.  Counted through
+# a dispatch mode on a live 2- and 4-rank gloo mesh (the same at both; torch 2.13, a tiny Llama wrapped as adapt's
+# ``apply_fully_shard`` wraps it): the mean over its blocks and root of the wrapped step's ops less the bare model's.
+FSDP2_HOST_OPS = {(True, True): 86.0, (True, False): 67.6, (False, True): 69.2, (False, False): 50.8}
+
 
 def check_runtime(runtime: str) -> str:
     if runtime not in RUNTIMES:
@@ -77,3 +84,15 @@ def grad_reduce_bytes(eff) -> int:
     communication type (its default when bf16 is on and ZeRO off: ``DeepSpeedEngine.communication_data_type``),
     otherwise fp32."""
     return 2 if eff.grads16 or eff.runtime == DEEPSPEED_PIPE else 4
+
+
+def fsdp2_host_ops(zero, m, pipelined) -> np.ndarray:
+    """aten operators FSDP2 issues per wrapped group and micro-batch (``FSDP2_HOST_OPS``), the mean over a step's
+    ``m`` micro-batches.  adapt reshards after forward under ZeRO-3 and reduces every micro-batch from ZeRO-2; ZeRO-0/1,
+    and any stage under ``torch.distributed.pipelining``, reduce on the last micro-batch only."""
+    zero, m = np.asarray(zero), np.asarray(m, dtype=np.float64)
+    reshard = zero >= 3
+    synced = np.where(reshard, FSDP2_HOST_OPS[True, True], FSDP2_HOST_OPS[False, True])
+    unsynced = np.where(reshard, FSDP2_HOST_OPS[True, False], FSDP2_HOST_OPS[False, False])
+    every = (zero >= 2) & ~np.asarray(pipelined, dtype=bool)
+    return np.where(every, synced, (synced + (m - 1) * unsynced) / m)

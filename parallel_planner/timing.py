@@ -54,6 +54,7 @@ from parallel_planner.memory import ACT_BYTES, micro_batches, stage_params
 from parallel_planner.profile import KERNEL_SHARE, BlockProfile, ModelProfile
 from parallel_planner.runtimes import (
     TP_GATHERS,
+    fsdp2_host_ops,
     grad_accum_bytes,
     p2p_seconds,
 )
@@ -318,7 +319,11 @@ def step_time(
     stage_ops = host_ops @ counts + HEAD_OPS * (layout.has_head + layout.has_embedding)[None, :] / 2
     per_op = host_seconds_per_op(c, eff)[:, None]
     ring_host = per_op * (ring_ops @ counts) + eff.host.dtensor_s * (ring_dtensor_ops @ counts)
-    host_stage = mirrored((per_op * stage_ops + ring_host) * (1 + full[:, None] / 3), dual, mean=True)
+    host_stage = (per_op * stage_ops + ring_host) * (1 + full[:, None] / 3)
+    if workload.training and eff.runtime == "torch":  # FSDP2 wraps each block and the root: its hooks' own ops
+        groups = counts.sum(axis=0) + 1
+        host_stage = host_stage + eff.host.eager_s * fsdp2_host_ops(c.zero, m, c.pp > 1)[:, None] * groups[None, :]
+    host_stage = mirrored(host_stage, dual, mean=True)
     # Asynchronous launch hides the host behind the GPU (the slower sets the pace).  torch.distributed.pipelining
     # waits on each micro-batch's P2P before issuing the next, so a pipelined torch run pays both in series, as
     # does every run under CUDA_LAUNCH_BLOCKING=1 (each launch returns when its kernel has finished).
