@@ -10,7 +10,9 @@ layout is the *adapted* model -- adapt's kernel plan (made once on GPU 0 by the 
 own functions, the same for every rank) and each block compiled with Inductor, applied per chunk
 in torchtitan's order (``adapt.runtime.adapted``); async TP where torch has it.
 ``--layouts`` reruns a subset (the 1-GPU reference always runs); ``--no-async-tp``,
-``--kernel-regions opaque`` and ``--no-kernels`` isolate a failure.  The realised plan is the planner's own choice for that layout (micro-batch size and count,
+``--kernel-regions opaque`` and ``--no-kernels`` isolate a failure; ``--no-kernels --backend eager`` runs
+transformers' own modules uncompiled, as ``distributed-h200x2.json``'s throughput cases ran, so the profiled host
+and GPU time per step say which of those layouts the host paced (``planner-measured.md``).  The realised plan is the planner's own choice for that layout (micro-batch size and count,
 recompute, schedule), so measured and predicted tokens/s refer to the same plan.
 
 Every layout runs 12 steps in its own ``torchrun`` group through adapt's trainer, from the same
@@ -120,7 +122,8 @@ def worker(layout: str, plan_json: str, source: str, out: str, args: argparse.Na
     model = load_for_training(source).to(device)
     kernel_plan = pickle.loads(Path(args.kernel_plan).read_bytes()) if args.kernel_plan else None
     planned_s = time.perf_counter() - started
-    adapt = AdaptOptions(kernel_plan=kernel_plan, compile=args.backend, kernel_regions=args.kernel_regions,
+    compile_backend = None if args.backend == "eager" else args.backend
+    adapt = AdaptOptions(kernel_plan=kernel_plan, compile=compile_backend, kernel_regions=args.kernel_regions,
                          async_tp=args.async_tp)  # fmt: skip
     run = prepare(model, plan, TrainConfig(steps=STEPS + 2, lr=3e-4, warmup_steps=2, seed=0), adapt=adapt)
     steps = [run.trainer.train_step().to_dict() for _ in range(STEPS)]
@@ -266,7 +269,10 @@ def main() -> int:
         help="patched modules inside the compiled graph (inline) or outside it (opaque)",
     )
     parser.add_argument(
-        "--backend", default="inductor", choices=("inductor", "aot_eager"), help="torch.compile backend per block"
+        "--backend",
+        default="inductor",
+        choices=("inductor", "aot_eager", "eager"),
+        help="torch.compile backend per block; eager: no compilation (with --no-kernels: transformers' own modules)",
     )
     parser.add_argument(
         "--no-async-tp", dest="async_tp", action="store_false", help="TP without Inductor's micro-pipelining"
