@@ -23,6 +23,12 @@ AUTOGRAD16_ACCUM_BYTES = 6
 # DeepSpeed BF16_Optimizer.update_hp_grads after every backward: ``hp_grad.add_(lp.grad.to(fp32))``, the cast
 # writes an fp32 temporary (read 2, write 4) that the add reads with the fp32 gradient and writes back (4 + 4 + 4).
 DS_BF16_ACCUM_BYTES = 18
+# FSDP2 with an fp32 reduce dtype (adapt's and torchtitan's bf16 policy), bytes per parameter it touches
+# (``_fsdp_param.py``, ``_fsdp_collectives.py::foreach_reduce``): between reductions the first micro-batch's bf16
+# unsharded gradient is upcast (``to_accumulated_grad_if_needed``: read 2, write 4) and every later one added into it
+# (``accumulate_unsharded_grad_if_needed``: read 4 + 2, write 4); after a reduction onto a shard that already holds a
+# gradient, the fp32 shard is added (``sharded_param.grad._local_tensor += new_sharded_grad``: read 4 + 4, write 4).
+FSDP2_UPCAST_BYTES, FSDP2_UNSHARDED_ADD_BYTES, FSDP2_SHARD_ADD_BYTES = 6, 10, 12
 # BF16_Optimizer per step over the stage's whole fp32 gradients (not the ZeRO partition): the reduction casts them
 # to bf16 (read 4, write 2), averages (2 + 2) and copies back (2 + 4); the global norm reads them (4), clipping
 # reads and writes them (8), clear_hp_grads zeroes them (4).
@@ -67,13 +73,20 @@ def p2p_seconds(send_recv, nbytes, eff) -> np.ndarray:
     return send_recv(nbytes)
 
 
-def grad_accum_bytes(eff, m: np.ndarray) -> np.ndarray:
-    """HBM bytes per local parameter that each micro-batch spends accumulating its weight gradients."""
+def grad_accum_bytes(eff, m: np.ndarray, zero=0, shard=1, pipelined=False) -> np.ndarray:
+    """HBM bytes per local parameter that each micro-batch spends accumulating its weight gradients, the mean over
+    the step's ``m`` micro-batches.  torch (FSDP2): ZeRO-2/3 reduce every micro-batch and add each fp32 shard after
+    the first; ZeRO-0/1 and pipelined stages keep an fp32 unsharded gradient until the last micro-batch reduces."""
     m = np.asarray(m, dtype=np.float64)
     if eff.runtime == DEEPSPEED_PIPE:
         return np.full_like(m, DS_BF16_ACCUM_BYTES)
-    if eff.runtime != "megatron" or eff.grad_accum_fused:
-        return np.zeros_like(m)  # FSDP2's own accumulation (torch) is not modelled yet: docs/planner-model.md
+    if eff.runtime == "torch":
+        every = (np.asarray(zero) >= 2) & ~np.asarray(pipelined, dtype=bool)
+        sharded = FSDP2_SHARD_ADD_BYTES * (m - 1) / m / np.asarray(shard, dtype=np.float64)
+        unsharded = np.where(m > 1, (FSDP2_UPCAST_BYTES + FSDP2_UNSHARDED_ADD_BYTES * (m - 1)) / m, 0.0)
+        return np.where(every, sharded, unsharded)
+    if eff.grad_accum_fused:
+        return np.zeros_like(m)
     if eff.grads16:
         return AUTOGRAD16_ACCUM_BYTES * (m - 1) / m
     return np.full_like(m, MAIN_GRAD_ACCUM_BYTES)

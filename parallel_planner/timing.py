@@ -363,10 +363,14 @@ def step_time(
 def _grad_accumulation(profile, layout: StageLayout, c: Candidates, m, cluster: Cluster, eff: Efficiency):
     """HBM seconds per micro-batch that each stage spends adding its weight gradients into the buffer
     they accumulate in over the step, (C, stages): per local parameter, ``runtimes.grad_accum_bytes`` (Megatron's
-    fp32 main-grad hook, autograd's 16-bit accumulation, DeepSpeed's cast-and-add into fp32)."""
+    fp32 main-grad hook, autograd's 16-bit accumulation, DeepSpeed's cast-and-add into fp32, FSDP2's fp32 upcast and
+    adds)."""
     dense, experts = stage_params(profile, layout)
-    local = dense[None, :] / c.tp[:, None] + experts[None, :] / (c.tp * c.ep)[:, None]
-    return grad_accum_bytes(eff, m)[:, None] * local / (elementwise_bytes_per_s(cluster, eff))
+    pipelined = c.pp > 1
+    on_dense = grad_accum_bytes(eff, m, c.zero, c.shard, pipelined)[:, None] * dense[None, :] / c.tp[:, None]
+    expert_shard = np.maximum(c.shard // c.ep, 1)  # routed experts shard over what EP leaves of the shard group
+    on_experts = grad_accum_bytes(eff, m, c.zero, expert_shard, pipelined)[:, None] * experts[None, :]
+    return (on_dense + on_experts / (c.tp * c.ep)[:, None]) / (elementwise_bytes_per_s(cluster, eff))
 
 
 def _hardware_flops_per_token(profile: ModelProfile, workload: Workload, c: Candidates) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""FSDP2's own host work: the operators its hooks issue per wrapped group and micro-batch, charged to the torch
-runtime's host time, and recounted on a live 2-rank mesh wrapped the way adapt wraps a model."""
+"""FSDP2's own work: the operators its hooks issue per wrapped group and micro-batch, charged to the torch runtime's
+host time and recounted on a live 2-rank mesh wrapped the way adapt wraps a model; its fp32 gradient accumulation."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ import pytest
 
 from parallel_planner.dispatch import DispatchCosts
 from parallel_planner.efficiency import Efficiency
-from parallel_planner.runtimes import FSDP2_HOST_OPS, fsdp2_host_ops
+from parallel_planner.runtimes import (
+    FSDP2_HOST_OPS,
+    FSDP2_SHARD_ADD_BYTES,
+    FSDP2_UNSHARDED_ADD_BYTES,
+    FSDP2_UPCAST_BYTES,
+    fsdp2_host_ops,
+    grad_accum_bytes,
+)
 from tests.planner.specs import decoder_spec
 from tests.planner.test_runtime_terms import run
 
@@ -39,6 +46,19 @@ def test_every_fsdp2_group_adds_its_operators_to_the_host_time_of_a_torch_micro_
     bare = run(spec, 2, megatron, dp=2, mbs=2).time_breakdown  # Megatron has no FSDP2 hooks
     added = (layers + 1) * FSDP2_HOST_OPS[True, True] * host.eager_s  # each block and the root, ZeRO-3
     assert torch_host["host_per_microbatch"] - bare["host_per_microbatch"] == pytest.approx(added, rel=1e-9)
+
+
+def test_fsdp2_adds_each_reduced_fp32_shard_or_accumulates_the_unsharded_gradient_in_fp32():
+    torch_eff = Efficiency()
+    m, shard = random.choice((2.0, 4.0, 8.0)), random.choice((1, 2, 8))
+    zero = np.array([3, 2, 1, 3])
+    pipelined = np.array([False, False, False, True])
+    got = grad_accum_bytes(torch_eff, np.full(4, m), zero, shard, pipelined)
+    sharded = FSDP2_SHARD_ADD_BYTES * (m - 1) / m / shard  # every micro-batch but the first adds onto its shard
+    unsharded = (FSDP2_UPCAST_BYTES + FSDP2_UNSHARDED_ADD_BYTES * (m - 1)) / m  # upcast once, then add
+    assert got == pytest.approx([sharded, sharded, unsharded, unsharded])
+    one = grad_accum_bytes(torch_eff, np.ones(4), zero, shard, pipelined)
+    assert one == pytest.approx(np.zeros(4))  # one micro-batch: nothing to accumulate
 
 
 def _count_fsdp2(rank: int, port: int, out: str) -> None:

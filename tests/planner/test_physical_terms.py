@@ -89,7 +89,7 @@ def test_gradient_accumulation_streams_every_local_parameter_each_micro_batch():
     assert more.step_time_s - hook.step_time_s > (batch // dp) * added
 
 
-def test_torch_runtime_adds_no_hook_accumulation():
+def test_megatrons_accumulation_fusion_flag_leaves_the_torch_runtime_as_fsdp2_accumulates():
     spec = random_spec()
     torch_eff = Efficiency(fused_kernels=False)
     fused = dataclasses.replace(torch_eff, grad_accum_fused=True)
