@@ -452,9 +452,11 @@ def measured_markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Context parallelism runs torch's ring attention: its own operators (rotation, fp32 merge, fp32 gradient "
-        "accumulation, DTensor dispatch of SDPA) make each micro-batch host-bound, and its two micro-batches each "
-        "pay FSDP2's gathers and reductions (ZeRO-3 shards over dp x cp). What is left of the CP and FSDP errors "
-        "grows with the bytes each run sends between the GPUs. The measurement does not record the link NCCL "
+        "accumulation, DTensor dispatch of SDPA) and FSDP2's hook operators make each micro-batch host-bound, and its "
+        "two micro-batches each pay FSDP2's gathers and reductions (ZeRO-3 shards over dp x cp). The attention is "
+        "cuDNN's at heads of 64 (torch's SDPA dispatch on the H200; the ring calls the same backend per step). What "
+        "is left of the CP and FSDP errors grows with the bytes each run sends between the GPUs. The measurement does "
+        "not record the link NCCL "
         f"used; at the catalogue's PCIe rate ({link['link_gbps']:.0f} GB/s) instead of NVLink the same model gives "
         + ", ".join(f"{case} {error:+.1%}" for case, error in link["before_error"].items())
         + " before calibration. Not adopted (that would fit the link to these rows); a NCCL all-gather sweep "
