@@ -148,6 +148,17 @@ def test_heads_of_64_run_attention_at_the_rate_measured_at_that_head_dim_on_gh10
         assert attention_fraction(kernel, gpu, 64) == ATTENTION_FRACTION[kernel][gpu]
 
 
+@pytest.mark.parametrize(("kernel", "measured_tflops"), [("flash3", 473), ("flash2", 260)])
+def test_heads_of_128_run_attention_at_the_rate_measured_on_the_h200(kernel, measured_tflops):
+    # attention-dropout-h200.md, dropout 0: causal forward + backward at batch 4, 16 heads of 128, seq 4096 (torch 2.11)
+    block = profile_model(decoder_spec(layers=2, hidden=2048, ffn=8192, heads=16, kv_heads=16, seq=4096)).blocks[0]
+    forward = attention_seconds(
+        block, 4 * 4096.0, 1, 4096 / 2, 4096, make_cluster("h200", 1), Efficiency(attention=kernel)
+    )
+    flops = 3.5 * 4 * 4 * 16 * 128 * 4096 * 4096 / 2
+    assert flops / (3.5 * forward) / 1e12 == pytest.approx(measured_tflops, rel=0.02)
+
+
 def test_hidden_dropout_writes_a_mask_per_residual_branch_and_reads_it_in_backward():
     profile = profile_model(random_spec())
     block = profile.blocks[0]
