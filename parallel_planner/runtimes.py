@@ -51,11 +51,14 @@ TP_GATHERS = {"torch": 0, "megatron": 2, DEEPSPEED_PIPE: 3}
 CROSS_ENTROPY_BYTES = {"torch": (12, 24), "megatron": (38, 14), DEEPSPEED_PIPE: (38, 14)}
 
 # aten operators FSDP2 issues per wrapped group (a block, or the root) and micro-batch, forward + backward, with
-# adapt's bf16-parameter / fp32-reduce policy, by (reshard after forward, gradient sync this micro-batch): the hooks'
-# casts, copy-in and copy-out around each all-gather, the reduce-scatter with its copies, the waits.  Counted through
-# a dispatch mode on a live 2- and 4-rank gloo mesh (the same at both; torch 2.13, a tiny Llama wrapped as adapt's
-# ``apply_fully_shard`` wraps it): the mean over its blocks and root of the wrapped step's ops less the bare model's.
-FSDP2_HOST_OPS = {(True, True): 86.0, (True, False): 67.6, (False, True): 69.2, (False, False): 50.8}
+# adapt's bf16-parameter / fp32-reduce policy, by (reshard after forward, reduce this micro-batch): the hooks' casts,
+# copy-in and copy-out around each all-gather, the reduce-scatter with its copies, the waits.  A micro-batch that does
+# not reduce also keeps the parameters unsharded after backward (adapt's ``set_micro_batch_sync`` for ZeRO-0/1,
+# ``torch.distributed.pipelining``'s ``backward_maybe_with_nosync``), so the next forward gathers nothing.  Counted
+# through a dispatch mode on a live 2- and 4-rank gloo mesh (the same at both; torch 2.13, a tiny Llama wrapped by
+# adapt's ``apply_fully_shard``, in steady state): the mean over its blocks and root of the wrapped step's ops less the
+# bare model's.
+FSDP2_HOST_OPS = {(True, True): 86.0, (True, False): 47.8, (False, True): 69.2, (False, False): 31.0}
 
 
 def check_runtime(runtime: str) -> str:

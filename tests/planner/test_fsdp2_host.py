@@ -63,7 +63,8 @@ def test_fsdp2_adds_each_reduced_fp32_shard_or_accumulates_the_unsharded_gradien
 
 def _count_fsdp2(rank: int, port: int, out: str) -> None:
     """One rank of a 2-rank gloo mesh: the aten ops a tiny Llama's forward + backward issues bare, then wrapped as
-    adapt's ``apply_fully_shard`` wraps it (bf16 parameters, fp32 reduction), with and without gradient sync."""
+    adapt's ``apply_fully_shard`` wraps it (bf16 parameters, fp32 reduction), reducing, and not reducing with the
+    parameters kept gathered after backward."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -86,7 +87,9 @@ def _count_fsdp2(rank: int, port: int, out: str) -> None:
         step()
         groups = len(model.model.layers) + 1
         synced = (_count_ops(torch, step) - bare) / groups
-        model.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(False)  # as adapt's set_micro_batch_sync and pipelining's no-sync do
+        model.set_reshard_after_backward(False)
+        step()  # the parameters now stay gathered from one micro-batch to the next
         unsynced = (_count_ops(torch, step) - bare) / groups
         counts[str(zero)] = [synced, unsynced]
     with open(f"{out}.{rank}", "w") as f:
