@@ -22,11 +22,10 @@ GEMM_TILE = (128, 256)  # output tile of the vendor BLAS's large bf16 kernels (c
 # FlashAttention-2: its paper on A100 (Dao 2023, Fig. 4-7: ~170-190 TFLOP/s forward + backward).  On GH100 measured:
 # torch's flash backend (FlashAttention-2) at Megatron-Core's attention shape ran forward + backward at 260 TFLOP/s on
 # the H200, forward alone 308 (benchmarks/results/attention-dropout-h200.md, torch 2.11), 0.263 of peak; the 0.34
-# taken before from the FlashAttention-3 paper's ~330-350 for FA2 on H100 matched the forward.  The FlashAttention-3 /
-# cuDNN class on GH100 (H100, H800,
-# H200: one die, one clock envelope): measured, cuDNN's causal SDPA at Megatron-Core's attention shape (batch 4,
-# 16 heads of 128, seq 4096) ran forward + backward at 477 TFLOP/s on the H200 (forward alone 595;
-# benchmarks/results/gemm-shapes-h200.md), 0.48 of peak.  The FA3 paper's 550-600 are forward figures; its
+# taken before from the FlashAttention-3 paper's ~330-350 for FA2 on H100 matched the forward.  The FlashAttention-3
+# / cuDNN class on GH100 (H100, H800, H200: one die, one clock envelope): measured, cuDNN's causal SDPA at
+# Megatron-Core's attention shape (batch 4, 16 heads of 128, seq 4096) ran forward + backward at 477 TFLOP/s on the
+# H200 (forward alone 595; benchmarks/results/gemm-shapes-h200.md), 0.48 of peak.  The FA3 paper's 550-600 are forward figures; its
 # backward runs slower, as cuDNN's does (about 440 here).
 ATTENTION_FRACTION = {
     "flash2": {"a100": 0.58, "h100": 0.263, "h800": 0.263, "h200": 0.263, "b200": 0.30, "mi300x": 0.30},
@@ -38,8 +37,9 @@ ATTENTION_FRACTION = {
 # matmul cycles; at 64 as many).  Measured by adapt's operators stage on the H200 (torch 2.11; causal SDPA forward +
 # backward, batch 4, 32 heads of 64, seq 2048; benchmarks/results/e2e-h200.md "Timed kernel choices"): cuDNN
 # 0.858 ms, flash 1.255 ms, i.e. 280 and 192 TFLOP/s counting the causal FLOPs as attention_seconds does (forward
-# 4 x heads x 64 x tokens x (seq+1)/2, backward 2.5x): 0.283 and 0.194 of peak, against 0.48 and 0.263 at head dim
-# 128 (0.59 and 0.74 of them; no overlap of exponentials and matmuls would give 0.75).  Other GPUs have no measurement at 64 and keep their head-dim-128 figure.
+# 4 x heads x 64 x tokens x (seq+1)/2, backward 2.5x): 0.283 and 0.194 of peak, against 0.48 and 0.263 at head
+# dim 128 (0.59 and 0.74 of them; exponentials and matmuls run without overlap would give 0.75).  Other GPUs have no
+# measurement at 64 and keep their head-dim-128 figure.
 ATTENTION_FRACTION_HEAD_DIM_64 = {
     "flash2": {"h100": 0.194, "h800": 0.194, "h200": 0.194},
     "flash3": {"h100": 0.283, "h800": 0.283, "h200": 0.283},
@@ -121,9 +121,10 @@ def gemm_seconds(m, k, n, cluster: Cluster, peak: float, eff: Efficiency, count=
 def attention_seconds(block: BlockProfile, tokens, tp, context: float, seq_len: int, cluster: Cluster, eff: Efficiency):
     """Forward seconds of the attention kernel for ``tokens`` local tokens.
 
-    Flash kernels run at their measured fraction of peak (``attention_fraction``: by head dim) on the causal FLOPs.  Unfused attention
-    (Megatron-LM 2021: batched GEMMs and a fused softmax) multiplies the whole square at the GEMM rate and
-    streams the fp16 scores through HBM: written, read and written by the softmax, read by the second GEMM.
+    Flash kernels run at their measured fraction of peak (``attention_fraction``: by head dim) on the causal
+    FLOPs.  Unfused attention (Megatron-LM 2021: batched GEMMs and a fused softmax) multiplies the whole square at
+    the GEMM rate and streams the fp16 scores through HBM: written, read and written by the softmax, read by the
+    second GEMM.
     """
     bf16_peak = cluster.gpu.peak_flops("bf16")
     flops = tokens * context * block.attention_flops_per_ctx / tp

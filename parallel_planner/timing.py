@@ -3,11 +3,11 @@
 Every term is physical and nothing is fitted to a source; ``docs/planner-model.md`` states each term and
 where its number comes from.  Compute: each GEMM costs ``max(FLOPs / (peak * ceiling * wave),
 bytes / (HBM * memory_bw)) + launch`` (the catalogue's sustained GEMM ceiling, the idle SMs of a partial
-last wave, or HBM-bound when skinny); attention runs at its kernel's published fraction of peak (or,
-unfused, the whole square plus score traffic); norms, activations and residuals are HBM-bound, more so
+last wave, or HBM-bound when skinny); attention runs at its kernel's measured fraction of peak by head dim
+(or, unfused, the whole square plus score traffic); norms, activations and residuals are HBM-bound, more so
 as eager modules.  Host: every operator a micro-batch issues costs the CPU a measured dispatch time
-(eager, DTensor, compiled); the slower of host and GPU sets the pace, and a layout whose host time
-exceeds its GPU time is host-bound.  Communication: TP collectives (SP or not, overlapped with GEMMs
+(eager, DTensor, compiled), FSDP2's hooks' own operators among them; the slower of host and GPU sets the
+pace, and a layout whose host time exceeds its GPU time is host-bound.  Communication: TP collectives (SP or not, overlapped with GEMMs
 or not) and the EP all-to-all (flat or forwarded per node, or beside another micro-batch's compute:
 ``expert_comm``) sit on the critical path; CP's ring exchange hides behind attention but for
 its last gradient exchange, and torch's ring adds its own fp32 merges and host operators; ZeRO's gradient
