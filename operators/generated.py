@@ -49,29 +49,43 @@ def compile_module(
     sequence length every step) costs one recompile rather than one per length.  Code that specialises on a size
     anyway (RecurrentGemma's scan loops over the sequence in Python) recompiles per length until Dynamo's limit;
     from there the module runs its own forward, said once as a warning and to ``on_fallback`` (the patch handle's
-    record), never silently and never as a crash of the caller's decode.
+    record), never silently and never as a crash of the caller's decode.  So does a call whose code path Dynamo cannot
+    capture whole, met after the plan was made (xLSTM's cached decode raises inside its own code): that call and the
+    later ones run the module's forward, which raises the module's own error, if any, for the caller to judge.
     """
     original = type(module).forward.__get__(module)
     compiled = torch.compile(original, backend="inductor", fullgraph=True, dynamic=None)
     running = [compiled]
+    label = name or type(module).__name__
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         try:
             return running[0](*args, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as err:
             if running[0] is original:
                 raise
             running[0] = original
-            why = (
-                f"{name or type(module).__name__}: its generated kernel recompiled past Dynamo's limit (the module's "
-                "code specialises on a size that keeps changing); it runs its own forward from here on"
-            )
+            why = f"{label}: {_uncapturable(err)}; it runs its own forward from here on"
             warnings.warn(why, stacklevel=2)
             if on_fallback is not None:
                 on_fallback(why)
             return original(*args, **kwargs)
 
     return forward
+
+
+def _uncapturable(err: Exception) -> str:
+    """Why a generated kernel gave way, in one clause."""
+    if isinstance(err, torch._dynamo.exc.FailOnRecompileLimitHit):
+        return (
+            "its generated kernel recompiled past Dynamo's limit (the module's code specialises on a size that keeps "
+            "changing)"
+        )
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    first = lines[0] if lines else type(err).__name__
+    # Dynamo names the error the module's code raised in its debug context ("raised exception ValueError(...)")
+    context = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Developer debug context:")), "")
+    return f"Dynamo cannot capture this call's path whole ({first}{': ' + context if context else ''})"[:240]
 
 
 @contextlib.contextmanager

@@ -36,3 +36,45 @@ def test_past_the_recompile_limit_the_module_runs_its_own_forward_and_says_so():
                 torch.testing.assert_close(forward(x), module.forward(x))
     assert len(said) == 1 and "runs its own forward" in said[0]
     assert torch._dynamo.config.recompile_limit == limit  # put back for every later test
+
+
+class _RefusesSingleTokens(nn.Module):
+    """A module whose own code raises on a path the plan never ran (xLSTM's cached decode): one token at a time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == 1:
+            raise ValueError(f"state has wrong shape, got {tuple(x.shape)}")
+        return x.cumsum(dim=1)
+
+
+class _BreaksOnShortInputs(nn.Module):
+    """A module whose short-input path branches on a value: a graph break that its eager forward runs fine."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] < 3:
+            return x * 2 if x.sum() > 0 else x * 3
+        return x.cumsum(dim=1)
+
+
+def test_a_path_dynamo_cannot_capture_runs_the_modules_forward_and_raises_its_own_error():
+    torch._dynamo.reset()
+    module, said = _RefusesSingleTokens(), []
+    forward = compile_module(module, "backbone.blocks.0.mlstm_layer", said.append)
+    x = torch.randn(2, 5, 4)
+    torch.testing.assert_close(forward(x), x.cumsum(dim=1))
+    with pytest.warns(UserWarning, match="backbone.blocks.0.mlstm_layer: Dynamo cannot capture"):
+        with pytest.raises(ValueError, match="state has wrong shape"):  # the module's own error, not Dynamo's
+            forward(torch.randn(2, 1, 4))
+    assert len(said) == 1 and "runs its own forward" in said[0] and "state has wrong shape" in said[0]
+    torch.testing.assert_close(forward(x), x.cumsum(dim=1))  # its own forward from then on, still right
+
+
+def test_a_graph_break_on_a_new_path_gives_way_to_the_modules_forward_with_the_right_result():
+    torch._dynamo.reset()
+    module, said = _BreaksOnShortInputs(), []
+    forward = compile_module(module, "", said.append)
+    long, short = torch.randn(2, 6, 4), torch.randn(2, 2, 4)
+    torch.testing.assert_close(forward(long), long.cumsum(dim=1))
+    with pytest.warns(UserWarning, match="_BreaksOnShortInputs: Dynamo cannot capture"):
+        torch.testing.assert_close(forward(short), short * (2 if short.sum() > 0 else 3))
+    assert len(said) == 1
