@@ -64,6 +64,9 @@ def _attention_variant(measured: dict[str, Any]) -> variants.AttentionVariant:
     )
 
 
+_BATCHED_PRODUCTS = ("aten.bmm.default", "aten.baddbmm.default")
+
+
 def attention_shape(inv: OpInventory, rec: ModuleRecord, module: Any = None) -> dict[str, Any]:
     """Heads, head dims, core, soft-capping, sinks, rotary style and MLA from the traced sequence (and, given the
     module, the KV head count it names where a projection bears it out)."""
@@ -76,10 +79,12 @@ def attention_shape(inv: OpInventory, rec: ModuleRecord, module: Any = None) -> 
         heads, head_dim, kv_heads_core, v_dim = q[1], q[-1], k[1], v[-1]
         core = "sdpa"
     else:
-        bmms = [e for e in seq if e[0] == "aten.bmm.default"]
-        q, kt = bmms[0][1][:2]
+        # the scores' and the values' batched products; ``baddbmm`` adds a bias first (BLOOM's ALiBi): its operands
+        # follow that bias
+        bmms = [e[1][:2] if e[0] == "aten.bmm.default" else e[1][1:3] for e in seq if e[0] in _BATCHED_PRODUCTS]
+        q, kt = bmms[0]
         heads, head_dim = q[0] // batch, q[-1]
-        v_dim = bmms[1][1][1][-1] if len(bmms) > 1 else head_dim
+        v_dim = bmms[1][1][-1] if len(bmms) > 1 else head_dim
         kv_heads_core = heads
         core = "eager"
     projs = pat.projections_under(inv, rec.path)

@@ -377,3 +377,24 @@ def test_a_new_module_inductor_cannot_capture_is_replanned_alone():
     scramble = again.component("scramble", "new")
     assert (scramble.kernel, scramble.status, scramble.patch) == ("as traced", "native", False)
     assert "data-dependent" in scramble.note
+
+
+def test_attention_scored_by_baddbmm_is_read_from_its_query_and_keys():
+    """BLOOM scores with ``baddbmm`` (ALiBi added first) and keys stored transposed: its geometry is the query's and
+    the keys', not the probabilities' (the sequence length had read as the head size, and BLOOM as GQA)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    heads = int(torch.randint(2, 5, ()))
+    head_dim = 8 * int(torch.randint(1, 3, ()))
+    config = AutoConfig.for_model("bloom", hidden_size=heads * head_dim, n_head=heads, n_layer=1, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    components = recognise(model, trace_model(model)).components
+    (attention,) = [c for c in components if c.kind == "attention"]
+    v = attention.variant
+    assert (v.layout, v.num_heads, v.num_kv_heads, v.head_dim, v.v_head_dim) == (
+        "mha",
+        heads,
+        heads,
+        head_dim,
+        head_dim,
+    )
