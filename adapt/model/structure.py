@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -369,12 +370,16 @@ def _shared_kv_heads(attn_modules: list[nn.Module], config, num_heads: int) -> i
 
 
 def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int | None:
+    """The attention's sliding window in tokens, None for full attention: the module's own setting, else the config
+    it was built from (a stack with a config of its own, BLT's local encoder, keeps its window there), else the
+    model's."""
     if any(getattr(m, "is_sliding", None) is False for m in attn_modules):  # a window kept on a full layer
         return None
     for module in attn_modules:
         if hasattr(module, "sliding_window"):
             value = module.sliding_window
             return int(value) if value else None
+    config = next((m.config for m in attn_modules if _is_config(getattr(m, "config", None))), config)
     layer_types = _cfg(config, "layer_types")
     window = _cfg(config, "sliding_window")
     if layer_types and window:
@@ -382,6 +387,12 @@ def attention_window(attn_modules: list[nn.Module], config, layer: int) -> int |
     if window and _cfg(config, "use_sliding_window", default=True):
         return int(window)
     return None
+
+
+def _is_config(value: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(value, PretrainedConfig)
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -192,6 +192,9 @@ def test_stacks_beside_the_described_one_are_named_with_their_share(tmp_path):
     for path in ("model.local_decoder.layers (2 blocks", "model.patcher.layers (2 blocks"):
         assert path in named
     assert spec.params.other > spec.params.total / 2  # what the spec leaves out shows in its counts too
+    # the local encoder's window sits in its own config, not the model's: its attention is sliding
+    window = BLT["encoder_config"]["sliding_window"]
+    assert (spec.blocks[0].mixer, spec.blocks[0].attention.window) == ("sliding_attention", window)
 
 
 def test_token_ids_come_from_the_token_table_not_the_largest_embedding(tmp_path):
