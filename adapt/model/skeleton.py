@@ -340,6 +340,15 @@ def staging_dtype(src: ModelSource, dtype: torch.dtype, device: str) -> torch.dt
     return own if own.itemsize < dtype.itemsize and dtype.is_floating_point else None
 
 
+def _widen_dequantized(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Parameters a dequantising load left narrower than asked, widened to ``dtype`` (exact) as its note says:
+    transformers 5.17 leaves MXFP4 expert banks in bfloat16 whatever dtype the load asked for.  Parameters kept wider
+    on purpose (a module transformers keeps in float32) stay as they are."""
+    for param in model.parameters():
+        if param.is_floating_point() and torch.finfo(param.dtype).bits < torch.finfo(dtype).bits:
+            param.data = param.data.to(dtype)
+
+
 def dequantize_on_load(src: ModelSource, config: Any, dtype: torch.dtype) -> str | None:
     """Have transformers' own quantizer turn stored quantised weights (fp8 blocks, MXFP4, ...) back into ``dtype``
     as it loads them, and say so; None when the weights are stored as floating point.
@@ -411,6 +420,8 @@ def load_model(
         raise BadInput(f"{src.text}: transformers could not load the weights: {_first_line(err)}") from None
     if staged is not None:  # widen on the accelerator: exact, and no host pass over the weights
         model = model.to(device).to(dtype)
+    if dequantized:
+        _widen_dequantized(model, dtype)
     if dtype == torch.float64:
         loop_experts(model, notes)
         narrow = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float64]
