@@ -73,3 +73,23 @@ def count_kernel_calls(monkeypatch, name: str, record) -> list:
 
     monkeypatch.setattr(kernels, name, counted)
     return calls
+
+
+def assert_patched_moe_matches_float64(module: nn.Module, patched_forward, x: torch.Tensor) -> None:
+    """``patched_forward`` (the kernel path installed for ``module``) against ``module`` itself in float64: output,
+    input gradient and every parameter's gradient (each nonzero).  ``x`` is drawn away from routing near-ties."""
+    import copy
+
+    reference = copy.deepcopy(module).double()
+    x64 = x.double().requires_grad_()
+    reference(x64).pow(2).sum().backward()
+    module.zero_grad(set_to_none=True)  # a trace may have run a backward through the module itself
+    x32 = x.clone().requires_grad_()
+    out = patched_forward(x32)
+    out.double().pow(2).sum().backward()
+    torch.testing.assert_close(out.double(), reference(x64).detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x32.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
+    expected = dict(reference.named_parameters())
+    for name, param in module.named_parameters():
+        assert param.grad is not None and float(param.grad.abs().max()) > 0, name
+        torch.testing.assert_close(param.grad.double(), expected[name].grad, rtol=1e-4, atol=1e-4, msg=name)

@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from shared_modules import ScanOverTime
 from torch import nn
 
 from operators.generated import compile_module
 
 
-class _ScanOverTime(nn.Module):
-    """A recurrence written as a Python loop over the sequence, as RecurrentGemma's scan is."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state, out = torch.zeros_like(x[:, 0]), []
-        for t in range(x.shape[1]):
-            state = 0.5 * state + x[:, t]
-            out.append(state)
-        return torch.stack(out, dim=1)
-
-
 def test_past_the_recompile_limit_the_module_runs_its_own_forward_and_says_so():
     torch._dynamo.reset()
     limit = torch._dynamo.config.recompile_limit
-    module, said = _ScanOverTime(), []
+    module, said = ScanOverTime(), []
     forward = compile_module(module, "model.layers.0.scan", said.append)
     # (torch's own patch: monkeypatch's undo deletes an entry of torch's config module)
     with torch._dynamo.config.patch(recompile_limit=2):
