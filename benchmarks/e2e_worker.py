@@ -126,14 +126,18 @@ class SkipVariant(Exception):
 
 def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from adapt.model.skeleton import keep_attention_faithful
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     variant, info = args.variant, {}
     model_type = SHAPES[args.model]["model_type"]
     if variant == "liger":
         info["liger"] = apply_liger(model_type)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(device)
+    config = AutoConfig.from_pretrained(ckpt)
+    keep_attention_faithful(config)  # every variant computes the configured function, as adapt loads it
+    model = AutoModelForCausalLM.from_pretrained(ckpt, config=config, dtype=torch.bfloat16).to(device)
     model.train()
     info["attn_implementation"] = model.config._attn_implementation
     if variant == "compile":

@@ -30,7 +30,14 @@ from adapt.model.activations import canonical_activation
 from adapt.model.blocks import NoBlockList, find_blocks, residual_width
 from adapt.model.measure import ChildFacts, block_signatures, measure_blocks
 from adapt.model.roles import child_roles, settle_banks, split_nested_blocks
-from adapt.model.skeleton import build_meta_model, check_checkpoint, load_config, load_model, quiet_transformers
+from adapt.model.skeleton import (
+    build_meta_model,
+    check_checkpoint,
+    declared_attention_softcap,
+    load_config,
+    load_model,
+    quiet_transformers,
+)
 from adapt.model.structure import (
     attention_causal,
     attention_window,
@@ -248,8 +255,7 @@ def _describe_block(
             (facts[o].causal for o in attn_owners if o in facts and facts[o].causal is not None), None
         )
         attention.causal = measured_causal if measured_causal is not None else attention_causal(attn_modules, generates)
-        softcap = getattr(config, "attn_logit_softcapping", None)
-        attention.softcap = float(softcap) if softcap else None
+        attention.softcap = declared_attention_softcap(config)
         attention.qk_norm = attention.kind != "mla" and attention.head_dim in attn_norm_sizes
         measured_sinks = next((facts[o].sinks for o in attn_owners if o in facts and facts[o].sinks is not None), None)
         if measured_sinks is not None:

@@ -52,7 +52,7 @@ def load_config(src: ModelSource):
     model_type = src.config_dict.get("model_type")
     try:
         with quiet_transformers():
-            return AutoConfig.from_pretrained(src.root, trust_remote_code=src.trust_remote_code)
+            config = AutoConfig.from_pretrained(src.root, trust_remote_code=src.trust_remote_code)
     except (ValueError, KeyError) as err:
         import transformers
 
@@ -64,6 +64,29 @@ def load_config(src: ModelSource):
         ) from None
     except OSError as err:
         raise BadInput(f"{src.config_path}: {_first_line(err)}") from None
+    keep_attention_faithful(config)
+    return config
+
+
+def declared_attention_softcap(config: Any) -> float | None:
+    """The attention logit soft-cap ``c`` of ``c * tanh(scores / c)`` a (text) config declares, if any."""
+    cap = getattr(config, "attn_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def keep_attention_faithful(config: Any) -> None:
+    """Ask for transformers' ``eager`` attention where a config caps attention logits and SDPA would serve it.
+
+    torch's SDPA has no score modification, so transformers' ``sdpa`` path silently drops a configured cap
+    (transformers 5.17 serves Gemma-2 through it; 5.25 refuses SDPA for it).  The model adapt loads must compute
+    the function its config declares: the reference, the trace the operators read, and every baseline; adapt's
+    own attention kernel applies the cap afterwards.  An implementation the config already names that can apply
+    a cap (eager, flash, flex) is kept.
+    """
+    configs = [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {})]
+    capped = any(c is not None and declared_attention_softcap(c) for c in configs)
+    if capped and getattr(config, "_attn_implementation", None) in (None, "sdpa"):
+        config._attn_implementation = "eager"
 
 
 def _first_line(err: BaseException) -> str:

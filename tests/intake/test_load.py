@@ -139,3 +139,25 @@ def test_a_staged_load_gives_the_same_weights_and_buffers_as_a_direct_one(zoo, t
     assert want.keys() == got.keys()
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_a_configured_attention_soft_cap_is_applied_by_the_loaded_model(zoo, tmp_path):
+    """The loaded model computes the function its config declares, whatever attention transformers defaults to.
+
+    transformers 5.17 serves Gemma-2 through SDPA, which has no score modification and drops the cap. Told by
+    numerics: the same weights with a cap so tight that any attention applying it must change the logits.
+    """
+    tight = tmp_path / "gemma2_tight_cap"
+    shutil.copytree(zoo("gemma2"), tight)
+    config = json.loads((tight / "config.json").read_text())
+    assert config["attn_logit_softcapping"]
+    config["attn_logit_softcapping"] = 1e-3
+    (tight / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, config["vocab_size"], (1, 8))
+    logits = []
+    for path in (zoo("gemma2"), tight):
+        model = load_model(resolve_source(str(path)), dtype=torch.float64).eval()
+        assert model.config._attn_implementation not in (None, "sdpa")
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    assert not torch.allclose(*logits)

@@ -33,21 +33,15 @@ def load(path, **flags):
 
 
 @cache
-def recognised(path: str, attn: str | None = None):
-    """(model, inventory, recognition) for a zoo checkpoint, cached per test session.
-
-    ``attn`` pins transformers' attention implementation: some versions serve Gemma-2 through SDPA,
-    which silently drops its logit soft-capping, so softcap tests pin ``eager``.
-    """
+def recognised(path: str):
+    """(model, inventory, recognition) for a zoo checkpoint, cached per test session."""
     model = load(path)
-    if attn is not None:
-        model.set_attn_implementation(attn)
     inventory = trace_model(model)
     return model, inventory, recognise(model, inventory)
 
 
-def planned(path: str, profile: str = "cuda-hopper", target: Target | None = None, attn: str | None = None):
-    model, inventory, recognition = recognised(path, attn)
+def planned(path: str, profile: str = "cuda-hopper", target: Target | None = None):
+    model, inventory, recognition = recognised(path)
     return model, plan_kernels(inventory, recognition, load_profile(profile), target or Target.here())
 
 

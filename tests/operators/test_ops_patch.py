@@ -119,9 +119,7 @@ def test_attention_hook_kernel_is_on_the_path(zoo):
 def test_gemma2_inference_plan_serves_softcapped_attention_with_flex(zoo):
     from operators.registry import Target
 
-    model, plan = planned(
-        str(zoo("gemma2")), target=Target("cpu", "float32", training=False, compute_capability=None), attn="eager"
-    )
+    model, plan = planned(str(zoo("gemma2")), target=Target("cpu", "float32", training=False, compute_capability=None))
     attn = [c for c in plan.components if c.kind == "attention"]
     assert {(c.kernel, c.status, c.patch) for c in attn} == {("FlexAttention", "fused", True)}
     check = check_kernel_plan(model, plan)
@@ -149,7 +147,6 @@ def test_gpt_oss_attention_with_sinks_is_served_by_flex_with_its_sinks(tmp_path,
     model, plan = planned(
         str(tmp_path / "gpt_oss"),
         target=Target("cpu", "float32", training=False, compute_capability=None),
-        attn="eager",
     )
     attn = [c for c in plan.components if c.kind == "attention"]
     assert {(c.kernel, c.status, c.patch) for c in attn} == {("FlexAttention", "fused", True)}
