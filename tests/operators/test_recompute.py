@@ -118,11 +118,18 @@ def _qwen3_moe() -> Qwen3MoeForCausalLM:
 @pytest.mark.parametrize("mode", ["selective", "full"])
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
 def test_recomputed_blocks_give_the_gradients_of_kept_ones(build, mode, backend):
-    """Same seed, same dropout masks: recomputation must not change a single gradient bit in eager mode."""
+    """Same seed, same dropout masks: recomputation must not change a single gradient bit in eager mode.
+
+    Compiled, a block that breaks its graph (transformers 5.17's grouped-GEMM experts read offsets with ``item()``,
+    which AOTAutograd cannot trace) is cut into different graphs with and without the checkpoint, so float32 sums
+    may round in another order: there the gradients must agree to float32 rounding, far tighter than any wrong
+    replay would.
+    """
     base = build()
     ids = torch.randint(0, 96, (2, 16))
     blocks_of = (lambda m: m.transformer.h) if isinstance(base, GPT2LMHeadModel) else (lambda m: m.model.layers)
     results = []
+    torch._dynamo.utils.counters.clear()
     for recompute in ("none", mode):
         model = copy.deepcopy(base)
         checkpoint_blocks(blocks_of(model), recompute)
@@ -133,8 +140,11 @@ def test_recomputed_blocks_give_the_gradients_of_kept_ones(build, mode, backend)
         results.append(_train_step(model, ids))
     plain, recomputed = results
     assert plain.keys() == recomputed.keys()
+    counters = torch._dynamo.utils.counters
+    exact = backend is None or not (counters["graph_break"] or counters["unimplemented"])
     for name in plain:
-        torch.testing.assert_close(recomputed[name], plain[name], rtol=0, atol=0, msg=name)
+        tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6 * plain[name].abs().max().item()}
+        torch.testing.assert_close(recomputed[name], plain[name], **tolerance, msg=name)
 
 
 def test_a_model_that_keeps_a_cache_still_generates_the_same_with_blocks_checkpointed():
