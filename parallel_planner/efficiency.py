@@ -54,6 +54,7 @@ class Efficiency:
     # selective recompute also reruns every second matmul of a block (torchtitan's "selective op" policy)
     selective_alternate_matmuls: bool = False
     gemm_scale: float = 1.0  # a calibration's measured / modelled GEMM rate on the target machine (1: none)
+    gpu_spread: float = 0.08  # speed range over a cluster's GPUs of one SKU, outliers left out (Sinha et al., SC22)
 
     def __post_init__(self) -> None:
         check_runtime(self.runtime)

@@ -95,6 +95,16 @@ def routed_rows(block: BlockProfile, tokens, ep, imbalance):
     return tokens * block.top_k * np.where(ep > 1, imbalance, 1.0)
 
 
+def slowest_gpu_pace(num_gpus: int, spread: float) -> float:
+    """Compute-time multiplier of a synchronous step on ``num_gpus`` GPUs, which waits for its slowest GPU.
+
+    Chips of one SKU run at different speeds under power management; speeds spread uniformly over ``spread``
+    of the median around it, so the slowest of ``n`` runs at ``1 - spread/2 + spread/(n+1)`` of the median in
+    expectation.  One GPU is the median: the catalogue's and a calibration's rates are single-GPU readings.
+    """
+    return 1.0 / (1.0 - spread / 2 + spread / (num_gpus + 1))
+
+
 def gemm_peak(cluster: Cluster, precision: str, eff: Efficiency) -> float:
     """The dense peak a block's GEMMs run against: fp8 at its recipe's measured share (``FP8_SCALING_RATE``)."""
     peak = cluster.gpu.peak_flops(precision)

@@ -41,6 +41,7 @@ from parallel_planner.kernel_rates import (
     loss_seconds,
     routed_rows,
     score_bias_seconds,
+    slowest_gpu_pace,
 )
 from parallel_planner.layout import (
     RECOMPUTE,
@@ -221,6 +222,8 @@ def step_time(
     comm = Collectives(cluster, eff.link_model())
     n_types = len(profile.blocks)
     scale = np.ones(n_types) if compute_scale is None else compute_scale
+    pace = slowest_gpu_pace(cluster.num_gpus, eff.gpu_spread)  # every GPU waits for the slowest one's compute
+    scale = scale * pace
     tokens = (c.mbs * workload.seq_len / c.cp).astype(np.float64)
     tp, ep, cp = c.tp, c.ep, c.cp
     h = profile.hidden
@@ -292,8 +295,8 @@ def step_time(
         ring_ops[:, j], ring_dtensor_ops[:, j] = _ring_host_ops(block, cp, eff, workload.training)
     counts = layout.type_counts.T  # (T, pp)
     # fp8 recipes keep the output head in bf16 (DeepSeek-V3 sec. 3.3.1; Megatron-Core's output layer is no TE module)
-    head_gemm = gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops("bf16"), eff)
-    loss_fwd, loss_bwd = loss_seconds(tokens, profile.vocab, tp, cluster, eff)
+    head_gemm = pace * gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops("bf16"), eff)
+    loss_fwd, loss_bwd = (pace * t for t in loss_seconds(tokens, profile.vocab, tp, cluster, eff))
     head_fwd = head_gemm + loss_fwd
     stage_fwd = (fwd + exposed_comm) @ counts + layout.has_head[None, :] * head_fwd[:, None]
     head_bwd = 2 * head_gemm + loss_bwd
@@ -324,10 +327,11 @@ def step_time(
         groups = counts.sum(axis=0) + 1
         host_stage = host_stage + eff.host.eager_s * fsdp2_host_ops(c.zero, m, c.pp > 1)[:, None] * groups[None, :]
     host_stage = mirrored(host_stage, dual, mean=True)
-    # Asynchronous launch hides the host behind the GPU (the slower sets the pace).  torch.distributed.pipelining
-    # waits on each micro-batch's P2P before issuing the next, so a pipelined torch run pays both in series, as
-    # does every run under CUDA_LAUNCH_BLOCKING=1 (each launch returns when its kernel has finished).
-    serial = ((c.pp > 1)[:, None] & (eff.runtime == "torch")) | eff.launch_blocking
+    # Asynchronous launch hides the host behind the GPU (the slower sets the pace), pipelined torch runs included:
+    # torch.distributed.pipelining's P2P waits (``_wait_batch_p2p``: ``Work.wait()``) make the compute stream wait
+    # for NCCL, not the host.  Under CUDA_LAUNCH_BLOCKING=1 each launch returns when its kernel has finished, so the
+    # host and the GPU take turns.
+    serial = np.full((len(c), 1), eff.launch_blocking)
     stage = np.where(serial, gpu_stage + host_stage, np.maximum(gpu_stage, host_stage))
     slowest = row_max(stage)
     bubble = (stage @ layout.multiplicity - slowest) / c.vpp

@@ -117,6 +117,18 @@ def test_launch_blocking_pays_host_and_gpu_in_series():
     assert fast.time_breakdown["pipeline"] < t["pipeline"]
 
 
+def test_a_pipelined_torch_run_hides_its_host_behind_the_gpu():
+    """torch.distributed.pipelining waits on its P2P with ``Work.wait()``, which makes the compute stream wait, not
+    the host: each micro-batch costs its stage the slower of host and GPU, never their sum."""
+    spec = random_gpt()
+    torch_run = Efficiency(runtime="torch", attention="flash2", fused_kernels=random.choice((True, False)))
+    micro = random.choice((2, 4, 8))
+    t = plan(spec, 8, torch_run, pp=2, dp=4, mbs=1, vpp=1, schedule="1f1b", batch=4 * micro).time_breakdown
+    steady = micro * max(t["gpu_per_microbatch"], t["host_per_microbatch"])
+    assert t["pipeline"] - t["bubble"] == pytest.approx(steady, rel=1e-9)
+    assert steady < micro * (t["gpu_per_microbatch"] + t["host_per_microbatch"])
+
+
 def test_alibi_bias_costs_a_write_and_a_read_per_score_in_unfused_forward_passes():
     heads = random.choice((8, 16))
     bloom = next(r for r in load_published_runs() if r.source == "bloom")

@@ -11,14 +11,17 @@ from adapt.core.errors import BadInput
 from parallel_planner.calibration import load_calibration
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import make_cluster
+from parallel_planner.efficiency import Efficiency
+from parallel_planner.kernel_rates import slowest_gpu_pace
 from parallel_planner.search import plan_parallel
 from parallel_planner.workload import Workload
 from tests.planner.specs import decoder_spec
 
 
-def evaluate(spec, gpus=8, gpu="h100", seq=2048, batch=64, **knobs):
+def evaluate(spec, gpus=8, gpu="h100", seq=2048, batch=64, efficiency=None, **knobs):
     knobs.setdefault("split", "balanced")
-    result = plan_parallel(spec, make_cluster(gpu, gpus), Workload(seq, batch), fixed=knobs, top_k=1)
+    cluster, workload = make_cluster(gpu, gpus), Workload(seq, batch)
+    result = plan_parallel(spec, cluster, workload, fixed=knobs, top_k=1, efficiency=efficiency)
     return result.best
 
 
@@ -112,8 +115,10 @@ def test_calibration_replaces_the_compute_model(tmp_path):
     spec = decoder_spec()
     knobs = dict(tp=1, pp=1, dp=8, cp=1, zero=1, recompute="none", mbs=1)
     base = evaluate(spec, **knobs)
-    # A "measurement" of every block at twice the modelled forward+backward time must double block compute.
-    per_block = base.time_breakdown["compute_per_microbatch"] / spec.num_layers
+    # A one-GPU "measurement" of every block at twice the modelled forward+backward time must double block compute
+    # (on 8 GPUs the model's compute is the slowest GPU's, so one GPU's is that over the pace of the slowest of 8).
+    pace = slowest_gpu_pace(8, Efficiency().gpu_spread)
+    per_block = base.time_breakdown["compute_per_microbatch"] / spec.num_layers / pace
     cal = {
         "device": "NVIDIA H100",
         "dtype": "bf16",
@@ -140,3 +145,19 @@ def test_calibration_replaces_the_compute_model(tmp_path):
     path.write_text("{not json")
     with pytest.raises(BadInput, match="cannot read"):
         load_calibration(path)
+
+
+def test_a_synchronous_step_waits_for_its_slowest_gpu():
+    """One GPU runs at the median (the single-GPU readings the rates come from); more GPUs wait for the slowest
+    draw, approaching the bottom of the spread; compute stretches by that pace and nothing else does."""
+    spread = Efficiency().gpu_spread
+    paces = [slowest_gpu_pace(n, spread) for n in (1, 2, 8, 64, 4096)]
+    assert paces[0] == 1.0
+    assert all(a < b for a, b in zip(paces, paces[1:]))
+    assert paces[-1] == pytest.approx(1 / (1 - spread / 2), rel=1e-3)
+    spec = decoder_spec()
+    knobs = dict(tp=1, pp=1, dp=8, cp=1, zero=1, recompute="none", mbs=1)
+    steady = evaluate(spec, **knobs, efficiency=Efficiency(gpu_spread=0.0)).time_breakdown
+    spread_out = evaluate(spec, **knobs).time_breakdown
+    ratio = spread_out["compute_per_microbatch"] / steady["compute_per_microbatch"]
+    assert ratio == pytest.approx(slowest_gpu_pace(8, spread), rel=1e-9)
