@@ -233,7 +233,7 @@ def memory_breakdown(
         out["kv_cache"] = (ACT_BYTES * sequences * workload.seq_len / c.cp[:, None]) * (
             per_gpu_width @ layout.type_counts.T
         )
-    logits = tokens * profile.vocab / tp * (2 + 4)  # bf16 logits and fp32 softmax for the loss
+    logits = profile.head_passes * tokens * profile.vocab / tp * (2 + 4)  # bf16 logits, fp32 softmax, per head pass
     out["activations"] = out["activations"] + mirrored(layout.has_head, dual, mean=False) * logits
 
     buffers = np.where(c.tp[:, None] > 1, 2 * ACT_BYTES * tokens * profile.hidden, 0.0)

@@ -7,7 +7,7 @@ a stage's cost is a count of each block type plus the embedding and head it may 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -328,6 +328,12 @@ class ModelProfile:
     head_flops_per_token: int
     tied: bool
     signatures: tuple[str, ...]  # BlockSpec.signature() of each block type, for calibration look-ups
+    prediction_modules: int = 0  # multi-token-prediction modules after the last layer (``with_prediction_modules``)
+
+    @property
+    def head_passes(self) -> int:
+        """Passes through the output head and its loss per micro-batch: the model's, then one per MTP module."""
+        return 1 + self.prediction_modules
 
     @property
     def num_layers(self) -> int:
@@ -353,6 +359,29 @@ class ModelProfile:
             for b in self.blocks
         )
         return 3 * forward if training else forward
+
+
+def with_prediction_modules(profile: ModelProfile, depth: int) -> ModelProfile:
+    """``profile`` trained with ``depth`` multi-token-prediction modules (DeepSeek-V3 sec. 2.2).
+
+    Each module normalises the last hidden state and the next token's embedding, projects their concatenation
+    (2h -> h), runs one block of its own and passes through the shared output head and loss again.  Modelled as one
+    more layer of the last layer's kind after the last (so on the head's stage), the projection's parameters and
+    FLOPs with the head, and one more head pass (``head_passes``); the embedding and head weights are shared.
+    """
+    if depth <= 0:
+        return profile
+    last = int(profile.layer_types[-1])
+    blocks = tuple(replace(b, count=b.count + depth) if i == last else b for i, b in enumerate(profile.blocks))
+    projection = 2 * profile.hidden * profile.hidden
+    return replace(
+        profile,
+        blocks=blocks,
+        layer_types=np.concatenate([profile.layer_types, np.full(depth, last, dtype=np.int64)]),
+        head_params=profile.head_params + depth * projection,
+        head_flops_per_token=profile.head_flops_per_token * (1 + depth) + depth * 2 * projection,
+        prediction_modules=depth,
+    )
 
 
 def _gemm_flops(block: BlockProfile) -> float:

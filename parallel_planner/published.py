@@ -115,6 +115,7 @@ class PublishedRun:
     moe_weighted_act: int = 0  # 1: the routing weight scales the experts' activation (no expert output kept)
     moment_bits: int = 32  # 16: Adam's moments in bf16
     act_cache_bits: int = 16  # 8: the fp8 GEMMs' inputs cached in fp8
+    mtp_depth: int = 0  # multi-token-prediction modules trained after the last layer (DeepSeek-V3: 1)
     citation: str = ""
 
     def __post_init__(self) -> None:
@@ -204,6 +205,7 @@ class PublishedRun:
             precision=self.precision,
             moment_bits=self.moment_bits,
             act_cache_bits=self.act_cache_bits,
+            mtp_depth=self.mtp_depth,
         )
 
     def published_tokens_per_s_per_gpu(self, spec: ModelSpec) -> float:

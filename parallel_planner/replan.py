@@ -29,7 +29,7 @@ from parallel_planner.calibration import (
 from parallel_planner.catalog import GpuType
 from parallel_planner.cluster import Cluster
 from parallel_planner.efficiency import Efficiency
-from parallel_planner.profile import profile_model
+from parallel_planner.profile import profile_model, with_prediction_modules
 from parallel_planner.result import PlannerResult, RankedPlan
 from parallel_planner.search import plan_parallel
 from parallel_planner.workload import Workload
@@ -156,7 +156,7 @@ def _measured_runs(
     """Each measured run beside the model's prediction of it before and after calibration."""
     from parallel_planner.memory import MemoryModel
 
-    profile = profile_model(spec)
+    profile = with_prediction_modules(profile_model(spec), workload.mtp_depth)
     calibrated = cal.apply(eff, cluster)
     scale = compute_scale(cal, profile, cluster, workload, calibrated)
     memory = MemoryModel.of(eff)

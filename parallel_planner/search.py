@@ -41,7 +41,7 @@ from parallel_planner.layout import (
 )
 from parallel_planner.memory import MemoryModel, memory_breakdown, model_state_floor
 from parallel_planner.plan import ParallelPlan
-from parallel_planner.profile import ModelProfile, profile_model
+from parallel_planner.profile import ModelProfile, profile_model, with_prediction_modules
 from parallel_planner.result import KNOB_KEYS, PlannerResult, RankedPlan
 from parallel_planner.search_space import SearchSpace, enumerate_candidates
 from parallel_planner.timing import step_time
@@ -136,7 +136,7 @@ def plan_parallel(
         factors = [f"{k}={pinned[k]}" for k in ("tp", "pp", "dp", "cp") if k in pinned]
         times = " x ".join(factors) + (f" = {product}" if len(factors) > 1 else "")
         raise BadInput(f"--fixed: {times} does not lay out {cluster.num_gpus} GPUs")
-    profile = profile_model(spec)
+    profile = with_prediction_modules(profile_model(spec), workload.mtp_depth)
     scale = compute_scale(calibration, profile, cluster, workload, eff) if calibration else None
     space_overlap = "tp_overlap" in pinned
     usable = mm.usable_bytes(cluster)

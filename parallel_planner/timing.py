@@ -295,11 +295,14 @@ def step_time(
         ring_ops[:, j], ring_dtensor_ops[:, j] = _ring_host_ops(block, cp, eff, workload.training)
     counts = layout.type_counts.T  # (T, pp)
     # fp8 recipes keep the output head in bf16 (DeepSeek-V3 sec. 3.3.1; Megatron-Core's output layer is no TE module)
-    head_gemm = pace * gemm_seconds(tokens, h, profile.vocab / tp, cluster, cluster.gpu.peak_flops("bf16"), eff)
+    bf16_peak = cluster.gpu.peak_flops("bf16")
+    head_gemm = pace * gemm_seconds(tokens, h, profile.vocab / tp, cluster, bf16_peak, eff)
     loss_fwd, loss_bwd = (pace * t for t in loss_seconds(tokens, profile.vocab, tp, cluster, eff))
-    head_fwd = head_gemm + loss_fwd
+    # each multi-token-prediction module projects [hidden; next embedding] (2h -> h) and passes the head again
+    projection = profile.prediction_modules * pace * gemm_seconds(tokens, 2 * h, h / tp, cluster, bf16_peak, eff)
+    head_fwd = profile.head_passes * (head_gemm + loss_fwd) + projection
     stage_fwd = (fwd + exposed_comm) @ counts + layout.has_head[None, :] * head_fwd[:, None]
-    head_bwd = 2 * head_gemm + loss_bwd
+    head_bwd = profile.head_passes * (2 * head_gemm + loss_bwd) + 2 * projection
     stage_bwd = bwd @ counts + layout.has_head[None, :] * head_bwd[:, None] if workload.training else 0 * stage_fwd
 
     pp = c.pp
@@ -319,7 +322,9 @@ def step_time(
     if workload.training:
         gpu_stage = gpu_stage + mirrored(_grad_accumulation(profile, layout, c, m, cluster, eff), dual, mean=True)
     # Host: every operator of a micro-batch is issued by the CPU; the embedding, head and loss add ~40.
-    stage_ops = host_ops @ counts + HEAD_OPS * (layout.has_head + layout.has_embedding)[None, :] / 2
+    stage_ops = (
+        host_ops @ counts + HEAD_OPS * (profile.head_passes * layout.has_head + layout.has_embedding)[None, :] / 2
+    )
     per_op = host_seconds_per_op(c, eff)[:, None]
     ring_host = per_op * (ring_ops @ counts) + eff.host.dtensor_s * (ring_dtensor_ops @ counts)
     host_stage = (per_op * stage_ops + ring_host) * (1 + full[:, None] / 3)
@@ -337,7 +342,8 @@ def step_time(
     bubble = (stage @ layout.multiplicity - slowest) / c.vpp
     bubble = np.where(c.schedule == ZERO_BUBBLE, bubble * eff.zero_bubble_fraction, bubble)
     if workload.training and dual.any():  # DualPipe: (pp/2 - 1)(F&B + B - 3W), F&B a forward and a backward chunk
-        stage_w = mirrored(weight_grad @ counts + layout.has_head[None, :] * head_gemm[:, None], dual, mean=True)
+        head_w = profile.head_passes * head_gemm + projection
+        stage_w = mirrored(weight_grad @ counts + layout.has_head[None, :] * head_w[:, None], dual, mean=True)
         chunk = row_max(stage_fwd + 2 * stage_bwd - 3 * stage_w + p2p[:, None])
         bubble = np.where(dual, (pp / 2 - 1) * chunk, bubble)
     pipeline = m * slowest + bubble

@@ -27,6 +27,9 @@ class Workload:
     moment_bits: int = 32
     # Bits of the activations the fp8 GEMMs' backward reads: 8 caches their fp8 copies (DeepSeek-V3 sec. 3.3.3).
     act_cache_bits: int = 16
+    # Multi-token-prediction modules trained after the last layer (DeepSeek-V3 sec. 2.2: depth 1).  Configs declare
+    # them (``num_nextn_predict_layers``) but transformers builds none, so a run of adapt's own trains none.
+    mtp_depth: int = 0
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.global_batch < 1:
@@ -41,6 +44,8 @@ class Workload:
             raise BadInput(f"optimizer moments must be 16 or 32 bits, got {self.moment_bits}")
         if self.act_cache_bits not in (8, 16) or (self.act_cache_bits == 8 and self.precision != "fp8"):
             raise BadInput(f"activations cached in {self.act_cache_bits} bits: 16, or 8 with --precision fp8")
+        if not 0 <= self.mtp_depth <= 8 or (self.mtp_depth and not self.training):
+            raise BadInput(f"multi-token-prediction depth {self.mtp_depth}: 0 to 8, and only when training")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise BadInput(f"optimizer {self.optimizer!r} unknown (known: {', '.join(OPTIMIZER_STATE_BYTES)})")
 

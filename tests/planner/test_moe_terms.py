@@ -21,7 +21,7 @@ from parallel_planner.kernel_rates import FP8_SCALING_RATE, gemm_seconds
 from parallel_planner.knobs import parse_fixed
 from parallel_planner.layout import FIELDS, SCHEDULES, Candidates, stage_layout
 from parallel_planner.memory import ACT_BYTES, FP8_BYTES, MemoryModel, activation_bytes_per_block, memory_breakdown
-from parallel_planner.profile import profile_model
+from parallel_planner.profile import profile_model, with_prediction_modules
 from parallel_planner.published import load_published_runs
 from parallel_planner.search import plan_parallel
 from parallel_planner.timing import recomputed_gemm_seconds, step_time
@@ -217,6 +217,37 @@ def test_the_deepseek_row_states_its_mechanisms():
     eff, workload = run.efficiency(), run.workload()
     assert eff.ep_forwarded and eff.ep_fp8_dispatch and eff.moe_weighted_activation
     assert (workload.precision, workload.moment_bits, workload.act_cache_bits) == ("fp8", 16, 8)
+    assert workload.mtp_depth == 1  # sec. 2.2: one multi-token-prediction module, which transformers does not build
+
+
+def test_a_prediction_module_is_a_block_of_the_last_kind_and_a_head_pass_on_the_head_stage(deepseek_v3_spec):
+    profile = profile_model(deepseek_v3_spec)
+    depth = random.choice((1, 2))
+    mtp = with_prediction_modules(profile, depth)
+    last = int(profile.layer_types[-1])
+    assert mtp.num_layers == profile.num_layers + depth and (mtp.layer_types[-depth:] == last).all()
+    assert mtp.blocks[last].count == profile.blocks[last].count + depth and mtp.head_passes == 1 + depth
+    projection = 2 * profile.hidden * profile.hidden  # [hidden; next token's embedding] -> hidden
+    assert mtp.head_params == profile.head_params + depth * projection
+    assert mtp.head_flops_per_token == (1 + depth) * profile.head_flops_per_token + depth * 2 * projection
+    assert with_prediction_modules(profile, 0) is profile
+    # planned: only the last stage gains work (its block, the projection and a head pass); the others are unchanged
+    pp = 4
+    cluster, fixed = make_cluster("h800", 8 * pp), dict(tp=1, pp=pp, dp=8, cp=1, ep=8, zero=1, mbs=1, recompute="full")
+    plans = [
+        plan_parallel(deepseek_v3_spec, cluster, Workload(4096, 8 * 4 * pp, mtp_depth=d), fixed=fixed, top_k=1).best
+        for d in (0, depth)
+    ]
+    assert plans[1].step_time_s > plans[0].step_time_s
+    # the head stage holds the module's block and a second set of logits
+    workload, c = Workload(4096, 8 * 4 * pp), candidates(pp=pp, dp=8, ep=8, recompute=1)
+    held = [
+        memory_breakdown(prof, cluster, workload, c, stage_layout(prof, pp, 1, "balanced"), MemoryModel())
+        for prof in (profile, mtp)
+    ]
+    assert held[1]["activations"][0, -1] > held[0]["activations"][0, -1]
+    with pytest.raises(BadInput, match="multi-token-prediction"):
+        Workload(4096, 64, mode="inference", mtp_depth=1)
 
 
 def test_cli_states_the_precision_and_all_to_all_software(spec_json, capsys):
@@ -229,4 +260,9 @@ def test_cli_states_the_precision_and_all_to_all_software(spec_json, capsys):
     assert states[16] == pytest.approx(states[32] / 2, rel=1e-12)
     assert main(argv + ["--act-cache-bits", "8"]) == 2  # fp8-cached activations need fp8 GEMMs
     assert "--act-cache-bits" in capsys.readouterr().err
+    for depth in ("9", "-1"):
+        assert main(argv + ["--mtp-depth", depth]) == 2
+        assert "--mtp-depth" in capsys.readouterr().err
+    assert main(argv + ["--mtp-depth", "1"]) == 0
+    capsys.readouterr()
     assert main(argv + ["--ep-comm", "forwarded", "--ep-fp8-dispatch", "--moe-weighted-activation"]) == 0

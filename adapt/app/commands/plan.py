@@ -65,6 +65,13 @@ def register(sub) -> None:
         default=16,
         help="8: the fp8 GEMMs' inputs are cached for backward in fp8 (needs --precision fp8)",
     )
+    work.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=0,
+        help="multi-token-prediction modules trained after the last layer (DeepSeek-V3: 1); transformers builds none, "
+        "so adapt's own trainer trains none (default 0)",
+    )
     soft = parser.add_argument_group("software the run uses (the time model's assumptions)")
     soft.add_argument(
         "--runtime",
@@ -258,6 +265,8 @@ def check_plan_flags(args: argparse.Namespace) -> None:
         raise BadInput(f"--gpu-memory-utilization is {args.gpu_memory_utilization}; allowed: a number from 0.1 to 1")
     if args.moe_imbalance < 1:
         raise BadInput(f"--moe-imbalance is {args.moe_imbalance}; allowed: a number >= 1")
+    if not 0 <= args.mtp_depth <= 8 or (args.mtp_depth and args.mode != "train"):
+        raise BadInput(f"--mtp-depth is {args.mtp_depth}; allowed: 0 to 8, and above 0 only with --mode train")
     if args.act_cache_bits == 8 and args.precision != "fp8":
         raise BadInput(f"--act-cache-bits 8 with --precision {args.precision}; allowed: 8 only with --precision fp8")
     if args.cluster and (args.gpu or args.gpus or args.gpus_per_node):
@@ -299,6 +308,7 @@ def _cluster_and_workload(args: argparse.Namespace):
         moe_imbalance=args.moe_imbalance,
         moment_bits=args.moment_bits,
         act_cache_bits=args.act_cache_bits,
+        mtp_depth=args.mtp_depth,
     )
     if args.global_batch_tokens:
         workload = Workload.from_tokens(args.plan_seq_len, args.global_batch_tokens, **options)
