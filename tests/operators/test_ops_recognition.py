@@ -53,7 +53,7 @@ def test_identical_mlps_are_probed_once_and_a_different_one_again(zoo):
 
 
 def test_gemma2_offset_norm_softcap_and_alternating_windows(zoo):
-    _, _, rec = recognised(str(zoo("gemma2")), "eager")
+    _, _, rec = recognised(str(zoo("gemma2")))
     norms = kinds(rec, "rms_norm")
     assert len(norms) == 9 and all(n.variant.offset == 1.0 and n.variant.cast == "scale_then_round" for n in norms)
     assert {c.variant.activation for c in kinds(rec, "gated_mlp")} == {"gelu_tanh"}
