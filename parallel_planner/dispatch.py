@@ -25,13 +25,15 @@ class DispatchCosts:
     """Seconds of host time per aten operator (forward or backward) under each dispatch mode.
 
     The defaults were measured with ``measure_dispatch_costs("cpu")`` on the 2-core build machine (torch
-    2.13): eager at low load; DTensor as the eager figure times the DTensor/eager ratio, which held at
-    4.7-6.5x over three runs under heavy shared load (see docs/planner-model.md).  A GPU host's own
-    figures replace them through a calibration file (``dispatch`` section).
+    2.13): eager at low load; DTensor as the eager figure times the DTensor/eager ratio measured on a 2-rank
+    mesh (see docs/planner-model.md).  A GPU host's own figures replace them through a calibration file
+    (``dispatch`` section).
     """
 
     eager_s: float = 18.6e-6  # transformers Llama layers, eager forward + backward, per aten op
-    dtensor_s: float = 110e-6  # the same under torch TP + SP: 5.9x eager (median of 3 runs, 4.7-6.5x)
+    # the same under torch TP + SP on a 2-rank mesh: 7.9x eager (median of 4 runs, 7.1-8.0x; a one-rank mesh, which
+    # skips every redistribution, gave 5.5-5.9x, and 110 us was this default until session 23)
+    dtensor_s: float = 147e-6
     compiled_s: float = 4e-6  # not measured here: one launch per fused kernel (CUDA's launch cost)
     source: str = "build-machine microbenchmark (docs/planner-model.md)"
 
@@ -70,22 +72,28 @@ def _seconds_per_call(torch, fn, device: str, repeats: int) -> float:
     return times[len(times) // 2]
 
 
+MESH_RANKS = 2  # DTensor's host cost is measured on a mesh of this many ranks
+
+
 def measure_dispatch_costs(device: str = "cpu", repeats: int = 20, compiled: bool = False) -> DispatchCosts:
     """Host seconds per aten operator of transformers' Llama layers: eager, under torch's tensor-parallel
     style (DTensor with sequence parallelism), and compiled when ``compiled``.
 
-    DTensor runs on a one-rank mesh: sharding propagation, redistributions and the module hooks cost the
-    host the same per op as on a larger mesh, and no second process is needed.  A process group is
-    created for it only when none exists, and destroyed again.  Each mode's wall time is divided by the
-    eager model's op count, so the planner multiplies the same op counts by each mode's cost.
+    DTensor runs on a mesh of ``MESH_RANKS`` ranks over torch's fake process group: one process issues every
+    operator, redistribution and collective a rank of a real mesh issues, and nothing is communicated.  A mesh
+    of one rank would not do: it skips the redistributions, and measured 1.36x cheaper per operator on the build
+    machine (torch 2.13).  An existing process group is used as it is (its world size is the mesh); one is
+    created only when none exists, and destroyed again.  Each mode's wall time is divided by the eager model's
+    op count, so the planner multiplies the same op counts by each mode's cost.
     """
     import torch
     import torch.distributed as dist
 
     model, ids = _tiny_llama(torch, device)
+    positions = torch.arange(ids.shape[1], device=device)[None]  # the whole sequence's, not a rank's shard's
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
 
     ops = _count_ops(torch, step)
     eager = _seconds_per_call(torch, step, device, repeats) / ops
@@ -96,19 +104,24 @@ def measure_dispatch_costs(device: str = "cpu", repeats: int = 20, compiled: boo
 
     created = False
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=MESH_RANKS)
         created = True
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _tensor_parallel(model, init_device_mesh(device.split(":")[0], (1,)))
+        world = dist.get_world_size()
+        _tensor_parallel(model, init_device_mesh(device.split(":")[0], (world,)))
         dtensor = _seconds_per_call(torch, step, device, repeats) / ops
     finally:
         if created:
             dist.destroy_process_group()
     return DispatchCosts(
-        eager, dtensor, compiled_s, source=f"measure_dispatch_costs({device!r}), torch {torch.__version__}"
+        eager,
+        dtensor,
+        compiled_s,
+        source=f"measure_dispatch_costs({device!r}), torch {torch.__version__}, DTensor on {world} ranks",
     )
 
 
