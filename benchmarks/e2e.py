@@ -65,6 +65,7 @@ VARIANTS = (
     "eager",
     "eager-again",  # eager in a second process: its drift from eager is the run-to-run noise (atomics, autotuning)
     "compile",
+    "compile-flex",  # torch.compile over transformers' FlexAttention path: the fast faithful baseline for capped attention
     "liger",
     "adapt",
     "adapt-eager",

@@ -136,11 +136,14 @@ def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str
     if variant == "liger":
         info["liger"] = apply_liger(model_type)
     config = AutoConfig.from_pretrained(ckpt)
-    keep_attention_faithful(config)  # every variant computes the configured function, as adapt loads it
+    if variant == "compile-flex":  # transformers' FlexAttention path: applies a soft-cap, never materialises scores
+        config._attn_implementation = "flex_attention"
+    else:
+        keep_attention_faithful(config)  # every variant computes the configured function, as adapt loads it
     model = AutoModelForCausalLM.from_pretrained(ckpt, config=config, dtype=torch.bfloat16).to(device)
     model.train()
     info["attn_implementation"] = model.config._attn_implementation
-    if variant == "compile":
+    if variant in ("compile", "compile-flex"):
         model.compile()
     elif variant == "compile-blocks":
         from adapt.model.blocks import find_blocks
