@@ -28,6 +28,7 @@ from parallel_planner.calibration import Calibration, compute_scale, measured_on
 from parallel_planner.catalog import GIB
 from parallel_planner.cluster import Cluster
 from parallel_planner.efficiency import Efficiency
+from parallel_planner.kernel_rates import slowest_gpu_pace
 from parallel_planner.knobs import NETWORK_KEYS, parse_fixed
 from parallel_planner.launch import launch_command
 from parallel_planner.layout import (
@@ -165,6 +166,12 @@ def plan_parallel(
             "nothing fitted with TP/EP inside a node and optimizer states on the GPU; the search widened"
             if space.cross_node
             else "nothing fitted with optimizer states on the GPU; offload joined the search"
+        )
+    if cluster.num_gpus > 1 and eff.gpu_spread:
+        pace = slowest_gpu_pace(cluster.num_gpus, eff.gpu_spread)
+        notes.append(
+            f"compute time x{pace:.3f}: a synchronous step waits for the slowest of {cluster.num_gpus} GPUs, whose "
+            f"speeds spread {eff.gpu_spread:.0%} under power management (docs/planner-model.md, slowest GPU)"
         )
     if not len(scored.candidates):
         if np.isfinite(scored.smallest_pruned):

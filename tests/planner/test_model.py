@@ -161,3 +161,5 @@ def test_a_synchronous_step_waits_for_its_slowest_gpu():
     spread_out = evaluate(spec, **knobs).time_breakdown
     ratio = spread_out["compute_per_microbatch"] / steady["compute_per_microbatch"]
     assert ratio == pytest.approx(slowest_gpu_pace(8, spread), rel=1e-9)
+    notes = plan_parallel(spec, make_cluster("h100", 8), Workload(2048, 64), fixed=dict(knobs, split="balanced")).notes
+    assert any(f"x{slowest_gpu_pace(8, spread):.3f}" in n and "slowest of 8 GPUs" in n for n in notes), notes
