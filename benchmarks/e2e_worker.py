@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.gap_sources import gap_sources
 from benchmarks.memory_peak import live_at_peak
-from benchmarks.shapes import SHAPES, build_checkpoint
+from benchmarks.shapes import SHAPES, build_checkpoint, load_checkpoint
 from benchmarks.step_profile import gemm_time_by_shape, profile_steps
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -126,21 +126,15 @@ class SkipVariant(Exception):
 
 def train_job(args: argparse.Namespace, ckpt: Path, plan_path: Path) -> dict[str, Any]:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from adapt.model.skeleton import keep_attention_faithful
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     variant, info = args.variant, {}
     model_type = SHAPES[args.model]["model_type"]
     if variant == "liger":
         info["liger"] = apply_liger(model_type)
-    config = AutoConfig.from_pretrained(ckpt)
-    if variant == "compile-flex":  # transformers' FlexAttention path: applies a soft-cap, never materialises scores
-        config._attn_implementation = "flex_attention"
-    else:
-        keep_attention_faithful(config)  # every variant computes the configured function, as adapt loads it
-    model = AutoModelForCausalLM.from_pretrained(ckpt, config=config, dtype=torch.bfloat16).to(device)
+    # every variant computes the configured function, as adapt loads it; compile-flex takes transformers'
+    # FlexAttention path, which applies a soft-cap and never materialises the scores
+    model = load_checkpoint(ckpt, "flex_attention" if variant == "compile-flex" else None).to(device)
     model.train()
     info["attn_implementation"] = model.config._attn_implementation
     if variant in ("compile", "compile-flex"):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.e2e_worker import VARIANT_ENV
-from benchmarks.shapes import SHAPES, build_checkpoint
+from benchmarks.shapes import SHAPES, build_checkpoint, load_checkpoint
 
 PHASES = ("forward", "backward", "optimizer")
 VARIANTS = ("adapt", "adapt-inductor-ops", "compile")
@@ -60,7 +60,6 @@ def _package(filename: str) -> str:
 
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_checkpoint(args.model, Path(tmp) / "checkpoint")
@@ -69,7 +68,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             from operators import run_ops
 
             plan = run_ops(str(checkpoint), onnx=False, check_patch=False).plan
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().train()
+        model = load_checkpoint(checkpoint).cuda().train()
     if plan is not None:
         from operators import adapt_model
         from operators.optim import TritonAdamW

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from adapt.core.verdicts import DECODE_TARGETS, decode_targets
-from benchmarks.shapes import build_checkpoint
+from benchmarks.shapes import build_checkpoint, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 INFERENCE_SHAPES = ("llama-1b", "gemma2-2b")  # reference shapes from benchmarks/shapes.py
@@ -85,14 +85,13 @@ def _kernel_plan(path: Path) -> Any:
 def decode_variant(variant: str, path: Path, tiny: bool, wait_for_go: Any) -> dict[str, Any]:
     """Load, warm every batch (compiling where the variant compiles), wait for the turn to time, then time."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from validators.decode import warm_hf_generate, warm_static_decoder
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = sizes(tiny)
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    model = load_checkpoint(path).to(device).eval()
     notes: list[str] = []
     if variant == "adapted":
         from operators import apply_kernel_plan

@@ -190,3 +190,19 @@ def build_checkpoint(name: str, path: Path, tiny: bool = False, device: str = "c
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return Path(path)
+
+
+def load_checkpoint(path: Path, attn_implementation: str | None = None):
+    """The bf16 model at ``path`` as adapt loads it (on the CPU): a configured attention soft-cap stays applied
+    (``skeleton.keep_attention_faithful``), unless ``attn_implementation`` names the attention to use."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from adapt.model.skeleton import keep_attention_faithful
+
+    config = AutoConfig.from_pretrained(path)
+    if attn_implementation:
+        config._attn_implementation = attn_implementation
+    else:
+        keep_attention_faithful(config)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.bfloat16)

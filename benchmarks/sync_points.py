@@ -19,7 +19,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from benchmarks.shapes import SHAPES, build_checkpoint
+from benchmarks.shapes import SHAPES, build_checkpoint, load_checkpoint
 
 
 def main() -> int:
@@ -31,7 +31,6 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from operators import adapt_model, run_ops
     from operators.optim import TritonAdamW
@@ -39,7 +38,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = build_checkpoint(args.model, Path(tmp) / "checkpoint")
         plan = run_ops(str(checkpoint), onnx=False, check_patch=False).plan
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().train()
+        model = load_checkpoint(checkpoint).cuda().train()
     adapt_model(model, plan)
     optimizer = TritonAdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
