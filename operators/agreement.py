@@ -63,7 +63,13 @@ ATTENTION_MIXERS = ("full_attention", "sliding_attention")
 ATTENTION = "attention"  # the operators' mixer where the visibility was not measured, or the window lies beyond it
 NO_ATTENTION = "no attention"  # the operators' mixer where no attention kind matched the block's code
 NORM_KINDS = {"rms_norm": "rmsnorm", "layer_norm": "layernorm"}  # the operators' norm kinds in the spec's words
-MLP_KINDS = {"gated_mlp": "dense_gated", "mlp": "dense_plain", "projection_activation": "dense_plain", "moe": "moe"}
+MLP_KINDS = {
+    "gated_mlp": "dense_gated",
+    "mlp": "dense_plain",
+    "projection_activation": "dense_plain",
+    "moe": "moe",
+    "routed_experts": "moe",  # the experts of a block whose routing is its own
+}
 DENSE = "dense"  # the operators' MLP kind recognised by pattern only: gated or not was not measured
 NONE = "none"  # no MLP, no norm, no rotary embedding: the same word on both sides
 # An operators' word that stands for several of the spec's: the operators know no kind for the other token mixers,
@@ -242,8 +248,10 @@ def _compare_mlp(tally: _Tally, block: BlockSpec, own: list[Component]) -> None:
     holds a small gate MLP)."""
     mlps = [c for c in own if c.kind in MLP_KINDS]
     moe = next((c for c in mlps if isinstance(c.variant, MoEVariant)), None)
+    experts = next((c for c in mlps if c.kind == "routed_experts"), None)  # the block's routing is its own code
     outermost = min((c.module.count(".") for c in mlps), default=0)
-    judged = [moe] if moe is not None else [c for c in mlps if c.module.count(".") == outermost]
+    routed = moe or experts
+    judged = [routed] if routed is not None else [c for c in mlps if c.module.count(".") == outermost]
     found = NONE
     if judged:
         found = DENSE if judged[0].kind == "mlp" and not judged[0].confirmed else MLP_KINDS[judged[0].kind]
@@ -257,6 +265,9 @@ def _compare_mlp(tally: _Tally, block: BlockSpec, own: list[Component]) -> None:
         tally.measured("mlp.activation", spec_activation, measured, comp.module)
     if moe is not None:
         _compare_routing(tally, block, moe)
+    elif experts is not None:  # routing left to the model's own code: the experts alone are compared
+        tally.measured("moe.num_experts", block.mlp.num_experts, experts.variant.num_experts, experts.module)
+        tally.measured("moe.top_k", block.mlp.top_k, experts.variant.top_k, experts.module)
 
 
 def _compare_routing(tally: _Tally, block: BlockSpec, moe: Component) -> None:

@@ -131,6 +131,9 @@ def measure(
         x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=target.training)
         try:
             fwd = opt.make_forward(mod, comp) if opt.make_forward else mod.forward
+            if comp.kind == "routed_experts":  # called with its block's routing: balanced, as a trained router keeps it
+                fwd = _with_routing(fwd, comp.variant, target.training)
+                x = x.view(TOKENS, comp.variant.width).detach().requires_grad_(target.training)
             if compiled and opt.inductor_rewrites:
                 fwd = torch.compile(fwd, fullgraph=False, dynamic=False)
             timings[_name(opt)] = time_ms(lambda fwd=fwd, x=x: _step(fwd, x, target.training), DeviceTimer())
@@ -139,6 +142,14 @@ def measure(
         del mod
         log.debug("timed %s for %s: %.2f s (compile included)", _name(opt), comp.kind, time.perf_counter() - began)
     return timings
+
+
+def _with_routing(fwd, variant, training: bool):
+    """``fwd(x, index, weights)`` as ``fwd(x)``: each token's ``top_k`` distinct experts drawn uniformly."""
+    experts, top_k = int(variant.num_experts), int(variant.top_k or 1)
+    index = torch.rand(TOKENS, experts, device="cuda").topk(top_k, dim=-1).indices
+    weights = torch.rand(TOKENS, top_k, device="cuda", requires_grad=training)
+    return lambda x: fwd(x, index, weights)
 
 
 def _step(fwd, x, training: bool) -> None:

@@ -36,7 +36,7 @@ STATUSES = ("fused", "native", "decomposed", "generated", "unsupported")
 # Kinds recognised on the path of another component (the add before a norm, the rope inside an attention).
 _SHARED_PATH_KINDS = ("residual_add_norm", "rotary_application")
 # Kinds whose module maps hidden states to hidden states: kernels are timed against the module's own forward.
-_TIMED_KINDS = ("rms_norm", "layer_norm", "gated_mlp", "mlp", "moe")
+_TIMED_KINDS = ("rms_norm", "layer_norm", "gated_mlp", "mlp", "moe", "routed_experts")
 
 
 @dataclass

@@ -135,7 +135,7 @@ def _layout_refusal(choice: Any, plan: Any, compiling: bool) -> str | None:
             return "the norm holds DTensors under sequence parallelism; the fused add takes plain tensors"
         if compiling:
             return "its TorchFunctionMode window cannot be traced into a compiled block"
-    if choice.kind == "moe" and plan.ep > 1:
+    if choice.kind in ("moe", "routed_experts") and plan.ep > 1:
         return "expert parallelism owns the experts' forward"
     if choice.status == "generated" and plan.tp > 1:
         return "an Inductor-generated module cannot take DTensor parameters"

@@ -117,6 +117,17 @@ class AdaptTritonProvider:
             ]
         if component.kind == "moe" and triton_moe.unsupported_reason(v, target.training) is None:
             return [KernelOption(self.name, "moe_grouped_gemm", "fused", triton_moe.moe_forward, needs_codegen=codegen)]
+        if component.kind == "routed_experts" and triton_moe.experts_unsupported_reason(v) is None:
+            return [
+                KernelOption(
+                    self.name,
+                    "moe_experts_grouped_gemm",
+                    "fused",
+                    triton_moe.experts_forward,
+                    needs_codegen=codegen,
+                    note="the block's own routing chooses; permute, grouped GEMMs and the weighted sum run here",
+                )
+            ]
         return []
 
 
@@ -178,6 +189,7 @@ CASE_OF_KIND = {
     "lm_head_cross_entropy": "linear_cross_entropy",
     "residual_add_norm": "add_rms_norm",
     "moe": "moe",
+    "routed_experts": "moe",  # the same permute, grouped GEMM, GLU and unpermute kernels
 }
 
 

@@ -61,6 +61,8 @@ class TorchNativeProvider:
             ]
         if component.kind == "moe":
             return [KernelOption(self.name, "router + expert GEMMs as traced", "native", None)]
+        if component.kind == "routed_experts":
+            return [KernelOption(self.name, "expert GEMMs as traced", "native", None)]
         if component.kind == "vocab_projection" and component.confirmed:
             return [KernelOption(self.name, "aten linear as traced", "native", None)]
         if (

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from operators.recognition.component import Component, dotted_attr, local_path
-from operators.recognition.variants import MoEVariant
+from operators.recognition.variants import MoEVariant, RoutedExpertsVariant
 
 GLU_KERNELS = {"silu": ("swiglu", None), "gelu": ("geglu", "none"), "gelu_tanh": ("geglu", "tanh")}
 SCORINGS = ("softmax", "sigmoid")
@@ -114,6 +114,22 @@ def routed_experts(
         correction_bias,
         spec.scale,
     )
+    return chosen_experts(x, weights, expert_ids, w_gate_up, w_down, spec, w_up)
+
+
+def chosen_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    spec: RoutedExperts,
+    w_up: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x_t)`` for routing already chosen (``[T, k]`` each), on the banks
+    as ``routed_experts`` takes them: permute, grouped GEMMs around the fused GLU, weighted unpermute."""
+    from operators import kernels
+
     x_sorted, state = kernels.moe_permute(x.to(w_gate_up.dtype), expert_ids, spec.num_experts)
     if w_up is not None:
         gate = kernels.grouped_gemm(x_sorted, w_gate_up, state.group_offsets)
@@ -124,6 +140,51 @@ def routed_experts(
     glu, approximate = GLU_KERNELS[spec.activation]
     activated = kernels.swiglu(gate, up) if glu == "swiglu" else kernels.geglu(gate, up, approximate)
     return kernels.moe_unpermute(kernels.grouped_gemm(activated, w_down, state.group_offsets), weights, state)
+
+
+def experts_unsupported_reason(variant: RoutedExpertsVariant) -> str | None:
+    """Why these routed expert banks cannot run on the kernels (None when they can)."""
+    needed = ("num_experts", "activation", "gate_first", "gate_up_bank", "down_bank", "gate_up_layout", "down_layout")
+    missing = [k for k in needed if getattr(variant, k) is None]
+    if missing:
+        return f"variant lacks {', '.join(missing)}: the probe confirmed no gated-expert reading of the banks"
+    if variant.activation not in GLU_KERNELS:
+        return f"expert activation {variant.activation!r} has no GLU kernel (have {sorted(GLU_KERNELS)})"
+    if {variant.gate_up_layout, variant.down_layout} - {"out_in", "in_out"}:
+        return f"unknown bank layout {variant.gate_up_layout!r}/{variant.down_layout!r}"
+    return None
+
+
+def experts_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
+    """Replacement ``forward(hidden_states, top_k_index, top_k_weights)`` for confirmed routed expert banks: the
+    block's own routing (hash, sparse mixer, zero-computation experts: whatever it is) chooses, the kernels compute."""
+    v = component.variant
+    reason = experts_unsupported_reason(v)
+    if reason:
+        raise ValueError(f"{component.module}: {reason}")
+    local = functools.partial(local_path, base=component.module)
+    gate_up_path, down_path = local(v.gate_up_bank), local(v.down_bank)
+    up_path = local(v.up_bank) if v.up_bank else None
+    gate_up_transposed, down_transposed = v.gate_up_layout == "out_in", v.down_layout == "out_in"
+    spec = RoutedExperts(
+        num_experts=int(v.num_experts), top_k=int(v.top_k or 1), activation=v.activation, gate_first=bool(v.gate_first)
+    )
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        gate_up, down = module.get_parameter(gate_up_path), module.get_parameter(down_path)
+        up = module.get_parameter(up_path) if up_path else None
+        out = chosen_experts(
+            hidden_states,
+            top_k_weights,
+            top_k_index,
+            gate_up.transpose(1, 2) if gate_up_transposed else gate_up,
+            down.transpose(1, 2) if down_transposed else down,
+            spec,
+            (up.transpose(1, 2) if gate_up_transposed else up) if up is not None else None,
+        )
+        return out.to(hidden_states.dtype)
+
+    return forward
 
 
 def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:

@@ -36,6 +36,7 @@ KINDS = (
     "rotary",
     "rotary_application",
     "moe",
+    "routed_experts",
     "residual_add_norm",
     "lm_head_cross_entropy",
     "vocab_projection",
@@ -74,6 +75,7 @@ def recognise(
     found: list[Component] = []
     rejected: list[dict[str, str]] = []
     claimed: set[str] = set()  # modules inside an accepted component
+    moes: set[str] = set()  # confirmed MoE blocks, whose experts are not recognised on their own
 
     def accept(comp: Component) -> None:
         found.append(comp)
@@ -98,8 +100,12 @@ def recognise(
                 f"probe could not run the module: {type(err).__name__}: {str(err)[:200]}",
             )
             continue
+        if comp is not None and comp.kind == "routed_experts" and inside(rec.path, moes, strict=True):
+            continue  # the enclosing block's routing was recognised: its kernel runs these experts too
         if comp is not None:
             accept(comp)
+            if comp.kind == "moe" and comp.confirmed:
+                moes.add(comp.module)
             found.extend(extra)
             if isinstance(comp.variant, variants.MoEVariant) and comp.variant.experts:
                 claimed.add(comp.variant.experts)  # experts kept as a list belong to their MoE, not each its own MLP

@@ -17,7 +17,7 @@ from operators.recognition import variants
 from operators.recognition.attention import classify_attention, rotary_application
 from operators.recognition.component import Component
 from operators.recognition.mlp_probe import probe_mlp
-from operators.recognition.moe import probe_moe, routing_from_sequence
+from operators.recognition.moe import probe_moe, probe_routed_experts, routing_from_sequence
 from operators.recognition.norm_probe import probe_norm
 from operators.recognition.probe_cache import ProbeCache, structure_key
 from operators.recognition.rotary_probes import probe_rotary_tables
@@ -33,6 +33,8 @@ def classify(
         comp = _moe(module, rec, inventory, generator, can_probe, cache)
     elif _expert_list(module) is not None and pat.is_routed(inventory, rec, _expert_count(module)):
         comp = _moe(module, rec, inventory, generator, can_probe, cache, _expert_list(module))
+    elif (call := pat.routed_experts_call(rec)) is not None:
+        comp = _routed_experts(module, rec, inventory, generator, can_probe, cache, reject, *call)
     elif pat.is_attention_candidate(inventory, rec):
         comp = classify_attention(module, rec, inventory, generator, can_probe, cache)
     elif pat.is_mlp_candidate(inventory, rec):
@@ -81,6 +83,19 @@ def classify(
             rope = variants.RopeStyle(style=rotation.variant.style, rotary_dim=dim, partial=dim < head, decoupled=False)
             comp.variant = dataclasses.replace(comp.variant, rope=rope)
     return comp, extra
+
+
+def _routed_experts(module, rec, inventory, generator, can_probe: bool, cache, reject, width: int, top_k: int):
+    """Expert banks called with their block's routing, confirmed by ``probe_routed_experts``."""
+    if not can_probe:
+        return Component(rec.path, "routed_experts", variants.RoutedExpertsVariant(width=width, top_k=top_k), False,
+                         "pattern only (meta tensors)")  # fmt: skip
+    run = functools.partial(probe_routed_experts, module, rec.path, width, top_k, generator)
+    measured, suffix = cache.verdict(("routed_experts", *structure_key(module, rec, inventory)), rec.path, run)
+    if measured is None:
+        reject(rec.path, "routed_experts", "no weighted sum of gated experts over its banks matched")
+        return None
+    return _measured(rec.path, measured, "float64 match of the weighted gated experts for fresh indices" + suffix)
 
 
 def _measured(path: str, measured: dict[str, Any], evidence: str, **recorded: Any) -> Component:

@@ -165,6 +165,51 @@ def probe_moe(
     return None
 
 
+def probe_routed_experts(module: nn.Module, path: str, width: int, top_k: int, generator) -> dict[str, Any] | None:
+    """Confirm expert banks called with their block's routing (``experts(hidden, index, weights)``): fresh banks,
+    hidden states, distinct expert indices and weights; the module (float32, as grouped-GEMM experts run) against the
+    float64 weighted sum of gated experts, over every bank reading, gate/up order and activation.  Returns the
+    variant's parameters, or None."""
+    m = redrawn_copy(module, generator, scale=0.3, dtype=torch.float32)
+    named = [(f"{path}.{name}", p.detach()) for name, p in m.named_parameters() if p.dim() == 3]
+    if len(named) not in (2, 3) or len({bank.shape[0] for _, bank in named}) != 1:
+        return None
+    num_experts = named[0][1].shape[0]
+    if top_k > num_experts:
+        return None
+    layouts = _expert_layouts([b for _, b in named], [n for n, _ in named], width, num_experts)
+    tokens = 3 * num_experts  # every expert is reached, most by several tokens
+    index = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64) + 0.1
+    # at unit scale and at 30x: a clamp or cap inside the experts (DeepSeek-V4's and gpt-oss's SwiGLU limits) changes
+    # the large draw only, and what the kernels do not compute must not pass for them
+    draws = [scale * torch.randn(tokens, width, generator=generator, dtype=torch.float64) for scale in (1.0, 30.0)]
+    with torch.no_grad():
+        outs = [m(x.float(), index, weights.float()) for x in draws]
+        if not all(isinstance(out, torch.Tensor) and out.shape == x.shape for out, x in zip(outs, draws)):
+            return None
+        outs = [out.double() for out in outs]
+        atol = float32_sum_tolerance(width + (layouts[0][0][2] if layouts else 0))
+        for (layout, gate_first, where), (act_name, act) in itertools.product(layouts, ACTIVATIONS.items()):
+            up, down, inner = layout
+            refs = [
+                _run_experts(x, weights, index, (up.double(), down.double(), inner), gate_first, act, False)
+                for x in draws
+            ]
+            if all(close(out / ref.abs().max(), ref / ref.abs().max(), atol=atol) for out, ref in zip(outs, refs)):
+                return {
+                    "kind": "routed_experts",
+                    "width": width,
+                    "num_experts": num_experts,
+                    "top_k": top_k,
+                    "activation": act_name,
+                    "expert_width": inner,
+                    "gate_first": gate_first,
+                    **where,
+                }
+    return None
+
+
 def stacked_banks(experts: nn.Module, width: int, path: str) -> tuple[list[str], list[torch.Tensor]]:
     """A list of gated MLPs as two banks: [E, 2I, width] (both width->I weights, in registration order) and
     [E, width, I]; empty when an expert is not two width->I projections and one I->width projection."""

@@ -187,6 +187,20 @@ def is_attention_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
     return attention_core_ops(rec.own_ops) and len(projections_under(inv, rec.path)) >= 2
 
 
+def routed_experts_call(rec: ModuleRecord) -> tuple[int, int] | None:
+    """(width, top_k) of a module called as ``experts(hidden [T, H], index [T, k], weights [T, k])`` that holds
+    expert banks of its own (3-D parameters over one count of experts) and returns ``[T, H]``; None otherwise."""
+    shapes = rec.input_shapes
+    if len(shapes) < 3 or len(shapes[0]) != 2 or len(shapes[1]) != 2 or shapes[1] != shapes[2]:
+        return None
+    if shapes[1][0] != shapes[0][0] or rec.output_shapes[:1] != shapes[:1]:
+        return None
+    banks = [shape for shape in rec.params.values() if len(shape) == 3]
+    if len(banks) < 2 or len({shape[0] for shape in banks}) != 1:
+        return None
+    return shapes[0][1], shapes[1][1]
+
+
 def is_moe_candidate(inv: OpInventory, rec: ModuleRecord) -> bool:
     """Width-preserving module with a top-k routing decision and many experts' weights below it."""
     return is_routed(inv, rec) and bool(expert_weights(inv, rec.path, scored_experts(inv, rec)))

@@ -48,6 +48,7 @@ from operators.recognition.variants.other_kinds import (
     HeadLossVariant,
     MoEVariant,
     NewVariant,
+    RoutedExpertsVariant,
 )
 from operators.recognition.variants.projections import (
     ProjectionActivationVariant,
@@ -71,6 +72,7 @@ __all__ = [
     "VocabProjectionVariant",
     "RMSNormVariant",
     "ResidualAddNormVariant",
+    "RoutedExpertsVariant",
     "RopeStyle",
     "RotaryApplicationVariant",
     "RotaryVariant",
@@ -106,6 +108,7 @@ VARIANTS: dict[str, type[Variant]] = {
     "rotary": RotaryVariant,
     "rotary_application": RotaryApplicationVariant,
     "moe": MoEVariant,
+    "routed_experts": RoutedExpertsVariant,
     "lm_head_cross_entropy": HeadLossVariant,
     "embedding": EmbeddingVariant,
     "activation": ActivationVariant,

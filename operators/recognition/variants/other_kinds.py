@@ -13,6 +13,36 @@ from operators.recognition.variants.base import Variant
 
 
 @dataclass(frozen=True, kw_only=True)
+class RoutedExpertsVariant(Variant):
+    """Expert banks called with the routing their block computed: ``experts(hidden [T, H], index [T, k], weights
+    [T, k])`` returns ``sum_k weights * down_e(act(gate_e(x)) * up_e(x))``, whatever chose ``index`` and ``weights``
+    (``moe.probe_routed_experts``).  Where the block's own routing is recognised the whole block is a ``moe``."""
+
+    width: int | None = None
+    """Hidden size of the tokens in and out."""
+    num_experts: int | None = None
+    """Experts in the banks."""
+    top_k: int | None = None
+    """Experts per token, as traced."""
+    activation: str | None = None
+    """Experts' GLU activation (``ACTIVATIONS`` name)."""
+    expert_width: int | None = None
+    """Inner size of each expert."""
+    gate_first: bool | None = None
+    """The gate is the first half of the gate/up bank's output."""
+    gate_up_bank: str | None = None
+    """Dotted path of the [experts, ...] gate/up bank; the gate bank alone when ``up_bank`` is set."""
+    up_bank: str | None = None
+    """Dotted path of the up bank where gate and up are kept apart; None: fused with the gate."""
+    gate_up_layout: str | None = None
+    """``out_in`` ([E, out, in]) or ``in_out``."""
+    down_bank: str | None = None
+    """Dotted path of the down bank."""
+    down_layout: str | None = None
+    """Layout of the down bank, as ``gate_up_layout``."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class MoEVariant(Variant):
     """A routed MoE block, confirmed against the generic float64 MoE reference (``moe.probe_moe``)."""
 
