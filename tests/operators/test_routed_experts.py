@@ -69,6 +69,10 @@ def _experts_components(recognition):
 def test_a_block_with_its_own_routing_runs_its_experts_on_the_kernels(name, tmp_path):
     path = _saved(name, tmp_path)
     model, _, recognition = recognised(path)
+    banks = {p.shape[0] for n, p in model.named_parameters() if n.startswith("model.layers.0.mlp.experts.")}
+    if len(banks) > 1:  # transformers 5.17's LongCat sizes the gate/up bank for the zero-computation experts too
+        assert not _experts_components(recognition)
+        pytest.skip(f"banks over {sorted(banks)} experts: not one bank of experts, so not recognised as one")
     found = _experts_components(recognition)
     assert found and all(c.confirmed for c in found), recognition.rejected
     assert not [c for c in recognition.components if c.kind == "moe" and c.confirmed]  # the router is the model's
