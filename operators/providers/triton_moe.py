@@ -3,6 +3,8 @@
 router matmul -> ``moe_route`` (scoring, selection bias, grouped top-k, renormalise, scale) ->
 ``moe_permute`` -> grouped GEMM (gate/up bank) -> SwiGLU/GeGLU -> grouped GEMM (down bank) ->
 ``moe_unpermute`` (weighted combine) -> + the module's own shared-expert submodule and output bias.
+Where the block routes in a way ``moe_route`` does not compute, its expert banks alone run from ``moe_permute`` on
+(``experts_forward``), called with the indices and weights the block's own code chose.
 
 Everything is driven by the variant recognition measured against its float64 reference (routing,
 activation, gate/up order, bank layouts, tensor names); tensors are looked up on the module by name
