@@ -11,7 +11,8 @@ Per model, first the operators stage exactly as ``adapt run`` calls it (``operat
 process of its own with an empty timing cache (cold), then again in a fresh process (warm); its plan is
 what the adapt variants apply, through ``operators.adapt_model``.  Then every variant in its own process:
 
-* ``eager``: the HF model as loaded.           * ``compile``: ``model.compile()`` (whole model).
+* ``eager``: the HF model as adapt loads it.   * ``compile``: ``model.compile()`` (whole model).
+* ``compile-flex``: ``compile`` over transformers' FlexAttention path (a soft-cap applied in the kernel; GPU only).
 * ``eager-again``: eager once more, in its own process: its loss curve's drift from eager's is run-to-run noise.
 * ``liger``: ``apply_liger_kernel_to_<type>()`` where Liger has that entry point (import guarded).
 * ``adapt``: the plan's kernels and its compilation (the default adapted configuration).
