@@ -58,6 +58,7 @@ class RoutedExperts:
     scale: float = 1.0
     activation: str = "silu"
     gate_first: bool = True
+    limit: float | None = None  # the unit's inputs clamped first (gate <= limit, |up| <= limit); None: not
 
 
 def unsupported_reason(variant: MoEVariant, training: bool = False) -> str | None:
@@ -139,6 +140,8 @@ def chosen_experts(
     else:
         first, second = kernels.grouped_gemm(x_sorted, w_gate_up, state.group_offsets).chunk(2, dim=-1)
         gate, up = (first, second) if spec.gate_first else (second, first)
+    if spec.limit is not None:  # two elementwise passes beside the GLU kernel, which has no clamp of its own
+        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
     glu, approximate = GLU_KERNELS[spec.activation]
     activated = kernels.swiglu(gate, up) if glu == "swiglu" else kernels.geglu(gate, up, approximate)
     return kernels.moe_unpermute(kernels.grouped_gemm(activated, w_down, state.group_offsets), weights, state)
@@ -169,7 +172,11 @@ def experts_forward(module: nn.Module, component: Component) -> Callable[..., An
     up_path = local(v.up_bank) if v.up_bank else None
     gate_up_transposed, down_transposed = v.gate_up_layout == "out_in", v.down_layout == "out_in"
     spec = RoutedExperts(
-        num_experts=int(v.num_experts), top_k=int(v.top_k or 1), activation=v.activation, gate_first=bool(v.gate_first)
+        num_experts=int(v.num_experts),
+        top_k=int(v.top_k or 1),
+        activation=v.activation,
+        gate_first=bool(v.gate_first),
+        limit=float(v.limit) if v.limit is not None else None,
     )
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ def _routed_experts(module, rec, inventory, generator, can_probe: bool, cache, r
     if not can_probe:
         return Component(rec.path, "routed_experts", variants.RoutedExpertsVariant(width=width, top_k=top_k), False,
                          "pattern only (meta tensors)")  # fmt: skip
-    run = functools.partial(probe_routed_experts, module, rec.path, width, top_k, generator)
+    run = functools.partial(probe_routed_experts, module, rec.path, width, top_k, rec.scalars, generator)
     measured, suffix = cache.verdict(("routed_experts", *structure_key(module, rec, inventory)), rec.path, run)
     if measured is None:
         reject(rec.path, "routed_experts", "no weighted sum of gated experts over its banks matched")

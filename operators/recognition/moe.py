@@ -165,11 +165,13 @@ def probe_moe(
     return None
 
 
-def probe_routed_experts(module: nn.Module, path: str, width: int, top_k: int, generator) -> dict[str, Any] | None:
+def probe_routed_experts(
+    module: nn.Module, path: str, width: int, top_k: int, scalars: list[float], generator
+) -> dict[str, Any] | None:
     """Confirm expert banks called with their block's routing (``experts(hidden, index, weights)``): fresh banks,
     hidden states, distinct expert indices and weights; the module (float32, as grouped-GEMM experts run) against the
-    float64 weighted sum of gated experts, over every bank reading, gate/up order and activation.  Returns the
-    variant's parameters, or None."""
+    float64 weighted sum of gated experts, over every bank reading, gate/up order, activation and input clamp (none,
+    or one of the constants the module's trace passed to its ops).  Returns the variant's parameters, or None."""
     m = redrawn_copy(module, generator, scale=0.3, dtype=torch.float32)
     named = [(f"{path}.{name}", p.detach()) for name, p in m.named_parameters() if p.dim() == 3]
     if len(named) not in (2, 3) or len({bank.shape[0] for _, bank in named}) != 1:
@@ -190,10 +192,13 @@ def probe_routed_experts(module: nn.Module, path: str, width: int, top_k: int, g
             return None
         outs = [out.double() for out in outs]
         atol = float32_sum_tolerance(width + (layouts[0][0][2] if layouts else 0))
-        for (layout, gate_first, where), (act_name, act) in itertools.product(layouts, ACTIVATIONS.items()):
+        limits = [None, *sorted({float(c) for c in scalars if 0.0 < c < 1e4})]
+        for (layout, gate_first, where), (act_name, act), limit in itertools.product(
+            layouts, ACTIVATIONS.items(), limits
+        ):
             up, down, inner = layout
             refs = [
-                _run_experts(x, weights, index, (up.double(), down.double(), inner), gate_first, act, False)
+                _run_experts(x, weights, index, (up.double(), down.double(), inner), gate_first, act, False, limit)
                 for x in draws
             ]
             if all(close(out / ref.abs().max(), ref / ref.abs().max(), atol=atol) for out, ref in zip(outs, refs)):
@@ -205,6 +210,7 @@ def probe_routed_experts(module: nn.Module, path: str, width: int, top_k: int, g
                     "activation": act_name,
                     "expert_width": inner,
                     "gate_first": gate_first,
+                    "limit": limit,
                     **where,
                 }
     return None
@@ -314,7 +320,9 @@ def _logits_output(router_mod: nn.Module, x2d: torch.Tensor, logits: torch.Tenso
     return None
 
 
-def _run_experts(x2d, weights, index, layout, gate_first, act, normalize):
+def _run_experts(x2d, weights, index, layout, gate_first, act, normalize, limit=None):
+    """The reference weighted sum of gated experts; ``limit`` clamps the gate from above and the linear half to
+    ``[-limit, limit]`` before the unit (DeepSeek-V4's SwiGLU limit)."""
     up, down, _ = layout
     if normalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -325,6 +333,8 @@ def _run_experts(x2d, weights, index, layout, gate_first, act, normalize):
             h = x2d[rows] @ up[expert].t()
             a, b = h.chunk(2, dim=-1)
             gate, lin = (a, b) if gate_first else (b, a)
+            if limit is not None:
+                gate, lin = gate.clamp(max=limit), lin.clamp(-limit, limit)
             y = (act(gate) * lin) @ down[expert].t()
             out[rows] += weights[rows, slot : slot + 1] * y
     return out

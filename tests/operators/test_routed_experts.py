@@ -122,13 +122,14 @@ def test_a_recognised_router_keeps_its_experts_inside_its_own_kernel(tmp_path):
 
 
 class CappedExperts(nn.Module):
-    """Experts whose SwiGLU clamps its inputs (DeepSeek-V4's and gpt-oss's limit): the kernels compute no clamp."""
+    """Experts whose SwiGLU clamps its inputs (DeepSeek-V4's limit), or whose unit is gpt-oss's
+    ``(up + 1) * gate * sigmoid(1.702 gate)``, which no GLU kernel computes."""
 
-    def __init__(self, width: int = 16, inner: int = 8, experts: int = 4, limit: float | None = 7.0):
+    def __init__(self, limit: float | None, unit: str = "silu", width: int = 16, inner: int = 8, experts: int = 4):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, width) * width**-0.5)
         self.down_proj = nn.Parameter(torch.randn(experts, width, inner) * inner**-0.5)
-        self.limit = limit
+        self.limit, self.unit = limit, unit
 
     def forward(self, hidden, index, weights):
         out = torch.zeros_like(hidden)
@@ -136,28 +137,42 @@ class CappedExperts(nn.Module):
             gate, up = torch.einsum("th,toh->to", hidden, self.gate_up_proj[index[:, slot]]).chunk(2, dim=-1)
             if self.limit is not None:
                 gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-            unit = F.silu(gate) * up
+            unit = F.silu(gate) * up if self.unit == "silu" else (up + 1) * gate * torch.sigmoid(1.702 * gate)
             out = out + weights[:, slot : slot + 1] * torch.einsum("ti,thi->th", unit, self.down_proj[index[:, slot]])
         return out
 
 
 class Block(nn.Module):
-    def __init__(self, limit: float | None):
+    def __init__(self, limit: float | None, unit: str = "silu"):
         super().__init__()
-        self.experts = CappedExperts(limit=limit)
+        self.experts = CappedExperts(limit, unit)
 
     def forward(self, hidden, index, weights):
         return self.experts(hidden, index, weights)
 
 
-@pytest.mark.parametrize("limit", [None, 7.0])
-def test_experts_that_clamp_are_refused_and_plain_ones_confirmed(limit):
-    block = Block(limit)
+def _recognised_block(block: Block):
     hidden, index = torch.randn(12, 16), torch.rand(12, 4).topk(2, dim=-1).indices
     recognition = recognise(block, trace_callable(block, hidden, index, torch.rand(12, 2)))
-    confirmed = [c for c in recognition.components if c.kind == "routed_experts" and c.confirmed]
-    if limit is None:
-        assert confirmed and confirmed[0].variant.activation == "silu"
-    else:
-        assert not confirmed
-        assert any(r["candidate"] == "routed_experts" for r in recognition.rejected), recognition.rejected
+    return [c for c in recognition.components if c.kind == "routed_experts" and c.confirmed], recognition
+
+
+@pytest.mark.parametrize("limit", [None, 7.0])
+def test_a_clamped_swiglu_is_read_with_its_limit_and_runs_clamped(limit):
+    block = Block(limit)
+    confirmed, recognition = _recognised_block(block)
+    assert confirmed and confirmed[0].variant.activation == "silu", recognition.rejected
+    assert confirmed[0].variant.limit == limit
+    # at 30x the clamp binds: the kernel path must clamp exactly where the module does
+    hidden, index = 30 * torch.randn(20, 16), torch.rand(20, 4).topk(2, dim=-1).indices
+    weights = torch.rand(20, 2)
+    reference = copy.deepcopy(block.experts).double()
+    want = reference(hidden.double(), index, weights.double())
+    got = triton_moe.experts_forward(block.experts, confirmed[0])(hidden, index, weights)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_a_unit_no_kernel_computes_is_refused():
+    confirmed, recognition = _recognised_block(Block(7.0, unit="gpt_oss"))
+    assert not confirmed
+    assert any(r["candidate"] == "routed_experts" for r in recognition.rejected), recognition.rejected

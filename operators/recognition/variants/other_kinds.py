@@ -30,6 +30,9 @@ class RoutedExpertsVariant(Variant):
     """Inner size of each expert."""
     gate_first: bool | None = None
     """The gate is the first half of the gate/up bank's output."""
+    limit: float | None = None
+    """The unit's inputs clamped first: the gate to at most it, the linear half to within plus or minus it
+    (DeepSeek-V4's SwiGLU limit); None: no clamp."""
     gate_up_bank: str | None = None
     """Dotted path of the [experts, ...] gate/up bank; the gate bank alone when ``up_bank`` is set."""
     up_bank: str | None = None
