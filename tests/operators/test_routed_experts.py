@@ -176,3 +176,41 @@ def test_a_unit_no_kernel_computes_is_refused():
     confirmed, recognition = _recognised_block(Block(7.0, unit="gpt_oss"))
     assert not confirmed
     assert any(r["candidate"] == "routed_experts" for r in recognition.rejected), recognition.rejected
+
+
+def test_deepseek_v4s_clamped_experts_run_beside_its_hash_and_scored_routers(tmp_path):
+    """DeepSeek-V4: hash-routed blocks (expert by token id) and sqrt-softplus-scored ones, both handing their choice
+    to experts whose SwiGLU clamps at ``swiglu_limit``; the experts run on the kernels, clamped, in every block."""
+    from transformers import DeepseekV4Config
+
+    config = DeepseekV4Config(
+        vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, q_lora_rank=24,
+        o_lora_rank=16, o_groups=8, qk_rope_head_dim=8, index_head_dim=16, index_n_heads=4, num_hidden_layers=4,
+        moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, sliding_window=16,
+        max_position_embeddings=128, swiglu_limit=10.0,
+        layer_types=["heavily_compressed_attention"] * 3 + ["compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"],
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "dsv4")
+    path = str(tmp_path / "dsv4")
+    model, _, recognition = recognised(path)
+    found = _experts_components(recognition)
+    assert len(found) == 4 and all(c.confirmed and c.variant.limit == 10.0 for c in found), recognition.rejected
+    model = model.float().eval()
+    reference = copy.deepcopy(model).double()
+    for module in reference.modules():
+        if hasattr(module, "config"):
+            module.config._experts_implementation = "eager"
+    with torch.no_grad():  # banks large enough that the clamp binds
+        for mm in (model, reference):
+            for comp in found:
+                mm.get_submodule(comp.module).gate_up_proj.mul_(40.0)
+    for comp in found:
+        experts = model.get_submodule(comp.module)
+        experts.forward = triton_moe.experts_forward(experts, comp)
+    ids = torch.randint(0, 96, (2, 12))
+    got, want = model(input_ids=ids).logits.double(), reference(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    agreement = compare_with_spec(inspect(path), recognition)
+    assert not [d for d in agreement.disagreements if d.field.startswith(("mlp", "moe"))], agreement.disagreements
+    assert agreement.compared["moe.num_experts"] == 4
