@@ -215,12 +215,16 @@ def _describe_block(
                 block_norms.append(found)
 
     activation = "unknown"
+    # an MoE's own activation sits beside its expert banks; another in the MLP (Zaya's router MLP) is not the experts'
+    bank_holders = {path.rpartition(".")[0] for owner in moe_owners for path, _ in parts.banks.get(owner, [])}
+    beside_banks = False
     for fpath, module in parts.param_free:
         if isinstance(module, _HARMLESS_PARAM_FREE) or list(module.buffers()):
             continue
         found_act = probe_activation(module)
         if found_act and fpath.split(".", 1)[0] in (mlp_owners + moe_owners):
-            activation = activation if activation != "unknown" else found_act
+            if activation == "unknown" or (fpath.rpartition(".")[0] in bank_holders and not beside_banks):
+                activation, beside_banks = found_act, fpath.rpartition(".")[0] in bank_holders
         elif not found_act:
             unrecognized.append(f"{type(module).__name__} ({path}.{fpath})")
     if activation == "unknown":  # measured: the activation ops the MLP children ran

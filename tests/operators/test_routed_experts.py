@@ -214,3 +214,23 @@ def test_deepseek_v4s_clamped_experts_run_beside_its_hash_and_scored_routers(tmp
     agreement = compare_with_spec(inspect(path), recognition)
     assert not [d for d in agreement.disagreements if d.field.startswith(("mlp", "moe"))], agreement.disagreements
     assert agreement.compared["moe.num_experts"] == 4
+
+
+def test_zaya_reads_as_its_experts_compute_not_as_its_router_mlp(tmp_path):
+    """Zaya routes through a small MLP with its own GELU; its experts run SiLU.  Intake reads the block's activation
+    beside the expert banks, so intake and the experts' probe agree."""
+    from transformers import ZayaConfig
+
+    config = ZayaConfig(
+        vocab_size=96, hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        layer_types=["hybrid", "hybrid_sliding"], moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1,
+        router_hidden_size=32, sliding_window=16, max_position_embeddings=128, hidden_act="silu",
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "zaya")
+    path = str(tmp_path / "zaya")
+    spec = inspect(path)
+    assert {b.mlp.activation for b in spec.blocks if b.mlp.kind == "moe"} == {"silu"}
+    recognition = recognised(path)[2]
+    assert {c.variant.activation for c in _experts_components(recognition) if c.confirmed} == {"silu"}
+    agreement = compare_with_spec(spec, recognition)
+    assert not [d for d in agreement.disagreements if d.field.startswith(("mlp", "moe"))], agreement.disagreements
