@@ -196,15 +196,15 @@ def compare_with_spec(spec: ModelSpec, recognition: Recognition, traced: Collect
             for comp in attention:
                 _compare_attention(tally, spec, block, comp)
         # what sits inside an attention or an MoE belongs to it (q/k norms, latent norms, shared experts)
+        # a routing pattern the probe did not confirm says less than experts inside it that it did: it is set aside
         experts_found = {c.module for c in inner if c.kind == "routed_experts" and c.confirmed}
-        enclosing = {
+        superseded = {
             c.module
             for c in inner
-            if c.kind == "attention"
-            # an MoE the probe did not confirm hides nothing when experts inside it were confirmed on their own
-            or (c.kind == "moe" and (c.confirmed or not any(e.startswith(c.module + ".") for e in experts_found)))
+            if c.kind == "moe" and not c.confirmed and any(e.startswith(c.module + ".") for e in experts_found)
         }
-        own = [c for c in inner if not inside(c.module, enclosing, strict=True)]
+        enclosing = {c.module for c in inner if c.kind in ("attention", "moe") and c.module not in superseded}
+        own = [c for c in inner if not inside(c.module, enclosing, strict=True) and c.module not in superseded]
         _compare_mlp(tally, block, own)
         _compare_norms(tally, spec, block, own)
     _compare_head(tally, spec, recognition.components)
@@ -257,8 +257,6 @@ def _compare_mlp(tally: _Tally, block: BlockSpec, own: list[Component]) -> None:
     moe = next((c for c in mlps if isinstance(c.variant, MoEVariant)), None)
     experts = next((c for c in mlps if c.kind == "routed_experts"), None)  # the block's routing is its own code
     outermost = min((c.module.count(".") for c in mlps), default=0)
-    if moe is not None and not moe.confirmed and experts is not None and experts.confirmed:
-        moe = None  # a routing pattern the probe did not confirm says less than experts it did
     routed = moe or experts
     judged = [routed] if routed is not None else [c for c in mlps if c.module.count(".") == outermost]
     found = NONE

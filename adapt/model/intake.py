@@ -223,8 +223,9 @@ def _describe_block(
             continue
         found_act = probe_activation(module)
         if found_act and fpath.split(".", 1)[0] in (mlp_owners + moe_owners):
-            if activation == "unknown" or (fpath.rpartition(".")[0] in bank_holders and not beside_banks):
-                activation, beside_banks = found_act, fpath.rpartition(".")[0] in bank_holders
+            here = fpath.rpartition(".")[0] in bank_holders
+            if activation == "unknown" or (here and not beside_banks):
+                activation, beside_banks = found_act, here
         elif not found_act:
             unrecognized.append(f"{type(module).__name__} ({path}.{fpath})")
     if activation == "unknown":  # measured: the activation ops the MLP children ran

@@ -170,7 +170,7 @@ def experts_forward(module: nn.Module, component: Component) -> Callable[..., An
     local = functools.partial(local_path, base=component.module)
     gate_up_path, down_path = local(v.gate_up_bank), local(v.down_bank)
     up_path = local(v.up_bank) if v.up_bank else None
-    gate_up_transposed, down_transposed = v.gate_up_layout == "out_in", v.down_layout == "out_in"
+    banks = functools.partial(_bank_views, module, v, gate_up_path, down_path, up_path)
     spec = RoutedExperts(
         num_experts=int(v.num_experts),
         top_k=int(v.top_k or 1),
@@ -180,18 +180,10 @@ def experts_forward(module: nn.Module, component: Component) -> Callable[..., An
     )
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        gate_up, down = module.get_parameter(gate_up_path), module.get_parameter(down_path)
-        up = module.get_parameter(up_path) if up_path else None
-        out = chosen_experts(
-            hidden_states,
-            top_k_weights,
-            top_k_index,
-            gate_up.transpose(1, 2) if gate_up_transposed else gate_up,
-            down.transpose(1, 2) if down_transposed else down,
-            spec,
-            (up.transpose(1, 2) if gate_up_transposed else up) if up is not None else None,
+        gate_up, down, up = banks()
+        return chosen_experts(hidden_states, top_k_weights, top_k_index, gate_up, down, spec, up).to(
+            hidden_states.dtype
         )
-        return out.to(hidden_states.dtype)
 
     return forward
 
@@ -211,7 +203,7 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
     shared_path = local(v.shared_experts) if v.shared_experts else None
     output_bias = v.output_bias
     # banks are stored [E, out, in] ("out_in", F.linear orientation) or [E, in, out]; the GEMM wants [E, in, out]
-    gate_up_transposed, down_transposed = v.gate_up_layout == "out_in", v.down_layout == "out_in"
+    banks = functools.partial(_bank_views, module, v, gate_up_path, down_path, up_path)
     router_weight, router_bias, correction = v.router_weight, v.router_bias, v.correction_bias
     logits_output = v.router_logits_output
     with_logits = v.outputs == "hidden+router_logits"
@@ -239,16 +231,9 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
             logits = router_logits(
                 x, dotted_attr(router, router_weight), dotted_attr(router, router_bias) if router_bias else None
             )
-        gate_up, down = as_bank(module.get_parameter(gate_up_path)), as_bank(module.get_parameter(down_path))
-        up = as_bank(module.get_parameter(up_path)) if up_path else None
+        gate_up, down, up = banks(as_bank)
         routed = routed_experts(
-            x,
-            logits,
-            gate_up.transpose(1, 2) if gate_up_transposed else gate_up,
-            down.transpose(1, 2) if down_transposed else down,
-            spec,
-            dotted_attr(router, correction) if correction else None,
-            (up.transpose(1, 2) if gate_up_transposed else up) if up is not None else None,
+            x, logits, gate_up, down, spec, dotted_attr(router, correction) if correction else None, up
         )
         out = routed.to(hidden_states.dtype).view(hidden_states.shape)
         if shared_path is not None:
@@ -258,6 +243,17 @@ def moe_forward(module: nn.Module, component: Component) -> Callable[..., Any]:
         return (out, logits) if with_logits else out
 
     return forward
+
+
+def _bank_views(module: nn.Module, v, gate_up_path: str, down_path: str, up_path: str | None, as_bank=None):
+    """(gate/up, down, up or None) banks as the grouped GEMM takes them, ``[E, in, out]``: looked up on ``module``
+    on every call (parameter swaps are seen) and transposed where they are stored ``[E, out, in]``."""
+    view = as_bank or (lambda w: w)
+    gate_up, down = view(module.get_parameter(gate_up_path)), view(module.get_parameter(down_path))
+    up = view(module.get_parameter(up_path)) if up_path else None
+    if v.gate_up_layout == "out_in":
+        gate_up, up = gate_up.transpose(1, 2), up.transpose(1, 2) if up is not None else None
+    return gate_up, down.transpose(1, 2) if v.down_layout == "out_in" else down, up
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
